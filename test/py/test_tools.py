@@ -1,0 +1,224 @@
+"""The MCP tools through the SDK's in-memory client: schemas, results, files and errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from conftest import LOCAL_SESSIONS
+from mcp import Client
+from test_core import assistant, conversation, tool, user
+
+import context_shrink as cs
+
+CONTRACT = {
+    "estimate_context": ["messages", "max_context_tokens", "messages_path"],
+    "trim_context": ["messages", "keep_last", "max_context_tokens", "messages_path", "output_path"],
+    "compact_context": [
+        "messages",
+        "keep_last",
+        "max_context_tokens",
+        "threshold",
+        "force",
+        "summary",
+        "model",
+        "base_url",
+        "api_key",
+        "max_summary_tokens",
+        "summary_role",
+        "messages_path",
+        "output_path",
+    ],
+}
+
+
+def run(coro: Any) -> Any:
+    return anyio.run(lambda: coro)
+
+
+async def call(server: Any, name: str, arguments: dict[str, Any]) -> Any:
+    async with Client(server) as client:
+        return await client.call_tool(name, arguments)
+
+
+def ok(result: Any) -> dict[str, Any]:
+    assert not result.is_error, result.content[0].text
+    return result.structured_content
+
+
+def error(result: Any) -> str:
+    assert result.is_error
+    return result.content[0].text
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Any:
+    return cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken"))
+
+
+def test_tools_and_parameters_are_the_public_contract(server: Any) -> None:
+    async def listing() -> Any:
+        async with Client(server) as client:
+            return (await client.list_tools()).tools
+
+    tools = {t.name: t for t in run(listing())}
+    assert sorted(tools) == sorted(CONTRACT)
+    for name, params in CONTRACT.items():
+        schema = tools[name].input_schema
+        assert list(schema["properties"]) == params
+        assert not schema.get("required")
+        assert tools[name].description and "Args:" not in tools[name].description
+        assert tools[name].output_schema is not None
+    assert tools["estimate_context"].annotations.read_only_hint is True
+    props = tools["compact_context"].input_schema["properties"]
+    assert props["max_context_tokens"]["default"] == 32768
+    assert props["keep_last"]["default"] == 8
+    assert props["threshold"]["default"] == 0.8
+    assert props["max_summary_tokens"]["default"] == 1024
+    assert props["summary_role"]["default"] == "system"
+
+
+def test_environment_sets_the_default_window(tmp_path: Path) -> None:
+    server = cs.build_server(cs.Config(root=tmp_path, max_context_tokens=4096))
+    result = ok(run(call(server, "estimate_context", {"messages": [user("hi")]})))
+    assert result["max_context_tokens"] == 4096
+
+
+def test_estimate_inline(server: Any) -> None:
+    result = ok(run(call(server, "estimate_context", {"messages": [user("hello world")], "max_context_tokens": 100})))
+    assert result == {
+        "tokens": 9,  # 3 per message + "user" + "hello world" (2) + 3 priming
+        "max_context_tokens": 100,
+        "remaining": 91,
+        "should_trim": False,
+        "tokenizer": "tiktoken:cl100k_base",
+        "tokenizer_note": None,
+        "message_count": 1,
+    }
+
+
+def test_estimate_from_files(server: Any, tmp_path: Path) -> None:
+    session = json.loads((LOCAL_SESSIONS / "openhands_claude-3-5-sonnet_vue-todo-app.json").read_text())
+    (tmp_path / "s.json").write_text(json.dumps(session))  # an object with a "messages" key
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(m) + "\n" for m in session["messages"]))
+    a = ok(run(call(server, "estimate_context", {"messages_path": "s.json"})))
+    b = ok(run(call(server, "estimate_context", {"messages_path": str(tmp_path / "s.jsonl")})))
+    assert a == b and a["message_count"] == 10 and a["tokens"] > 3000
+
+
+def test_trim_inline_and_to_a_file(server: Any, tmp_path: Path) -> None:
+    messages = conversation(6, size=100)
+    inline = ok(run(call(server, "trim_context", {"messages": messages, "max_context_tokens": 2000, "keep_last": 2})))
+    assert inline["fits"] and inline["dropped"] > 0 and inline["output_path"] is None
+    assert inline["messages"] == messages[:1] + messages[inline["kept_from_index"] :]
+    (tmp_path / "in.json").write_text(json.dumps({"model": "m", "messages": messages}))
+    report = ok(
+        run(
+            call(
+                server,
+                "trim_context",
+                {"messages_path": "in.json", "output_path": "out/trimmed.json", "max_context_tokens": 2000},
+            )
+        )
+    )
+    assert report["messages"] is None and report["output_path"] == str(tmp_path / "out" / "trimmed.json")
+    written = json.loads((tmp_path / "out" / "trimmed.json").read_text())
+    assert written["model"] == "m" and written["messages"] == messages[:1] + messages[report["kept_from_index"] :]
+
+
+def test_compact_modes(tmp_path: Path) -> None:
+    # A configured model, but model="" forces plan mode.
+    server = cs.build_server(cs.Config(root=tmp_path, model="configured", tokenizer="tiktoken"))
+    messages = conversation(5, size=100)
+    plan = ok(run(call(server, "compact_context", {"messages": messages, "max_context_tokens": 2000, "model": ""})))
+    assert plan["mode"] == "plan" and plan["needs_summary"] and plan["messages"] is None
+    assert plan["summary_prompt"] == cs.SUMMARY_PROMPT
+    assert "word word" not in json.dumps(plan)
+    done = ok(
+        run(
+            call(
+                server,
+                "compact_context",
+                {"messages": messages, "max_context_tokens": 2000, "summary": "Five files were fixed."},
+            )
+        )
+    )
+    assert done["mode"] == "summary" and done["compacted"] and done["fits"] and done["model_calls"] == 0
+    assert done["messages"][1]["content"].startswith(cs.SUMMARY_MARKER)
+    assert cs.api_problems(done["messages"]) == []
+    below = ok(run(call(server, "compact_context", {"messages": messages[:6], "max_context_tokens": 2000})))
+    assert below["compacted"] is False and below["messages"] == messages[:6] and "below" in below["reason"]
+
+
+def test_compact_model_failure_returns_messages_untouched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", timeout=5))
+    messages = conversation(5, size=100)
+    with caplog.at_level(logging.DEBUG):
+        result = ok(
+            run(
+                call(
+                    server,
+                    "compact_context",
+                    {
+                        "messages": messages,
+                        "max_context_tokens": 2000,
+                        "model": "m",
+                        "max_summary_tokens": 256,
+                        "base_url": "http://127.0.0.1:9/v1",
+                        "api_key": "sk-do-not-leak",
+                        "output_path": "never.json",
+                    },
+                )
+            )
+        )
+    assert result["compacted"] is False and result["mode"] == "model"
+    assert "backend unreachable: http://127.0.0.1:9/v1/chat/completions" in result["reason"]
+    assert (tmp_path / "never.json").exists()  # the untouched history is still delivered where asked
+    assert json.loads((tmp_path / "never.json").read_text()) == messages
+    assert "sk-do-not-leak" not in json.dumps(result) and "sk-do-not-leak" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments", "expected"),
+    [
+        ("estimate_context", {}, "give exactly one of messages or messages_path"),
+        ("estimate_context", {"messages": [], "messages_path": "x.json"}, "give exactly one"),
+        ("estimate_context", {"messages": "hello"}, "valid list"),
+        ("estimate_context", {"messages": [{"content": "x"}]}, "messages[0].role is missing"),
+        ("trim_context", {"messages": [user("a"), {"role": "bot", "content": "x"}]}, "messages[1].role 'bot'"),
+        ("trim_context", {"messages": [user("a")], "keep_last": -1}, "keep_last"),
+        ("trim_context", {"messages": [user("a")], "max_context_tokens": 0}, "max_context_tokens"),
+        ("trim_context", {"messages": [user("a")], "max_context_tokens": 10**9}, "max_context_tokens"),
+        ("trim_context", {"messages_path": "../etc/passwd"}, "outside the allowed root"),
+        ("trim_context", {"messages_path": "missing.json"}, "does not exist"),
+        ("compact_context", {"messages": [user("a")], "threshold": 2}, "threshold"),
+        ("compact_context", {"messages": [user("a")], "summary_role": "assistant"}, "summary_role"),
+        ("compact_context", {"messages": [tool("x", "y"), 3]}, "messages.1"),
+    ],
+)
+def test_bad_input_is_a_readable_tool_error(server: Any, name: str, arguments: dict[str, Any], expected: str) -> None:
+    assert expected in error(run(call(server, name, arguments)))
+
+
+def test_errors_write_nothing_and_the_server_keeps_running(server: Any, tmp_path: Path) -> None:
+    async def session() -> tuple[Any, Any]:
+        async with Client(server) as client:
+            bad = await client.call_tool(
+                "trim_context", {"messages": [user("a"), {"role": "user", "content": 7}], "output_path": "o.json"}
+            )
+            good = await client.call_tool("estimate_context", {"messages": [user("a"), assistant("b")]})
+            return bad, good
+
+    bad, good = run(session())
+    assert "messages[1].content" in error(bad)
+    assert not (tmp_path / "o.json").exists()
+    assert ok(good)["message_count"] == 2
+
+
+def test_malformed_file_is_reported(server: Any, tmp_path: Path) -> None:
+    (tmp_path / "bad.jsonl").write_text('{"role": "user", "content": "a"}\n{"role": \n')
+    assert "line 2" in error(run(call(server, "estimate_context", {"messages_path": "bad.jsonl"})))

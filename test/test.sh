@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Install and run every check: ruff, pytest (incl. a real llama.cpp server), and the Node suite.
+#
+#   ./test/test.sh               install into .venv, then lint + Python tests + Node tests
+#   ./test/test.sh --lint        lint only (ruff check, ruff format --check)
+#   ./test/test.sh --no-install  use .venv and test/js/node_modules as they are
+#   ./test/test.sh --only EXPR   only the pytest tests matching EXPR (pytest -k), no lint, no Node
+#
+# Environment: PYTHON (default python3, must be 3.10+), CONTEXT_SHRINK_LIVE=1 to add live-backend tests.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+lint_only=0 install=1 only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --lint) lint_only=1 ;;
+    --no-install) install=0 ;;
+    --only) shift; only="${1:?--only needs a pytest -k expression}" ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) echo "test.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+say() { printf '\n==> %s\n' "$*"; }
+VENV=.venv
+PY="$VENV/bin/python"
+
+if [ "$install" = 1 ]; then
+  if [ ! -x "$PY" ]; then
+    say "creating $VENV"
+    "${PYTHON:-python3}" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+      || { echo "test.sh: Python 3.10+ is required (set PYTHON=...)" >&2; exit 1; }
+    "${PYTHON:-python3}" -m venv "$VENV"
+  fi
+  say "installing the project with the dev extra"
+  "$PY" -m pip install --quiet --disable-pip-version-check --upgrade pip
+  "$PY" -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+  say "installing the llama.cpp test server (xllamacpp)"
+  if ! "$PY" -m pip install --quiet --disable-pip-version-check -e '.[llama]'; then
+    if [ "${CI:-}" = "true" ]; then
+      echo "test.sh: xllamacpp could not be installed; CI must run the real-server tests" >&2
+      exit 1
+    fi
+    echo "test.sh: xllamacpp could not be installed here; the real-server tests will be skipped" >&2
+  fi
+fi
+[ -x "$PY" ] || { echo "test.sh: $PY not found; run without --no-install first" >&2; exit 1; }
+
+if [ -z "$only" ]; then
+  say "ruff check"
+  "$PY" -m ruff check .
+  say "ruff format --check"
+  "$PY" -m ruff format --check .
+  [ "$lint_only" = 1 ] && exit 0
+fi
+
+say "pytest"
+set +e
+if [ -n "$only" ]; then
+  "$PY" -m pytest -k "$only"
+else
+  "$PY" -m pytest
+fi
+status=$?
+set -e
+if [ "$status" = 5 ]; then
+  echo "test.sh: pytest collected no tests; that is a failure here" >&2
+  exit 1
+elif [ "$status" != 0 ]; then
+  exit "$status"
+fi
+[ -n "$only" ] && exit 0
+
+say "Node suite (official MCP TypeScript SDK)"
+command -v node >/dev/null || { echo "test.sh: Node.js 20+ is required for test/js" >&2; exit 1; }
+if [ "$install" = 1 ]; then
+  (cd test/js && if [ -f package-lock.json ]; then npm ci --no-audit --no-fund --silent; else npm install --no-audit --no-fund --silent; fi)
+fi
+(cd test/js && CONTEXT_SHRINK_PYTHON="$PWD/../../$PY" node --test)
