@@ -37,14 +37,14 @@ async def main() -> int:
             f"({estimate['tokenizer']}), should_trim={estimate['should_trim']}"
         )
 
-        trim = await client.call_tool("trim_context", {"messages": messages, "max_context_tokens": 1200})
+        trim = await client.call_tool("trim_context", {"messages": messages, "max_context_tokens": 800})
         report = trim.structured_content
         print(
             f"trim_context: {report['tokens_before']} -> {report['tokens_after']} tokens, "
             f"dropped {report['dropped']} messages, fits={report['fits']}"
         )
 
-        arguments = {"messages_path": conversation.name, "max_context_tokens": 1200, "keep_last": 2, "model": ""}
+        arguments = {"messages_path": conversation.name, "max_context_tokens": 800, "keep_last": 2, "model": ""}
         report = (await client.call_tool("compact_context", arguments)).structured_content
         print(f"compact_context (plan): needs_summary={report['needs_summary']}: {report['reason']}")
 
