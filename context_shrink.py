@@ -37,9 +37,11 @@ import binascii
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
+import operator
 import os
 import random
 import re
@@ -47,6 +49,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -78,13 +81,11 @@ DEFAULT_MAX_SUMMARY_TOKENS = 1024
 TIKTOKEN_LOAD_TIMEOUT = 10.0
 MAX_FILE_BYTES = 512 * 1024 * 1024
 ENV_PREFIXES = ("CONTEXT_SHRINK_", "OMLX_SHRINK_", "OPENAI_SHRINK_")  # highest precedence first
-TOKENIZER_CHOICES = ("auto", "tiktoken", "heuristic")
+TOKENIZER_CHOICES = ("auto", "server", "tiktoken", "heuristic")
+TOKENIZER_SPEC = re.compile(r"auto|server|heuristic|tiktoken(:[a-z0-9_]+)?")
+CHAT_FORMAT_NAMES = ("openai", "chatml", "llama3", "gemma", "mistral")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-# OpenAI cookbook: 3 tokens per message, +1 for a name, every reply primed with 3 tokens.
-TOKENS_PER_MESSAGE = 3
-TOKENS_PER_NAME = 1
-TOKENS_REPLY_PRIMING = 3
+WINDOW_CACHE_SECONDS = 300.0  # how long a discovered context window is trusted
 TOKENS_PER_TOOL_CALL = 3
 IMAGE_TOKENS_LOW = 85
 IMAGE_TOKENS_DEFAULT = 765  # an image whose size cannot be read counts as 1024x1024 at high detail
@@ -113,11 +114,14 @@ class Config:
     """Server settings, read from the environment by :meth:`from_env` (never at import time)."""
 
     base_url: str = DEFAULT_BASE_URL
+    base_url_configured: bool = False  # True when the environment names a backend (enables server counting)
     model: str | None = None
     api_key: str | None = dataclasses.field(default=None, repr=False)
     timeout: float = DEFAULT_TIMEOUT
     tokenizer: str = "auto"
-    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
+    chat_format: str = "openai"
+    max_context_tokens: int | Literal["auto"] = DEFAULT_MAX_CONTEXT_TOKENS
+    reserve_tokens: int = 0
     extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     log_level: str = "INFO"
     root: Path = dataclasses.field(default_factory=Path.cwd)
@@ -138,9 +142,19 @@ class Config:
                     return prefix + name, value
             return None
 
+        def integer(name: str, low: int, high: int, default: int | str) -> int | None:
+            found = get(name)
+            if not found:
+                return None
+            try:
+                return min(max(int(found[1]), low), high)
+            except ValueError:
+                warnings.append(f"{found[0]}={found[1]!r} is not an integer; using {default}")
+                return None
+
         values: dict[str, Any] = {}
         if found := get("BASE_URL"):
-            values["base_url"] = found[1].rstrip("/")
+            values.update(base_url=found[1].rstrip("/"), base_url_configured=True)
         if found := get("MODEL"):
             values["model"] = found[1]
         if found := get("API_KEY"):
@@ -158,15 +172,26 @@ class Config:
                     f"{found[0]}={found[1]!r} is not a positive number of seconds; using {DEFAULT_TIMEOUT:g}"
                 )
         if found := get("TOKENIZER"):
-            if found[1].lower() in TOKENIZER_CHOICES:
+            if TOKENIZER_SPEC.fullmatch(found[1].lower()):
                 values["tokenizer"] = found[1].lower()
             else:
-                warnings.append(f"{found[0]}={found[1]!r} is not one of {', '.join(TOKENIZER_CHOICES)}; using auto")
-        if found := get("MAX_CONTEXT_TOKENS"):
-            try:
-                values["max_context_tokens"] = min(max(int(found[1]), 1), MAX_CONTEXT_TOKENS_LIMIT)
-            except ValueError:
-                warnings.append(f"{found[0]}={found[1]!r} is not an integer; using {DEFAULT_MAX_CONTEXT_TOKENS}")
+                warnings.append(
+                    f"{found[0]}={found[1]!r} is not auto, server, heuristic, tiktoken or tiktoken:<encoding>; "
+                    "using auto"
+                )
+        if found := get("CHAT_FORMAT"):
+            if found[1].lower() in CHAT_FORMAT_NAMES:
+                values["chat_format"] = found[1].lower()
+            else:
+                warnings.append(f"{found[0]}={found[1]!r} is not one of {', '.join(CHAT_FORMAT_NAMES)}; using openai")
+        if (found := get("MAX_CONTEXT_TOKENS")) and found[1].lower() == "auto":
+            values["max_context_tokens"] = "auto"
+        elif (
+            window := integer("MAX_CONTEXT_TOKENS", 1, MAX_CONTEXT_TOKENS_LIMIT, DEFAULT_MAX_CONTEXT_TOKENS)
+        ) is not None:
+            values["max_context_tokens"] = window
+        if (reserve := integer("RESERVE_TOKENS", 0, MAX_CONTEXT_TOKENS_LIMIT, 0)) is not None:
+            values["reserve_tokens"] = reserve
         if found := get("EXTRA_HEADERS"):
             try:
                 headers = json.loads(found[1])
@@ -189,8 +214,28 @@ class Config:
 # =============================================================================
 
 
+@dataclasses.dataclass(frozen=True)
+class Overflow:
+    """A backend's context-overflow refusal: its limit and the prompt size it saw (None when not stated)."""
+
+    limit: int | None = None
+    prompt_tokens: int | None = None
+    at_least: bool = False  # the prompt count is a lower bound (vLLM truncates its count at the limit)
+
+
 class ContextShrinkError(ValueError):
-    """Bad input or a failed operation; the message names what was wrong and what to do next."""
+    """Bad input or a failed operation; the message names what was wrong and what to do next.
+
+    ``overflow`` is set when a backend refused a request for its length (see :func:`parse_overflow`).
+    """
+
+    def __init__(self, message: str, *, overflow: Overflow | None = None) -> None:
+        super().__init__(message)
+        self.overflow = overflow
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> int:
@@ -205,18 +250,165 @@ def _check_int(name: str, value: Any, low: int, high: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """Tokens a chat template adds: per message (besides the role's own text), per ``name``, per request."""
+
+    name: str
+    per_message: int
+    per_name: int
+    priming: int
+
+
+CHAT_FORMATS = {
+    # OpenAI cookbook: <|start|>{role}<|message|>{content}<|end|>, reply primed with <|start|>assistant<|message|>
+    "openai": ChatFormat("openai", 3, 1, 3),
+    # ChatML (Qwen, SmolLM, many llama.cpp models): <|im_start|>{role}\n{content}<|im_end|>\n
+    "chatml": ChatFormat("chatml", 4, 1, 3),
+    # Llama 3: <|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>, <|begin_of_text|> once
+    "llama3": ChatFormat("llama3", 4, 1, 5),
+    # Gemma: <start_of_turn>{role}\n{content}<end_of_turn>\n, <bos> once
+    "gemma": ChatFormat("gemma", 4, 1, 4),
+    # Mistral: [INST] {content} [/INST], <s> once
+    "mistral": ChatFormat("mistral", 4, 1, 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Tokenizer:
-    """A text token counter; ``name`` says which method (``tiktoken:cl100k_base``, ``heuristic:chars/4``)."""
+    """A text token counter; ``name`` says which method, ``note`` why a fallback was used (if one was)."""
 
     name: str
     count: Callable[[str], int]
-    note: str | None = None  # why a fallback was used
+    note: str | None = None
+    format: ChatFormat = CHAT_FORMATS["openai"]
+    scale: float = 1.0  # per-message counts are multiplied by this (calibration to a server's exact count)
 
 
-HEURISTIC = Tokenizer("heuristic:chars/4", lambda text: (len(text) + 3) // 4)
+# --- the content-aware heuristic (no tokenizer) ---------------------------------------------------
+# Each text is mapped byte by byte to a character class, and the tokens are a weighted sum of class
+# counts and of a few class pairs that mark where pre-tokens start (word starts, camelCase and
+# random-case runs, numbers after spaces). The weights are fitted against cl100k_base with
+# bench/fit_heuristic.py on prose, code, logs, minified JSON, base64, CJK, other scripts and the
+# shared agent transcripts (docs/tokens.md has the error table). Long texts are sampled in four
+# windows, so the cost per message is bounded.
 
 
-def _load_tiktoken(encoding: str, timeout: float) -> Tokenizer:
+def _byte_classes() -> bytes:
+    table = bytearray(256)
+    for b in range(256):
+        c = chr(b)
+        if b >= 0x80:  # UTF-8: lead bytes of 2-, 3- and 4-byte characters; continuation bytes are ignored
+            table[b] = (
+                ord("C") if 0xC0 <= b <= 0xDF else ord("K") if 0xE0 <= b <= 0xEF else ord("E") if b >= 0xF0 else 0
+            )
+        elif c.isalpha():
+            table[b] = ord("A") if c.isupper() else ord("a")
+        elif c.isdigit():
+            table[b] = ord("0")
+        else:
+            table[b] = {" ": ord(" "), "\t": ord("t"), "\n": ord("\n"), "\r": ord("\n")}.get(c, ord("."))
+    return bytes(table)
+
+
+_BYTE_CLASSES = _byte_classes()
+HEURISTIC_FEATURES = (b"a", b"A", b"0", b" ", b"\n", b".", b" a", b".a", b"aA", b"t", b" 0")
+HEURISTIC_NON_ASCII = (b"K", b"C", b"E")  # 3-byte (CJK, symbols), 2-byte (Cyrillic, Greek, accents), 4-byte
+HEURISTIC_WEIGHTS = (0.1658, 0.3047, 0.8016, 0.1258, 0.3472, 0.2343, 0.2708, 0.6189, 2.2789, 1.4322, 0.6806)
+HEURISTIC_NON_ASCII_WEIGHTS = (1.0493, 0.5942, 2.7183)
+HEURISTIC_SAFETY = 1.05  # the fit's undercount on the worst transcript, plus a margin
+HEURISTIC_SAMPLE = 2048  # characters analysed at most per text (four windows of 512)
+
+
+def heuristic_features(text: str) -> list[float]:
+    """Class and class-pair counts of ``text`` (sampled in four windows when it is long)."""
+    if len(text) > HEURISTIC_SAMPLE:
+        width = HEURISTIC_SAMPLE // 4
+        step = (len(text) - width) // 3
+        windows = [heuristic_features(text[k * step : k * step + width]) for k in range(4)]
+        scale = len(text) / HEURISTIC_SAMPLE
+        return [sum(column) * scale for column in zip(*windows, strict=True)]
+    classes = text.encode("utf-8").translate(_BYTE_CLASSES)
+    features = [float(classes.count(f)) for f in HEURISTIC_FEATURES]
+    if text.isascii():
+        return [*features, 0.0, 0.0, 0.0]
+    return features + [float(classes.count(f)) for f in HEURISTIC_NON_ASCII]
+
+
+_ALL_FEATURES = HEURISTIC_FEATURES + HEURISTIC_NON_ASCII
+_ALL_WEIGHTS = HEURISTIC_WEIGHTS + HEURISTIC_NON_ASCII_WEIGHTS
+
+
+def _heuristic_sum(text: str) -> float:
+    classes = text.encode("utf-8").translate(_BYTE_CLASSES)
+    if text.isascii():
+        return sum(map(operator.mul, HEURISTIC_WEIGHTS, map(classes.count, HEURISTIC_FEATURES)))
+    return sum(map(operator.mul, _ALL_WEIGHTS, map(classes.count, _ALL_FEATURES)))
+
+
+def heuristic_tokens(text: str) -> int:
+    """Estimate the cl100k token count of ``text`` without a tokenizer (fitted, errs on the high side).
+
+    Same arithmetic as ``HEURISTIC_WEIGHTS · heuristic_features(text)``, without building the vector.
+    """
+    if not text:
+        return 0
+    if len(text) <= HEURISTIC_SAMPLE:
+        raw = _heuristic_sum(text)
+    else:
+        width = HEURISTIC_SAMPLE // 4
+        step = (len(text) - width) // 3
+        raw = sum(_heuristic_sum(text[k * step : k * step + width]) for k in range(4)) * len(text) / HEURISTIC_SAMPLE
+    return max(1, math.ceil(HEURISTIC_SAFETY * raw))
+
+
+HEURISTIC = Tokenizer("heuristic", heuristic_tokens)
+
+
+class _CachedCount:
+    """A bounded cache of text -> tokens around a counter: agents resend the same history every turn.
+
+    Keyed by the text itself (a dict hashes it at C speed); bounded by total characters, oldest entries
+    evicted first. Dict operations are atomic under the GIL, so tool calls in threads can share it.
+    """
+
+    def __init__(self, count: Callable[[str], int], max_chars: int = 64_000_000) -> None:
+        self._count = count
+        self._cache: dict[str, int] = {}
+        self._chars = 0
+        self._max_chars = max_chars
+
+    def __call__(self, text: str) -> int:
+        tokens = self._cache.get(text)
+        if tokens is None:
+            tokens = self._cache[text] = self._count(text)
+            self._chars += len(text)
+            while self._chars > self._max_chars and self._cache:
+                with contextlib.suppress(StopIteration, KeyError, RuntimeError):
+                    self._chars -= len(old := next(iter(self._cache)))
+                    del self._cache[old]
+        return tokens
+
+
+_O200K_MODELS = re.compile(r"(^|/)(gpt-4o|chatgpt-4o|gpt-4\.1|gpt-4\.5|gpt-5|o\d)([-.:_]|$)", re.IGNORECASE)
+
+
+def encoding_for_model(model: str | None) -> str:
+    """``o200k_base`` for gpt-4o/4.1/4.5/5 and o-series model names, else ``cl100k_base``."""
+    return "o200k_base" if model and _O200K_MODELS.search(model) else "cl100k_base"
+
+
+def parse_tokenizer_spec(spec: str) -> str:
+    """Normalise a tokenizer choice: ``auto``, ``server``, ``heuristic``, ``tiktoken`` or ``tiktoken:<encoding>``."""
+    value = spec.strip().lower() if isinstance(spec, str) else ""
+    if TOKENIZER_SPEC.fullmatch(value):
+        return value
+    raise ContextShrinkError(
+        f"tokenizer {spec!r} is not one of auto, server, heuristic, tiktoken, tiktoken:<encoding> "
+        "(e.g. tiktoken:o200k_base)"
+    )
+
+
+def _load_tiktoken(encoding: str, timeout: float) -> Callable[[str], int]:
     """Load a tiktoken encoding within ``timeout`` seconds, preferring the bundled ``*_offline`` copy."""
     if tiktoken is None:
         raise ContextShrinkError("tiktoken is not installed (pip install 'context-shrink-mcp[tiktoken]')")
@@ -226,7 +418,7 @@ def _load_tiktoken(encoding: str, timeout: float) -> Tokenizer:
             names.insert(0, f"{encoding}_offline")
     outcome: dict[str, Any] = {}
 
-    def load() -> None:
+    def load() -> None:  # tiktoken honours TIKTOKEN_CACHE_DIR; a download may hang on a black-holed network
         errors = []
         for name in names:
             try:
@@ -241,29 +433,47 @@ def _load_tiktoken(encoding: str, timeout: float) -> Tokenizer:
     thread.join(timeout)
     if "encoding" in outcome:
         encode = outcome["encoding"].encode_ordinary
-        return Tokenizer(f"tiktoken:{encoding}", lambda text: len(encode(text)))
+        return lambda text: len(encode(text))
     if thread.is_alive():
         raise ContextShrinkError(f"loading tiktoken {encoding} took over {timeout:g} s (no network?)")
     raise ContextShrinkError(f"tiktoken {encoding} could not be loaded ({outcome.get('error')})")
 
 
 @functools.cache
-def resolve_tokenizer(kind: str = "auto", timeout: float = TIKTOKEN_LOAD_TIMEOUT) -> Tokenizer:
-    """The tokenizer for ``kind`` (``auto``, ``tiktoken`` or ``heuristic``); never raises.
+def resolve_tokenizer(
+    spec: str = "auto",
+    model: str | None = None,
+    chat_format: str = "openai",
+    timeout: float = TIKTOKEN_LOAD_TIMEOUT,
+) -> Tokenizer:
+    """The local tokenizer for ``spec``; never raises for a valid spec.
 
-    A tiktoken that cannot load falls back to the heuristic, with the reason in ``note`` (logged once:
-    the outcome is cached for the life of the process).
+    ``auto``, ``server`` and ``tiktoken`` use tiktoken with the encoding for ``model`` (``server``
+    counting itself happens in the tool layer; this is its local fallback and per-message scale).
+    A tiktoken that cannot load falls back to the heuristic with the reason in ``note``; the outcome is
+    cached for the life of the process, so a failed load is not retried and is logged once.
     """
-    if kind == "heuristic":
-        return HEURISTIC
-    if kind not in TOKENIZER_CHOICES:
-        raise ContextShrinkError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got {kind!r}")
-    try:
-        return _load_tiktoken("cl100k_base", timeout)
-    except ContextShrinkError as exc:
-        note = f"{exc}; counting with {HEURISTIC.name}"
-        log.warning("tokenizer fallback: %s", note)
-        return dataclasses.replace(HEURISTIC, note=note)
+    spec = parse_tokenizer_spec(spec)
+    if chat_format not in CHAT_FORMATS:
+        raise ContextShrinkError(f"chat format {chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
+    form = CHAT_FORMATS[chat_format]
+    if spec == "heuristic":
+        return dataclasses.replace(HEURISTIC, count=_CachedCount(heuristic_tokens), format=form)
+    encoding = spec.split(":", 1)[1] if ":" in spec else encoding_for_model(model)
+    reasons = []
+    for candidate in dict.fromkeys([encoding, "cl100k_base"]):  # cl100k is close to o200k and often cached
+        try:
+            count = _CachedCount(_load_tiktoken(candidate, timeout))
+        except ContextShrinkError as exc:
+            reasons.append(str(exc))
+            continue
+        note = f"{reasons[0]}; counting with cl100k_base" if reasons else None
+        if note:
+            log.warning("tokenizer fallback: %s", note)
+        return Tokenizer(f"tiktoken:{candidate}", count, note, form)
+    note = f"{'; '.join(reasons)}; counting with the {HEURISTIC.name} estimate"
+    log.warning("tokenizer fallback: %s", note)
+    return dataclasses.replace(HEURISTIC, count=_CachedCount(heuristic_tokens), note=note, format=form)
 
 
 def _image_size(data: bytes) -> tuple[int, int] | None:
@@ -339,11 +549,13 @@ def _content_tokens(content: Any, count: Callable[[str], int]) -> int:
     return total
 
 
-def count_message(message: Mapping[str, Any], count: Callable[[str], int]) -> int:
-    """Tokens of one message: overhead, role, content, name, tool calls and reasoning text."""
-    total = TOKENS_PER_MESSAGE + count(message["role"]) + _content_tokens(message.get("content"), count)
+def count_message(
+    message: Mapping[str, Any], count: Callable[[str], int], form: ChatFormat = CHAT_FORMATS["openai"]
+) -> int:
+    """Tokens of one message: template overhead, role, content, name, tool calls and reasoning text."""
+    total = form.per_message + count(message["role"]) + _content_tokens(message.get("content"), count)
     if isinstance(message.get("name"), str):
-        total += count(message["name"]) + TOKENS_PER_NAME
+        total += count(message["name"]) + form.per_name
     for key in ("tool_call_id", "reasoning_content", "reasoning"):
         if isinstance(message.get(key), str):
             total += count(message[key])
@@ -361,17 +573,64 @@ def count_message(message: Mapping[str, Any], count: Callable[[str], int]) -> in
 
 def count_messages(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> tuple[list[int], int]:
     """Per-message token counts and the total for a request (reply priming included); one pass."""
-    counts = [count_message(m, tokenizer.count) for m in messages]
-    return counts, sum(counts) + TOKENS_REPLY_PRIMING
+    counts = [count_message(m, tokenizer.count, tokenizer.format) for m in messages]
+    if tokenizer.scale != 1.0:
+        counts = [math.ceil(c * tokenizer.scale) for c in counts]
+    return counts, sum(counts) + tokenizer.format.priming
+
+
+def validate_tools(tools: Any) -> list[dict[str, Any]]:
+    """Check an OpenAI ``tools`` list (function definitions); raise naming the index and field."""
+    if not isinstance(tools, list):
+        raise ContextShrinkError(f"tools must be a list of tool definitions, got {_type_name(tools)}")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ContextShrinkError(f"tools[{i}].function.name must be a string")
+        if not isinstance(function.get("description", ""), str):
+            raise ContextShrinkError(f"tools[{i}].function.description must be a string")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ContextShrinkError(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def count_tools(tools: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> int:
+    """Tokens of the ``tools`` definitions.
+
+    OpenAI format: the cookbook's rule (per function 10, or 7 with o200k, plus ``name:description``;
+    per property 3 plus ``name:type:description``; enums; 12 at the end), plus the JSON of nested
+    schemas, which the rule leaves out. Other chat formats render tools as JSON: its tokens are counted.
+    """
+    if not tools:
+        return 0
+    count = tokenizer.count
+    if tokenizer.format.name != "openai":
+        return math.ceil(count(json.dumps(list(tools), ensure_ascii=False)) * tokenizer.scale)
+    total = 12
+    for tool in tools:
+        function = tool["function"]
+        total += (7 if "o200k" in tokenizer.name else 10) + count(
+            f"{function['name']}:{str(function.get('description', '')).removesuffix('.')}"
+        )
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        if properties:
+            total += 3
+        for key, prop in properties.items():
+            prop = prop if isinstance(prop, Mapping) else {}
+            total += 3
+            if isinstance(prop.get("enum"), list):
+                total += -3 + sum(3 + count(str(item)) for item in prop["enum"])
+            description = str(prop.get("description", "")).removesuffix(".")
+            total += count(f"{key}:{prop.get('type', '')}:{description}")
+            nested = {k: v for k, v in prop.items() if k not in ("type", "description", "enum")}
+            if nested:
+                total += count(json.dumps(nested, ensure_ascii=False))
+    return math.ceil(total * tokenizer.scale)
 
 
 # =============================================================================
 # 5. Message helpers: validation, tool-call units, API validity
 # =============================================================================
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -500,21 +759,47 @@ def _cut_points(messages: Sequence[Mapping[str, Any]], keep_last: int) -> tuple[
 # =============================================================================
 
 
-def estimate_messages(
-    messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
-) -> dict[str, Any]:
-    """Measure ``messages`` against a window of ``max_context_tokens``."""
-    messages = validate_messages(messages)
+def _budget(max_context_tokens: int, reserve_tokens: int) -> int:
+    """The tokens a request may use: the window minus the reply reserve (at least 1)."""
     _check_int("max_context_tokens", max_context_tokens, 1, MAX_CONTEXT_TOKENS_LIMIT)
-    _, total = count_messages(messages, tokenizer)
+    _check_int("reserve_tokens", reserve_tokens, 0, MAX_CONTEXT_TOKENS_LIMIT)
+    if reserve_tokens >= max_context_tokens:
+        raise ContextShrinkError(
+            f"reserve_tokens ({reserve_tokens}) must be smaller than max_context_tokens ({max_context_tokens})"
+        )
+    return max_context_tokens - reserve_tokens
+
+
+def _report(tokenizer: Tokenizer, max_context_tokens: int, reserve_tokens: int, tools_tokens: int) -> dict[str, Any]:
+    """The keys every result shares."""
     return {
-        "tokens": total,
         "max_context_tokens": max_context_tokens,
-        "remaining": max_context_tokens - total,
-        "should_trim": total > max_context_tokens,
+        "reserve_tokens": reserve_tokens,
+        "tools_tokens": tools_tokens,
         "tokenizer": tokenizer.name,
         "tokenizer_note": tokenizer.note,
+    }
+
+
+def estimate_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    reserve_tokens: int = 0,
+) -> dict[str, Any]:
+    """Measure ``messages`` (and ``tools``) against a window of ``max_context_tokens`` minus the reserve."""
+    messages = validate_messages(messages)
+    budget = _budget(max_context_tokens, reserve_tokens)
+    tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
+    total = count_messages(messages, tokenizer)[1] + tools_tokens
+    return {
+        "tokens": total,
+        "remaining": budget - total,
+        "should_trim": total > budget,
         "message_count": len(messages),
+        **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
     }
 
 
@@ -523,49 +808,50 @@ def trim_messages(
     tokenizer: Tokenizer,
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
     keep_last: int = DEFAULT_KEEP_LAST,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    reserve_tokens: int = 0,
 ) -> dict[str, Any]:
     """Drop the oldest messages until the rest fits; never split a tool-call unit.
 
     Leading system messages and the newest ``keep_last`` messages (widened to whole units, and to
     the newest user message) are always kept; the kept history starts on a user message. Kept
-    messages are the input's own objects, unchanged. ``fits`` is re-counted, never assumed.
+    messages are the input's own objects, unchanged. ``fits`` is re-counted, never assumed. One
+    linear pass: each message is counted once, cut points are checked against a running suffix sum.
     """
     messages = validate_messages(messages)
-    _check_int("max_context_tokens", max_context_tokens, 1, MAX_CONTEXT_TOKENS_LIMIT)
     _check_int("keep_last", keep_last, 0, 1_000_000)
+    budget = _budget(max_context_tokens, reserve_tokens)
+    tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     counts, total = count_messages(messages, tokenizer)
     lead, starts, protected = _cut_points(messages, keep_last)
-    lead_tokens = sum(counts[:lead]) + TOKENS_REPLY_PRIMING
-    suffix = [0] * (len(messages) + 1)
-    for i in range(len(messages) - 1, -1, -1):
-        suffix[i] = suffix[i + 1] + counts[i]
-    cut = next((s for s in starts if lead_tokens + suffix[s] <= max_context_tokens), starts[-1])
+    fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens
+    suffix = list(itertools.accumulate(reversed(counts), initial=0))[::-1]  # suffix[i] = sum(counts[i:])
+    cut = next((s for s in starts if fixed + suffix[s] <= budget), starts[-1])
     kept = list(messages[:lead]) + list(messages[cut:])
-    after = lead_tokens + suffix[cut]
+    after = fixed + suffix[cut]
     warnings = [f"input {p}" for p in api_problems(messages)]
     if cut > protected:
         warnings.append(
             f"kept {len(messages) - cut} of the newest keep_last={keep_last} messages: the history must start on "
             f"a user message and starting at messages[{starts[starts.index(cut) - 1]}] would not fit"
         )
-    if after > max_context_tokens:
+    if after > budget:
         warnings.append(
             f"the newest turn alone (from messages[{cut}]) is {after} tokens, over the budget of "
-            f"{max_context_tokens}: compact_context can summarise inside it"
+            f"{budget}: compact_context can summarise inside it"
         )
     return {
         "messages": kept,
-        "tokens_before": total,
+        "tokens_before": total + tools_tokens,
         "tokens_after": after,
-        "max_context_tokens": max_context_tokens,
-        "fits": after <= max_context_tokens,
-        "tokens_over": max(0, after - max_context_tokens),
+        "fits": after <= budget,
+        "tokens_over": max(0, after - budget),
         "dropped": cut - lead,
         "kept": len(kept),
         "kept_from_index": cut,
-        "tokenizer": tokenizer.name,
-        "tokenizer_note": tokenizer.note,
         "warnings": warnings,
+        **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
     }
 
 
@@ -751,26 +1037,31 @@ def compact_messages(
     force: bool = False,
     max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
     summary_role: str = "system",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    reserve_tokens: int = 0,
 ) -> dict[str, Any]:
     """Replace the oldest messages by ``summary``; with ``summary=None``, plan only (no content echoed).
 
-    Below ``threshold x max_context_tokens`` nothing changes unless ``force``. The result reports the
-    span (``summarize_from_index``/``kept_from_index``), token counts and whether it fits.
+    Below ``threshold`` x the budget (window minus reserve) nothing changes unless ``force``. The
+    result reports the span (``summarize_from_index``/``kept_from_index``), token counts and whether
+    it fits.
     """
     messages = validate_messages(messages)
-    _check_int("max_context_tokens", max_context_tokens, 1, MAX_CONTEXT_TOKENS_LIMIT)
     _check_int("keep_last", keep_last, 0, 1_000_000)
     _check_int("max_summary_tokens", max_summary_tokens, 1, MAX_CONTEXT_TOKENS_LIMIT)
+    budget = _budget(max_context_tokens, reserve_tokens)
     if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
         raise ContextShrinkError(f"threshold must be a number from 0 to 1, got {threshold!r}")
     if summary_role not in ("system", "user"):
         raise ContextShrinkError(f"summary_role must be 'system' or 'user', got {summary_role!r}")
     if summary is not None and not (isinstance(summary, str) and summary.strip()):
         raise ContextShrinkError("summary must be a non-empty string (or omitted to plan)")
+    tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     counts, total = count_messages(messages, tokenizer)
+    total += tools_tokens
     start, end, pinned = plan_compaction(messages, keep_last)
     replaced = end - start - (pinned is not None)
-    trigger = int(threshold * max_context_tokens)
+    trigger = int(threshold * budget)
     result: dict[str, Any] = {
         "compacted": False,
         "needs_summary": False,
@@ -778,9 +1069,8 @@ def compact_messages(
         "messages": None,
         "tokens_before": total,
         "tokens_after": total,
-        "max_context_tokens": max_context_tokens,
         "threshold_tokens": trigger,
-        "fits": total <= max_context_tokens,
+        "fits": total <= budget,
         "summarize_from_index": start,
         "kept_from_index": end,
         "pinned_user_index": pinned,
@@ -788,9 +1078,8 @@ def compact_messages(
         "summary_tokens": 0,
         "summary_prompt": None,
         "summary": None,
-        "tokenizer": tokenizer.name,
-        "tokenizer_note": tokenizer.note,
         "warnings": [f"input {p}" for p in api_problems(messages)],
+        **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
     }
     if total < trigger and not force:
         return {**result, "messages": list(messages), "reason": f"below the threshold ({total} < {trigger} tokens)"}
@@ -809,20 +1098,20 @@ def compact_messages(
             "reason": f"summarise messages[{start}:{end}]"
             + (f" (all but the user message {pinned}, which is kept)" if pinned is not None else "")
             + " following summary_prompt, then call again with summary=<your summary>",
-            "tokens_after": rest + TOKENS_PER_MESSAGE + max_summary_tokens,
+            "tokens_after": rest + tokenizer.format.per_message + max_summary_tokens,
             "summary_prompt": SUMMARY_PROMPT,
         }
     message = summary_message(summary, summary_role, replaced)
     kept = [messages[pinned]] if pinned is not None else []
     compacted = [*messages[:start], message, *kept, *messages[end:]]
-    summary_tokens = count_message(message, tokenizer.count)
+    summary_tokens = count_messages([message], tokenizer)[0][0]
     after = rest + summary_tokens
     return {
         **result,
         "compacted": True,
         "messages": compacted,
         "tokens_after": after,
-        "fits": after <= max_context_tokens,
+        "fits": after <= budget,
         "summary_tokens": summary_tokens,
         "summary": summary.strip(),
     }
@@ -835,14 +1124,91 @@ def compact_messages(
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_RETRIES = 2
 MAX_RETRY_AFTER = 30.0
+PROBE_TIMEOUT = 15.0  # seconds for a token-count or window probe (they are cheap on every server)
+
+# Context-overflow refusals of OpenAI-compatible servers (shared/docs/backends.md section 1).
+OVERFLOW_PATTERNS = tuple(
+    re.compile(p)
+    for p in (
+        r"request \((?P<prompt>\d+) tokens\) exceeds the available context size \((?P<limit>\d+) tokens\)",
+        r"input \((?P<prompt>\d+) tokens\) is larger than the max context size \((?P<limit>\d+) tokens\)",
+        r"maximum context length is (?P<limit>\d+) tokens[.,] [Hh]owever,? you requested (?P<total>\d+) tokens "
+        r"\((?P<prompt>\d+) in (?:the messages|your prompt)[,;] (?:\d+ in the functions, and )?"
+        r"(?P<completion>\d+) (?:in|for) the completion\)",
+        r"maximum context length is (?P<limit>\d+) tokens\. However, your (?:messages resulted in|request has) "
+        r"(?P<prompt>\d+) (?:input )?tokens",
+        r"maximum context length is (?P<limit>\d+) tokens\. However, you requested (?P<completion>\d+) output "
+        r"tokens and your prompt contains (?P<atleast>at least )?(?P<prompt>\d+) input tokens",
+        r"maximum context length is (?P<limit>\d+) tokens and your request has (?P<prompt>\d+) input tokens "
+        r"\((?P<completion>\d+) >",
+        r"You passed (?P<prompt>\d+) input tokens and requested (?P<completion>\d+) output tokens\. "
+        r"However, the model's context length is only (?P<limit>\d+) tokens",
+        r"The input \((?P<prompt>\d+) tokens\) is longer than the model's context length \((?P<limit>\d+) tokens\)",
+        r"exceeds the model's maximum context length of (?P<limit>\d+) tokens\. You requested a total of "
+        r"(?P<total>\d+) tokens: (?P<prompt>\d+) tokens from the input messages and (?P<completion>\d+) tokens",
+        r"Input length \((?P<prompt>\d+) tokens\) exceeds the maximum allowed length \((?P<limit>\d+) tokens\)",
+        r"`inputs` tokens \+ `max_new_tokens` must be <= (?P<limit>\d+)\. Given: (?P<prompt>\d+) `inputs` "
+        r"tokens and (?P<completion>\d+) `max_new_tokens`",
+        r"`inputs` must have less than (?P<limit>\d+) tokens\. Given: (?P<prompt>\d+)",
+        r"[Pp]rompt (?:is )?too long: (?P<prompt>\d+) tokens (?:exceeds max context window of|>) (?P<limit>\d+)",
+        r"Trying to keep the first (?P<prompt>\d+) tokens when context the overflows\. However, the model is "
+        r"loaded with context length of only (?P<limit>\d+) tokens",
+        r"n_keep: (?P<prompt>\d+)\s*>=\s*n_ctx: (?P<limit>\d+)",
+        r"maximum context length is (?P<limit>\d+) tokens\. However, you requested about (?P<prompt>\d+) tokens",
+        r"Prompt contains (?P<prompt>\d+) tokens, too large for model with (?P<limit>\d+) maximum context length",
+        r"Input tokens exceed the configured limit of (?P<limit>\d+) tokens\. Your messages resulted in "
+        r"(?P<prompt>\d+) tokens",
+        r"Current length is (?P<prompt>\d+) while limit is (?P<limit>\d+)",
+    )
+)
+OVERFLOW_MARKERS = (
+    "exceed_context_size_error",
+    "context_length_exceeded",
+    "reduce the length of the messages",
+    "exceeds the context window",
+    "the prompt is longer than the context length",
+    "the input length exceeds the context length",
+    "ContextWindowExceededError",
+)
 
 
-def _upstream_message(response: httpx2.Response) -> str:
+def parse_overflow(error: Any) -> Overflow | None:
+    """Recognise a context-overflow refusal in an error body (parsed JSON) or its text; None if it is not one.
+
+    Structured fields come first (llama.cpp's ``n_ctx``/``n_prompt_tokens``), then the known messages
+    in ``error.message``, ``error`` (a string), ``message``, ``detail`` and JSON nested in strings
+    (Ollama's passed-on llama.cpp body, OpenRouter's ``metadata.raw``), then count-free markers.
+    """
+    texts: list[str] = []
+    pending, seen = [error], 0
+    while pending and seen < 50:
+        value, seen = pending.pop(), seen + 1
+        if isinstance(value, bytes | bytearray):
+            value = value.decode("utf-8", "replace")
+        if isinstance(value, str):
+            texts.append(value)
+            if value.lstrip().startswith("{"):
+                with contextlib.suppress(ValueError):
+                    pending.append(json.loads(value))
+        elif isinstance(value, Mapping):
+            ctx, prompt = value.get("n_ctx"), value.get("n_prompt_tokens")
+            if value.get("type") == "exceed_context_size_error" and isinstance(ctx, int):
+                return Overflow(ctx, prompt if isinstance(prompt, int) else None)
+            if value.get("code") == "context_length_exceeded":
+                texts.append("context_length_exceeded")
+            pending.extend(value[k] for k in ("error", "message", "detail", "metadata", "raw") if k in value)
+    for text in texts:
+        for pattern in OVERFLOW_PATTERNS:
+            if match := pattern.search(text):
+                found = match.groupdict()
+                return Overflow(int(found["limit"]), int(found["prompt"]), bool(found.get("atleast")))
+    if any(marker in text for text in texts for marker in OVERFLOW_MARKERS):
+        return Overflow()
+    return None
+
+
+def _upstream_message(body: Any, text: str, reason: str) -> str:
     """The error text of an upstream reply, whatever its shape."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip()[:300] or response.reason_phrase
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and error.get("message"):
@@ -850,11 +1216,33 @@ def _upstream_message(response: httpx2.Response) -> str:
         for value in (error, body.get("message"), body.get("detail")):
             if isinstance(value, str) and value:
                 return value
-    return json.dumps(body)[:300]
+        return json.dumps(body)[:300]
+    return text.strip()[:300] or reason
+
+
+@dataclasses.dataclass
+class BackendCaches:
+    """What the server learned about backends, kept for the life of the process."""
+
+    counting: dict[str, tuple[str | None, float, str]] = dataclasses.field(default_factory=dict)
+    windows: dict[tuple[str, str | None], tuple[int, str, float]] = dataclasses.field(default_factory=dict)
+
+
+COUNT_METHODS = (
+    "llama.cpp /v1/chat/completions/input_tokens",
+    "llama.cpp /apply-template + /tokenize",
+    "vLLM /tokenize",
+    "TGI /chat_tokenize",
+)
 
 
 class Backend:
-    """Calls ``{base_url}/chat/completions`` on one shared :class:`httpx2.AsyncClient`."""
+    """One OpenAI-compatible backend, reached through the server's shared :class:`httpx2.AsyncClient`.
+
+    ``chat`` writes summaries; ``count_tokens`` asks the server for an exact prompt count; and
+    ``context_window`` discovers its window. Errors are :class:`ContextShrinkError` reading
+    ``backend <status>: <upstream message>``, with the API key redacted.
+    """
 
     def __init__(
         self,
@@ -862,29 +1250,38 @@ class Backend:
         base_url: str,
         api_key: str | None = None,
         extra_headers: Mapping[str, str] | None = None,
+        *,
         retry_base_delay: float = 0.5,
+        caches: BackendCaches | None = None,
     ) -> None:
         self.client = client
         self.base_url = base_url.rstrip("/")
+        self.root = self.base_url.removesuffix("/v1")
         self.api_key = api_key
         self.headers = dict(extra_headers or {})
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.retry_base_delay = retry_base_delay
+        self.caches = caches or BackendCaches()
 
     def _redact(self, text: str) -> str:
         return text.replace(self.api_key, "***") if self.api_key else text
 
-    async def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int) -> str:
-        """Return the reply text; raise :class:`ContextShrinkError` (``backend <status>: <message>``)."""
-        url = f"{self.base_url}/chat/completions"
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": False}
-        for attempt in range(MAX_RETRIES + 1):
+    async def _send(
+        self, method: str, url: str, body: Any = None, *, retries: int = MAX_RETRIES, timeout: float | None = None
+    ) -> Any:
+        """Send a JSON request with bounded retries; return the parsed JSON reply of a 2xx answer."""
+        options: dict[str, Any] = {"headers": self.headers}
+        if body is not None:
+            options["json"] = body
+        if timeout is not None:
+            options["timeout"] = httpx2.Timeout(timeout, connect=min(10.0, timeout))
+        for attempt in range(retries + 1):
             delay = self.retry_base_delay * 2**attempt * (0.5 + random.random())
             try:
-                response = await self.client.post(url, json=body, headers=self.headers)
+                response = await self.client.request(method, url, **options)
             except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
-                if attempt < MAX_RETRIES:
+                if attempt < retries:
                     await _sleep(delay)
                     continue
                 raise ContextShrinkError(
@@ -897,23 +1294,151 @@ class Backend:
                 ) from None
             except httpx2.TransportError as exc:
                 raise ContextShrinkError(self._redact(f"backend connection to {url} failed: {exc}")) from None
-            if response.status_code in RETRY_STATUSES and attempt < MAX_RETRIES:
+            if response.status_code in RETRY_STATUSES and attempt < retries:
                 with contextlib.suppress(ValueError):
                     delay = min(float(response.headers.get("retry-after", "")), MAX_RETRY_AFTER)
                 await _sleep(delay)
                 continue
-            if response.status_code >= 400:
-                raise ContextShrinkError(self._redact(f"backend {response.status_code}: {_upstream_message(response)}"))
             try:
-                message = response.json()["choices"][0]["message"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise ContextShrinkError(f"backend {response.status_code}: not a chat completion reply") from None
-            content = message.get("content")
-            if not isinstance(content, str) or not content.strip():
-                what = "a tool call" if message.get("tool_calls") else "no text"
-                raise ContextShrinkError(f"backend {response.status_code}: the reply holds {what}, not a summary")
-            return content
+                parsed = response.json()
+            except ValueError:
+                parsed = None
+            if response.status_code >= 400:
+                message = _upstream_message(parsed, response.text, response.reason_phrase)
+                raise ContextShrinkError(
+                    self._redact(f"backend {response.status_code}: {message}"),
+                    overflow=parse_overflow(parsed if parsed is not None else response.text),
+                )
+            if parsed is None:
+                raise ContextShrinkError(f"backend {response.status_code}: the reply from {url} is not JSON")
+            return parsed
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int) -> str:
+        """Return the reply text of a chat completion (temperature 0, not streamed)."""
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": False}
+        reply = await self._send("POST", f"{self.base_url}/chat/completions", body)
+        try:
+            message = reply["choices"][0]["message"]
+        except (KeyError, IndexError, TypeError):
+            raise ContextShrinkError("backend 200: not a chat completion reply") from None
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, str) or not content.strip():
+            what = "a tool call" if isinstance(message, dict) and message.get("tool_calls") else "no text"
+            raise ContextShrinkError(f"backend 200: the reply holds {what}, not a summary")
+        return content
+
+    async def _count_with(self, method: str, body: dict[str, Any]) -> int:
+        probe = {"retries": 0, "timeout": PROBE_TIMEOUT}
+        if method == COUNT_METHODS[0]:
+            return int(
+                (await self._send("POST", f"{self.base_url}/chat/completions/input_tokens", body, **probe))[
+                    "input_tokens"
+                ]
+            )
+        if method == COUNT_METHODS[1]:
+            prompt = (await self._send("POST", f"{self.root}/apply-template", body, **probe))["prompt"]
+            tokenize = {"content": prompt, "add_special": True, "parse_special": True}
+            return len((await self._send("POST", f"{self.root}/tokenize", tokenize, **probe))["tokens"])
+        if method == COUNT_METHODS[2]:
+            extra = {"add_generation_prompt": True, "add_special_tokens": False}
+            return int((await self._send("POST", f"{self.root}/tokenize", {**body, **extra}, **probe))["count"])
+        return len((await self._send("POST", f"{self.root}/chat_tokenize", body, **probe))["tokenize_response"])
+
+    async def count_tokens(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, model: str | None = None
+    ) -> tuple[int, str]:
+        """The server's exact prompt count and the method used; support is probed once per base URL."""
+        now = time.monotonic()
+        known, expires, reason = self.caches.counting.get(self.base_url, (None, 0.0, ""))
+        if known is None and expires > now:
+            raise ContextShrinkError(reason)
+        body = {"messages": messages, **({"tools": tools} if tools else {}), **({"model": model} if model else {})}
+        reasons = []
+        for method in [known] if known else COUNT_METHODS:
+            try:
+                tokens = await self._count_with(method, body)
+            except ContextShrinkError as exc:
+                reasons.append(f"{method}: {exc}")
+                if "unreachable" in str(exc):  # no point probing the other endpoints
+                    break
+                continue
+            except (KeyError, TypeError, ValueError):
+                reasons.append(f"{method}: unexpected reply")
+                continue
+            if tokens > 0:
+                self.caches.counting[self.base_url] = (method, math.inf, "")
+                return tokens, method
+            reasons.append(f"{method}: empty count")
+        reason = f"{self.base_url} cannot count tokens ({'; '.join(reasons)})"
+        self.caches.counting[self.base_url] = (None, now + WINDOW_CACHE_SECONDS, reason)
+        raise ContextShrinkError(reason)
+
+    async def _window_from(self, probe: str, model: str | None) -> int | None:
+        get = {"retries": 0, "timeout": PROBE_TIMEOUT}
+
+        def pick(entries: Any, *keys: str) -> Any:
+            entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+            named = [e for e in entries if model and model in (e.get(k) for k in keys)]
+            return named[0] if named else entries[0] if len(entries) == 1 or (entries and not model) else None
+
+        if probe == "llama.cpp /props":
+            return (await self._send("GET", f"{self.root}/props", **get))["default_generation_settings"]["n_ctx"]
+        if probe == "/v1/models":
+            reply = await self._send("GET", f"{self.base_url}/models", **get)
+            entry = pick(reply.get("data") or reply.get("models"), "id", "name", "model") or {}
+            for value in (
+                (entry.get("meta") or {}).get("n_ctx"),  # llama.cpp (per slot)
+                entry.get("max_model_len"),  # vLLM, SGLang
+                entry.get("loaded_context_length"),  # LM Studio
+                (entry.get("top_provider") or {}).get("context_length"),  # OpenRouter
+                entry.get("context_length"),  # OpenRouter, Together
+                entry.get("context_window"),  # Groq
+                entry.get("max_context_length"),  # Mistral, LM Studio
+            ):
+                if isinstance(value, int) and value > 0:
+                    return value
+            return None
+        if probe == "Ollama /api/ps":
+            entry = pick((await self._send("GET", f"{self.root}/api/ps", **get)).get("models"), "name", "model")
+            return (entry or {}).get("context_length")
+        if probe == "Ollama /api/show":
+            if not model:
+                return None
+            reply = await self._send("POST", f"{self.root}/api/show", {"model": model}, **get)
+            if found := re.search(r"num_ctx\s+(\d+)", str(reply.get("parameters") or "")):
+                return int(found.group(1))
+            info = reply.get("model_info") or {}
+            return info.get(f"{info.get('general.architecture')}.context_length")
+        if probe == "TGI /info":
+            return (await self._send("GET", f"{self.root}/info", **get)).get("max_input_tokens")
+        entry = pick((await self._send("GET", f"{self.root}/api/v0/models", **get)).get("data"), "id")
+        return (entry or {}).get("loaded_context_length") or (entry or {}).get("max_context_length")
+
+    async def context_window(self, model: str | None = None) -> tuple[int, str]:
+        """The backend's context window for ``model`` and where it came from; cached for a few minutes."""
+        now = time.monotonic()
+        cached = self.caches.windows.get((self.base_url, model))
+        if cached and cached[2] > now:
+            return cached[0], cached[1]
+        reasons = []
+        for probe in ("llama.cpp /props", "/v1/models", "Ollama /api/ps", "Ollama /api/show", "TGI /info",
+                      "LM Studio /api/v0/models"):  # fmt: skip
+            try:
+                window = await self._window_from(probe, model)
+            except ContextShrinkError as exc:
+                reasons.append(f"{probe}: {exc}")
+                if "unreachable" in str(exc):
+                    break
+                continue
+            except (KeyError, TypeError, ValueError, AttributeError):
+                reasons.append(f"{probe}: unexpected reply")
+                continue
+            if isinstance(window, int) and window > 0:
+                self.caches.windows[(self.base_url, model)] = (window, probe, now + WINDOW_CACHE_SECONDS)
+                return window, probe
+            reasons.append(f"{probe}: no window in the reply")
+        raise ContextShrinkError(f"no context window found at {self.base_url} ({'; '.join(reasons)})")
 
 
 async def _sleep(seconds: float) -> None:
@@ -1008,8 +1533,26 @@ def _tool_errors() -> Iterator[None]:
 
 @dataclasses.dataclass
 class ServerState:
+    """What lives as long as the server: the configuration, one HTTP client, what backends told us."""
+
     config: Config
     http: httpx2.AsyncClient
+    caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One tool call's input: loaded, validated and measured."""
+
+    messages: list[dict[str, Any]]
+    container: dict[str, Any] | None
+    tools: list[dict[str, Any]]
+    tokenizer: Tokenizer
+    exact: int | None  # the server's own count of the whole request, when it counted
+    window: int
+    window_source: str
+    backend: Backend
+    model: str | None
 
 
 MessagesArg = Annotated[
@@ -1024,14 +1567,23 @@ OutputArg = Annotated[
     str | None,
     Field(description="Write the resulting messages here (atomically) and return only the report."),
 ]
-WindowArg = Annotated[int, Field(ge=1, le=MAX_CONTEXT_TOKENS_LIMIT, description="The model's context window.")]
+WindowArg = Annotated[
+    int | Literal["auto"], Field(description="Context window in tokens, or 'auto' to ask the server.")
+]
 KeepLastArg = Annotated[int, Field(ge=0, le=1_000_000, description="Newest messages always kept (whole units).")]
+ToolsArg = Annotated[list[dict[str, Any]] | None, Field(description="The request's tool definitions (counted too).")]
+TokenizerArg = Annotated[str | None, Field(description="auto, server, heuristic, tiktoken or tiktoken:<encoding>.")]
+ReserveArg = Annotated[int, Field(ge=0, le=MAX_CONTEXT_TOKENS_LIMIT, description="Tokens kept free for the reply.")]
+ModelArg = Annotated[str | None, Field(description="Model the history is for (picks tokenizer and window).")]
 
 
 def build_server(config: Config | None = None) -> MCPServer:
     """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`."""
+    import anyio
+
     config = config or Config.from_env()[0]
     default_window = config.max_context_tokens
+    default_reserve = config.reserve_tokens
 
     @contextlib.asynccontextmanager
     async def lifespan(_: MCPServer) -> AsyncIterator[ServerState]:
@@ -1046,9 +1598,6 @@ def build_server(config: Config | None = None) -> MCPServer:
         lifespan=lifespan,
     )
 
-    def tokenizer() -> Tokenizer:
-        return resolve_tokenizer(config.tokenizer)
-
     def load(messages: Any, messages_path: str | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         if (messages is None) == (messages_path is None):
             raise ContextShrinkError("give exactly one of messages or messages_path")
@@ -1056,6 +1605,88 @@ def build_server(config: Config | None = None) -> MCPServer:
             messages, container = load_messages_file(resolve_path(config.root, messages_path))
             return validate_messages(messages), container
         return validate_messages(messages), None
+
+    async def prepare(
+        ctx: Context,
+        messages: Any,
+        messages_path: str | None,
+        tools: Any,
+        tokenizer: str | None,
+        model: str | None,
+        window: int | str,
+        base_url: str | None = None,
+        api_key: str | None = None,
+    ) -> Prepared:
+        """Load the messages, pick the tokenizer (exact on the server when it can count) and the window."""
+        state: ServerState = ctx.request_context.lifespan_context
+        loaded, container = load(messages, messages_path)
+        if tools is None and container is not None:
+            tools = container.get("tools")  # a request body's own tools count too
+        tools = validate_tools(tools or [])
+        backend = Backend(
+            state.http,
+            base_url or config.base_url,
+            api_key or config.api_key,
+            config.extra_headers,
+            caches=state.caches,
+        )
+        spec = parse_tokenizer_spec(tokenizer or config.tokenizer)
+        model = model or config.model
+        local = await anyio.to_thread.run_sync(resolve_tokenizer, spec, model, config.chat_format)
+        exact = None
+        if spec == "server" or (spec == "auto" and (base_url or config.base_url_configured)):
+            try:
+                exact, method = await backend.count_tokens(loaded, tools, model)
+            except ContextShrinkError as exc:
+                note = f"server counting unavailable ({exc}); counted with {local.name}"
+                log.info("%s", note)
+                local = dataclasses.replace(local, note="; ".join(filter(None, [local.note, note])))
+            else:
+                estimate = await anyio.to_thread.run_sync(
+                    lambda: count_messages(loaded, local)[1] + count_tools(tools, local)
+                )
+                local = dataclasses.replace(local, name=f"server:{method}", scale=exact / max(1, estimate))
+        if window == "auto":
+            try:
+                window, source = await backend.context_window(model)
+            except ContextShrinkError as exc:
+                window, source = DEFAULT_MAX_CONTEXT_TOKENS, f"default {DEFAULT_MAX_CONTEXT_TOKENS} ({exc})"
+                log.info("window discovery failed: %s", exc)
+        else:
+            source = "given"
+        return Prepared(loaded, container, tools, local, exact, int(window), source, backend, model)
+
+    async def recount(
+        req: Prepared,
+        result: dict[str, Any],
+        reserve: int,
+        redo: Callable[[int], dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """Replace estimated sizes by the server's exact count; shrink again (at most twice) if it is over."""
+        result = {**result, "max_context_source": req.window_source}
+        if req.exact is None or result.get("messages") is None:
+            return result
+        budget, extra = req.window - reserve, 0
+        for attempt in range(3):
+            try:
+                after, _ = await req.backend.count_tokens(result["messages"], req.tools, req.model)
+            except ContextShrinkError as exc:
+                return {**result, "warnings": [*result.get("warnings", []), f"exact recount failed: {exc}"]}
+            if after <= budget or redo is None or attempt == 2 or reserve + extra + after - budget >= req.window:
+                break
+            extra += after - budget
+            again = await anyio.to_thread.run_sync(redo, reserve + extra)
+            if again["kept_from_index"] == result["kept_from_index"]:
+                break  # nothing more can go
+            result = {**again, "max_context_source": req.window_source}
+        return {
+            **result,
+            "tokens_before": req.exact,
+            "tokens_after": after,
+            "fits": after <= budget,
+            "tokens_over": max(0, after - budget),
+            "reserve_tokens": reserve,
+        }
 
     def deliver(result: dict[str, Any], output_path: str | None, container: dict[str, Any] | None) -> dict[str, Any]:
         result = {**result, "output_path": None}
@@ -1066,27 +1697,54 @@ def build_server(config: Config | None = None) -> MCPServer:
         return result
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
-    def estimate_context(
-        messages: MessagesArg = None, max_context_tokens: WindowArg = default_window, messages_path: PathArg = None
+    async def estimate_context(
+        ctx: Context,
+        messages: MessagesArg = None,
+        max_context_tokens: WindowArg = default_window,
+        messages_path: PathArg = None,
+        tools: ToolsArg = None,
+        tokenizer: TokenizerArg = None,
+        model: ModelArg = None,
+        reserve_tokens: ReserveArg = default_reserve,
     ) -> dict[str, Any]:
-        """Count the tokens of a chat history and say whether it fits the context window."""
+        """Count the tokens of a chat history (and its tools) and say whether it fits the context window."""
         with _tool_errors():
-            loaded, _ = load(messages, messages_path)
-            return estimate_messages(loaded, tokenizer(), max_context_tokens)
+            req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
+            result = await anyio.to_thread.run_sync(
+                lambda: estimate_messages(
+                    req.messages, req.tokenizer, req.window, tools=req.tools, reserve_tokens=reserve_tokens
+                )
+            )
+            if req.exact is not None:
+                result.update(tokens=req.exact, remaining=req.window - reserve_tokens - req.exact)
+                result["should_trim"] = result["remaining"] < 0
+            return {**result, "max_context_source": req.window_source}
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=True, open_world_hint=False))
-    def trim_context(
+    async def trim_context(
+        ctx: Context,
         messages: MessagesArg = None,
         keep_last: KeepLastArg = DEFAULT_KEEP_LAST,
         max_context_tokens: WindowArg = default_window,
         messages_path: PathArg = None,
         output_path: OutputArg = None,
+        tools: ToolsArg = None,
+        tokenizer: TokenizerArg = None,
+        model: ModelArg = None,
+        reserve_tokens: ReserveArg = default_reserve,
     ) -> dict[str, Any]:
         """Drop the oldest messages until the history fits; keeps leading system messages, the newest keep_last
         messages and every tool call together with its results."""
         with _tool_errors():
-            loaded, container = load(messages, messages_path)
-            return deliver(trim_messages(loaded, tokenizer(), max_context_tokens, keep_last), output_path, container)
+            req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
+
+            def trim(reserve: int) -> dict[str, Any]:
+                return trim_messages(
+                    req.messages, req.tokenizer, req.window, keep_last, tools=req.tools, reserve_tokens=reserve
+                )
+
+            result = await recount(req, await anyio.to_thread.run_sync(trim, reserve_tokens), reserve_tokens, trim)
+            return deliver(result, output_path, req.container)
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=False, open_world_hint=True))
     async def compact_context(
@@ -1112,53 +1770,69 @@ def build_server(config: Config | None = None) -> MCPServer:
         summary_role: Literal["system", "user"] = "system",
         messages_path: PathArg = None,
         output_path: OutputArg = None,
+        tools: ToolsArg = None,
+        tokenizer: TokenizerArg = None,
+        reserve_tokens: ReserveArg = default_reserve,
     ) -> dict[str, Any]:
         """Replace the oldest messages with one summary message. Give summary to use yours; otherwise a
         configured model writes it; with neither, get a plan (summary_prompt and the span) and call again."""
-        import anyio
-
         with _tool_errors():
-            state: ServerState = ctx.request_context.lifespan_context
-            loaded, container = load(messages, messages_path)
-            tok = await anyio.to_thread.run_sync(tokenizer)
             model_name = (config.model or None) if model is None else (model or None)
+            req = await prepare(
+                ctx, messages, messages_path, tools, tokenizer, model_name, max_context_tokens, base_url, api_key
+            )
             args = {
-                "max_context_tokens": max_context_tokens,
+                "max_context_tokens": req.window,
                 "keep_last": keep_last,
                 "threshold": threshold,
                 "force": force,
                 "max_summary_tokens": max_summary_tokens,
                 "summary_role": summary_role,
+                "tools": req.tools,
+                "reserve_tokens": reserve_tokens,
             }
-            plan = compact_messages(loaded, tok, summary=summary, **args)
+
+            def compact(text: str | None) -> dict[str, Any]:
+                return compact_messages(req.messages, req.tokenizer, summary=text, **args)
+
+            plan = await anyio.to_thread.run_sync(compact, summary)
             mode = "summary" if summary is not None else "model" if model_name else "plan"
             result = {**plan, "mode": mode, "summariser": None, "model_calls": 0}
             if mode != "model" or not plan["needs_summary"]:
-                return deliver(result, output_path, container)
-            key = api_key or config.api_key
-            backend = Backend(state.http, base_url or config.base_url, key, config.extra_headers)
+                return deliver(await recount(req, result, reserve_tokens), output_path, req.container)
             start, end, pinned = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_user_index"]
-            try:
-                text, calls = await summarise_messages(
-                    [m for i, m in enumerate(loaded[start:end], start) if i != pinned],
-                    tok,
-                    max_context_tokens,
-                    max_summary_tokens,
-                    lambda prompt, limit: backend.chat(model_name, prompt, limit),
-                )
-            except ContextShrinkError as exc:
-                log.warning("compaction failed, messages returned untouched: %s", exc)
-                return deliver(
-                    {**result, "needs_summary": False, "messages": loaded, "reason": f"summary failed: {exc}"},
-                    output_path,
-                    container,
-                )
-            done = compact_messages(loaded, tok, summary=text, **args)
-            return deliver(
-                {**done, "mode": mode, "summariser": f"{model_name} @ {backend.base_url}", "model_calls": calls},
-                output_path,
-                container,
-            )
+            span = [m for i, m in enumerate(req.messages[start:end], start) if i != pinned]
+            window, warnings, calls, sent = req.window, list(plan["warnings"]), 0, [0]
+
+            async def summarise(prompt: list[dict[str, Any]], limit: int) -> str:
+                sent[0] = count_messages(prompt, req.tokenizer)[1] + limit  # our estimate of this request
+                return await req.backend.chat(model_name, prompt, limit)
+
+            for attempt in range(2):
+                try:
+                    text, used = await summarise_messages(span, req.tokenizer, window, max_summary_tokens, summarise)
+                    calls += used
+                    break
+                except ContextShrinkError as exc:
+                    overflow = exc.overflow
+                    if overflow is None or attempt == 1:
+                        log.warning("compaction failed, messages returned untouched: %s", exc)
+                        failed = {**result, "needs_summary": False, "messages": req.messages}
+                        failed.update(reason=f"summary failed: {exc}", warnings=warnings, model_calls=calls)
+                        return deliver(await recount(req, failed, reserve_tokens), output_path, req.container)
+                    # The summariser refused a chunk for its length: its limit, in our units, is the limit
+                    # scaled by (our estimate of that request / the prompt size it reported). Retry smaller.
+                    if overflow.limit and overflow.prompt_tokens:
+                        window = min(window, int(overflow.limit * sent[0] / overflow.prompt_tokens * 0.9))
+                    else:
+                        window = min(window, sent[0]) // 2
+                    warnings.append(
+                        f"the summariser refused a chunk for its length ({exc}); retried with chunks for a "
+                        f"{window}-token window"
+                    )
+            done = {**await anyio.to_thread.run_sync(compact, text), "mode": mode, "model_calls": calls}
+            done.update(summariser=f"{model_name} @ {req.backend.base_url}", warnings=warnings)
+            return deliver(await recount(req, done, reserve_tokens), output_path, req.container)
 
     return server
 

@@ -56,6 +56,10 @@ test("lists the three tools with their parameters", async () => {
     "messages",
     "max_context_tokens",
     "messages_path",
+    "tools",
+    "tokenizer",
+    "model",
+    "reserve_tokens",
   ]);
   assert.equal(byName.compact_context.inputSchema.properties.summary_role.default, "system");
 });

@@ -110,7 +110,7 @@ def test_upstream_error_shapes(status: int, body: dict[str, Any], expected: str)
 
 
 def test_garbage_and_non_summary_replies() -> None:
-    with pytest.raises(cs.ContextShrinkError, match="not a chat completion reply"):
+    with pytest.raises(cs.ContextShrinkError, match="is not JSON"):
         chat(backend(lambda r: httpx2.Response(200, text="<html>oops</html>")))
     tool_only = {"choices": [{"message": {"content": None, "tool_calls": [{"id": "c", "function": {"name": "x"}}]}}]}
     with pytest.raises(cs.ContextShrinkError, match="a tool call, not a summary"):

@@ -146,10 +146,10 @@ def test_cookbook_count_matches_openai(tok: cs.Tokenizer) -> None:
     assert cs.count_messages(COOKBOOK, tok)[1] == 129
 
 
-def test_heuristic_is_chars_over_four() -> None:
-    assert cs.HEURISTIC.count("") == 0
-    assert cs.HEURISTIC.count("abcd") == 1
-    assert cs.HEURISTIC.count("abcde") == 2
+def test_heuristic_basics() -> None:
+    assert cs.heuristic_tokens("") == 0
+    assert cs.heuristic_tokens("a") == 1
+    assert 8 <= cs.heuristic_tokens("The quick brown fox jumps over the lazy dog.") <= 13
 
 
 def test_tool_calls_and_reasoning_are_counted(tok: cs.Tokenizer) -> None:
@@ -209,7 +209,7 @@ def test_tokenizer_without_tiktoken_falls_back(monkeypatch: pytest.MonkeyPatch) 
     cs.resolve_tokenizer.cache_clear()
     try:
         tokenizer = cs.resolve_tokenizer("auto")
-        assert tokenizer.name == "heuristic:chars/4"
+        assert tokenizer.name == "heuristic"
         assert "not installed" in tokenizer.note
     finally:
         cs.resolve_tokenizer.cache_clear()
@@ -230,7 +230,7 @@ def test_tiktoken_offline_failure_falls_back_once(monkeypatch: pytest.MonkeyPatc
     try:
         first = cs.resolve_tokenizer("tiktoken")
         second = cs.resolve_tokenizer("tiktoken")
-        assert first is second and first.name == "heuristic:chars/4"
+        assert first is second and first.name == "heuristic"
         assert "ConnectionError" in first.note
         assert calls == ["cl100k_base"]  # remembered, not retried
     finally:
@@ -245,15 +245,21 @@ def test_tiktoken_load_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> No
     cs.resolve_tokenizer.cache_clear()
     try:
         started = time.monotonic()
-        tokenizer = cs.resolve_tokenizer("tiktoken", 0.2)
+        tokenizer = cs.resolve_tokenizer("tiktoken", timeout=0.2)
         assert time.monotonic() - started < 3
-        assert tokenizer.name == "heuristic:chars/4" and "took over" in tokenizer.note
+        assert tokenizer.name == "heuristic" and "took over" in tokenizer.note
     finally:
         cs.resolve_tokenizer.cache_clear()
 
 
-def test_heuristic_setting_skips_tiktoken() -> None:
-    assert cs.resolve_tokenizer("heuristic") is cs.HEURISTIC
+def test_heuristic_setting_skips_tiktoken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cs, "tiktoken", None)  # would be "not installed" if it were tried
+    cs.resolve_tokenizer.cache_clear()
+    try:
+        tokenizer = cs.resolve_tokenizer("heuristic")
+        assert tokenizer.name == "heuristic" and tokenizer.note is None
+    finally:
+        cs.resolve_tokenizer.cache_clear()
 
 
 # --------------------------------------------------------------------------- validation

@@ -9,6 +9,7 @@ from typing import Any
 import httpx2
 import pytest
 from conftest import LOCAL_SESSIONS
+from test_core import conversation
 from test_tools import call, ok, run
 
 import context_shrink as cs
@@ -51,20 +52,54 @@ def test_model_mode_compacts_in_chunks(llama_url: str, tmp_path: Path) -> None:
     assert result["tokens_after"] < result["tokens_before"]
 
 
-def test_overflow_refusal_returns_messages_untouched(llama_url: str, tmp_path: Path) -> None:
+def test_overflow_refusal_is_learned_and_retried(llama_url: str, tmp_path: Path) -> None:
     server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", model="tiny", base_url=llama_url))
     messages = session()
-    # Claim a window far larger than the server's: the first chunk is refused for length.
+    # Claim a window far larger than the server's: the first chunk is refused for length, the refusal
+    # is parsed, and the summary is retried with chunks sized to the server's real window.
     result = ok(
         run(
             call(
                 server,
                 "compact_context",
-                {"messages": messages, "max_context_tokens": 60000, "force": True, "output_path": "out.json"},
+                {"messages": messages, "max_context_tokens": 60000, "max_summary_tokens": 96, "force": True},
             )
         )
     )
-    assert result["compacted"] is False
-    assert "backend 400: request (" in result["reason"]
-    assert "exceeds the available context size (8192 tokens)" in result["reason"]
-    assert json.loads((tmp_path / "out.json").read_text()) == messages
+    assert result["compacted"], result["reason"]
+    refused = [w for w in result["warnings"] if "refused a chunk for its length" in w]
+    assert refused and "exceeds the available context size (8192 tokens)" in refused[0]
+
+
+def test_dead_summariser_returns_messages_untouched(tmp_path: Path) -> None:
+    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", model="tiny", timeout=5))
+    messages = session()
+    arguments = {"messages": messages, "force": True, "base_url": "http://127.0.0.1:9/v1", "output_path": "o.json"}
+    result = ok(run(call(server, "compact_context", arguments)))
+    assert result["compacted"] is False and "backend unreachable" in result["reason"]
+    assert json.loads((tmp_path / "o.json").read_text()) == messages
+
+
+def test_server_exact_count_equals_usage(llama_url: str, tmp_path: Path) -> None:
+    messages = session()[:6]
+    usage = httpx2.post(
+        llama_url + "/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60
+    ).json()["usage"]["prompt_tokens"]
+    server = cs.build_server(cs.Config(root=tmp_path, base_url=llama_url, base_url_configured=True))
+    result = ok(run(call(server, "estimate_context", {"messages": messages, "max_context_tokens": "auto"})))
+    assert result["tokens"] == usage
+    assert result["tokenizer"] == "server:llama.cpp /v1/chat/completions/input_tokens"
+    assert (result["max_context_tokens"], result["max_context_source"]) == (8192, "llama.cpp /props")
+    local = ok(run(call(server, "estimate_context", {"messages": messages, "tokenizer": "tiktoken"})))
+    assert local["tokenizer"] == "tiktoken:cl100k_base" and local["tokens"] < usage  # the tiny vocabulary is small
+
+
+def test_trim_with_the_server_count_really_fits(llama_url: str, tmp_path: Path) -> None:
+    messages = conversation(12, size=60)
+    server = cs.build_server(cs.Config(root=tmp_path, base_url=llama_url, tokenizer="server"))
+    result = ok(run(call(server, "trim_context", {"messages": messages, "max_context_tokens": 3000, "keep_last": 2})))
+    out = result["messages"]
+    prompt = httpx2.post(llama_url + "/chat/completions", json={"messages": out, "max_tokens": 1}, timeout=60).json()
+    assert result["tokens_after"] == prompt["usage"]["prompt_tokens"] <= 3000
+    assert result["fits"] and result["dropped"] > 0
+    assert result["tokens_before"] > 3000

@@ -15,9 +15,19 @@ from test_core import assistant, conversation, tool, user
 
 import context_shrink as cs
 
+COMMON = ["tools", "tokenizer"]
 CONTRACT = {
-    "estimate_context": ["messages", "max_context_tokens", "messages_path"],
-    "trim_context": ["messages", "keep_last", "max_context_tokens", "messages_path", "output_path"],
+    "estimate_context": ["messages", "max_context_tokens", "messages_path", *COMMON, "model", "reserve_tokens"],
+    "trim_context": [
+        "messages",
+        "keep_last",
+        "max_context_tokens",
+        "messages_path",
+        "output_path",
+        *COMMON,
+        "model",
+        "reserve_tokens",
+    ],
     "compact_context": [
         "messages",
         "keep_last",
@@ -32,6 +42,8 @@ CONTRACT = {
         "summary_role",
         "messages_path",
         "output_path",
+        *COMMON,
+        "reserve_tokens",
     ],
 }
 
@@ -98,6 +110,9 @@ def test_estimate_inline(server: Any) -> None:
         "tokenizer": "tiktoken:cl100k_base",
         "tokenizer_note": None,
         "message_count": 1,
+        "tools_tokens": 0,
+        "reserve_tokens": 0,
+        "max_context_source": "given",
     }
 
 

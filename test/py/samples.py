@@ -1,0 +1,96 @@
+"""Text samples by content class, for fitting and checking the token heuristic against cl100k.
+
+Everything is built from files in this repository or generated deterministically, so the samples are
+the same on every machine: English prose (`test/data/samples`), code (this project's own sources),
+logs (tool outputs of the copied transcripts plus a generated pytest/server log), minified JSON
+(the transcripts, `test/js/package-lock.json`), base64/hex, and CJK (hand-written Chinese, Japanese
+and Korean).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "test" / "data"
+
+
+def _pieces(text: str, size: int = 2000) -> list[str]:
+    """Cut at line ends into pieces of about ``size`` characters."""
+    out, current = [], ""
+    for line in text.splitlines(keepends=True):
+        current += line
+        if len(current) >= size:
+            out.append(current)
+            current = ""
+    if current.strip():
+        out.append(current)
+    return out
+
+
+def _generated_log(seed: int = 3) -> str:
+    rng = random.Random(seed)
+    lines = []
+    for i in range(400):
+        stamp = f"2026-11-{rng.randint(1, 28):02d}T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+        t = f"{stamp}:{rng.randint(0, 59):02d}.{rng.randint(0, 999):03d}Z"
+        kind = rng.random()
+        if kind < 0.4:
+            name = rng.choice(["core", "tools", "backend"])
+            lines.append(f"test/py/test_{name}.py::test_case_{i} PASSED [{i // 4:3d}%]")
+        elif kind < 0.6:
+            slot, tokens, ms = rng.randint(0, 3), rng.randint(1, 9000), rng.random() * 100
+            lines.append(f"{t} INFO srv  update_slots: id {slot} | task {i} | prompt eval {tokens} tokens, {ms:.2f} ms")
+        elif kind < 0.75:
+            port, attempt = rng.randint(1024, 65535), rng.randint(1, 3)
+            lines.append(f"{t} WARNING retrying http://127.0.0.1:{port}/v1/chat/completions (attempt {attempt})")
+        elif kind < 0.9:
+            where = rng.choice(["request", "message", "event"])
+            path = f"/home/user/project/src/app/module_{rng.randint(1, 40)}.py"
+            lines.append(f'  File "{path}", line {rng.randint(1, 900)}, in handle_{where}')
+        else:
+            a, b, c = rng.randint(0, 10**6), rng.randint(0, 10**6), rng.getrandbits(48)
+            lines.append(f"E   AssertionError: assert {a} == {b} (0x{c:012x})")
+    return "\n".join(lines) + "\n"
+
+
+def _transcript_texts(path: Path) -> list[dict]:
+    return json.loads(path.read_text(encoding="utf-8"))["messages"]
+
+
+def samples() -> dict[str, list[str]]:
+    """Content class -> list of text samples (each a few KB)."""
+    transcripts = sorted(DATA.glob("*.json"))
+    tool_outputs = [
+        m["content"]
+        for path in transcripts
+        for m in _transcript_texts(path)
+        if m["role"] == "tool" and isinstance(m["content"], str) and len(m["content"]) > 300
+    ]
+    rng = random.Random(11)
+    blobs = [base64.b64encode(rng.randbytes(1500)).decode() for _ in range(4)]
+    blobs.append("\n".join(hashlib.sha256(str(i).encode()).hexdigest() for i in range(40)))
+    cjk = (DATA / "samples" / "cjk.txt").read_text(encoding="utf-8").splitlines()
+    return {
+        "prose": _pieces((DATA / "samples" / "prose.txt").read_text(encoding="utf-8"))
+        + _pieces((DATA / "samples" / "prose-apache-2.0.txt").read_text(encoding="utf-8")),
+        "code": _pieces((ROOT / "context_shrink.py").read_text(encoding="utf-8"))[:12]
+        + _pieces((ROOT / "test" / "js" / "stdio.test.js").read_text(encoding="utf-8")),
+        "logs": _pieces(_generated_log()) + tool_outputs[:12],
+        "json": _pieces(
+            "\n".join(json.dumps(m, separators=(",", ":")) for p in transcripts for m in _transcript_texts(p))
+        )[:12]
+        + _pieces(
+            json.dumps(json.loads((ROOT / "test" / "js" / "package-lock.json").read_text()), separators=(",", ":")),
+            2000,
+        )[:6],
+        "base64": blobs,
+        "cjk": [line for line in cjk if line.strip()],
+        "other scripts": [
+            line for line in (DATA / "samples" / "other-scripts.txt").read_text(encoding="utf-8").splitlines() if line
+        ],
+    }

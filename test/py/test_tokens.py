@@ -1,0 +1,612 @@
+"""Counting you can trust: tokenizer choice, the fitted heuristic, tools, reserve, server counting,
+window discovery and overflow parsing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2
+import pytest
+from conftest import load_session, session_files
+from samples import samples
+from test_core import COOKBOOK, conversation, user
+
+import context_shrink as cs
+
+# --------------------------------------------------------------------------- tokenizer choice
+
+
+@pytest.mark.parametrize("spec", ["auto", "server", "heuristic", "tiktoken", "tiktoken:o200k_base", " TikToken "])
+def test_tokenizer_specs(spec: str) -> None:
+    assert cs.parse_tokenizer_spec(spec) == spec.strip().lower()
+
+
+@pytest.mark.parametrize("spec", ["", "sentencepiece", "tiktoken:", "tiktoken:../x", 5])
+def test_bad_tokenizer_specs(spec: Any) -> None:
+    with pytest.raises(cs.ContextShrinkError, match="is not one of auto, server"):
+        cs.parse_tokenizer_spec(spec)
+
+
+@pytest.mark.parametrize(
+    ("model", "encoding"),
+    [
+        ("gpt-4o", "o200k_base"),
+        ("gpt-4o-mini-2024-07-18", "o200k_base"),
+        ("gpt-4.1-nano", "o200k_base"),
+        ("gpt-5", "o200k_base"),
+        ("o1", "o200k_base"),
+        ("o3-mini", "o200k_base"),
+        ("openai/o4-mini", "o200k_base"),
+        ("gpt-4", "cl100k_base"),
+        ("gpt-3.5-turbo", "cl100k_base"),
+        ("qwen3-4b", "cl100k_base"),
+        ("ollama3", "cl100k_base"),
+        (None, "cl100k_base"),
+    ],
+)
+def test_encoding_for_model(model: str | None, encoding: str) -> None:
+    assert cs.encoding_for_model(model) == encoding
+
+
+def test_o200k_unavailable_falls_back_to_cl100k(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiktoken
+
+    real = tiktoken.get_encoding
+
+    def only_cl100k(name: str) -> Any:
+        if name.startswith("o200k"):
+            raise ConnectionError("offline")
+        return real(name)
+
+    monkeypatch.setattr(tiktoken, "get_encoding", only_cl100k)
+    cs.resolve_tokenizer.cache_clear()
+    try:
+        tokenizer = cs.resolve_tokenizer("auto", "gpt-4o")
+        assert tokenizer.name == "tiktoken:cl100k_base"
+        assert "o200k_base" in tokenizer.note and "counting with cl100k_base" in tokenizer.note
+    finally:
+        cs.resolve_tokenizer.cache_clear()
+
+
+def test_config_reads_the_new_settings() -> None:
+    config, warnings = cs.Config.from_env(
+        {
+            "CONTEXT_SHRINK_TOKENIZER": "tiktoken:o200k_base",
+            "CONTEXT_SHRINK_CHAT_FORMAT": "ChatML",
+            "CONTEXT_SHRINK_MAX_CONTEXT_TOKENS": "auto",
+            "CONTEXT_SHRINK_RESERVE_TOKENS": "2048",
+            "CONTEXT_SHRINK_BASE_URL": "http://127.0.0.1:8080/v1",
+        }
+    )
+    assert warnings == []
+    assert (config.tokenizer, config.chat_format, config.max_context_tokens) == (
+        "tiktoken:o200k_base",
+        "chatml",
+        "auto",
+    )
+    assert config.reserve_tokens == 2048 and config.base_url_configured
+    _, warnings = cs.Config.from_env({"CONTEXT_SHRINK_CHAT_FORMAT": "vicuna", "CONTEXT_SHRINK_RESERVE_TOKENS": "x"})
+    assert len(warnings) == 2
+
+
+# --------------------------------------------------------------------------- the content-aware heuristic
+
+
+@pytest.fixture(scope="module")
+def cl100k() -> cs.Tokenizer:
+    return cs.resolve_tokenizer("tiktoken:cl100k_base")
+
+
+@pytest.mark.parametrize("name", list(samples()))
+def test_heuristic_within_12_percent_of_cl100k(cl100k: cs.Tokenizer, name: str) -> None:
+    texts = samples()[name]
+    ratio = sum(cs.heuristic_tokens(t) for t in texts) / sum(cl100k.count(t) for t in texts)
+    assert 0.88 <= ratio <= 1.12, f"{name}: heuristic / cl100k = {ratio:.3f}"
+
+
+@pytest.mark.parametrize("path", session_files(), ids=lambda p: p.stem[:40])
+def test_heuristic_never_far_under_on_a_transcript(cl100k: cs.Tokenizer, path: Path) -> None:
+    messages = load_session(path)
+    exact = cs.count_messages(messages, cl100k)[1]
+    estimate = cs.count_messages(messages, cs.HEURISTIC)[1]
+    assert 0.95 <= estimate / exact <= 1.2, f"heuristic / cl100k = {estimate / exact:.3f}"  # over is safe
+
+
+def test_heuristic_beats_chars_over_four_where_it_matters(cl100k: cs.Tokenizer) -> None:
+    for name in ("cjk", "base64", "json"):
+        texts = samples()[name]
+        exact = sum(cl100k.count(t) for t in texts)
+        assert sum(len(t) for t in texts) / 4 < 0.8 * exact  # chars/4 is far under
+        assert sum(cs.heuristic_tokens(t) for t in texts) >= 0.95 * exact
+
+
+def test_heuristic_features_and_sum_agree() -> None:
+    text = "Привет, 世界! def f(x): return x*2  # 0xdeadbeef " * 200  # long: sampled
+    weights = cs.HEURISTIC_WEIGHTS + cs.HEURISTIC_NON_ASCII_WEIGHTS
+    raw = sum(w * f for w, f in zip(weights, cs.heuristic_features(text), strict=True))
+    assert abs(cs.heuristic_tokens(text) - cs.HEURISTIC_SAFETY * raw) <= 1
+
+
+def test_cache_counts_each_text_once() -> None:
+    calls: list[str] = []
+    cached = cs._CachedCount(lambda t: calls.append(t) or len(t), max_chars=100)
+    assert [cached("x" * 40), cached("x" * 40), cached("y" * 40)] == [40, 40, 40]
+    assert len(calls) == 2
+    cached("z" * 40)  # 120 chars > 100: the oldest entry goes
+    cached("x" * 40)
+    assert len(calls) == 4
+
+
+# --------------------------------------------------------------------------- what counts
+
+
+def test_cookbook_tools_example(cl100k: cs.Tokenizer) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_current_weather",
+                "description": "Get the current weather in a given location",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "location": {"type": "string", "description": "The city and state, e.g. San Francisco, CA"},
+                        "unit": {
+                            "type": "string",
+                            "description": "The unit of temperature to return",
+                            "enum": ["celsius", "fahrenheit"],
+                        },
+                    },
+                    "required": ["location"],
+                },
+            },
+        }
+    ]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant that can answer to questions about the weather."},
+        {"role": "user", "content": "What's the weather like in San Francisco?"},
+    ]
+    # The cookbook's figure for gpt-4 / gpt-3.5-turbo (cl100k_base), verified there against the API.
+    assert cs.count_messages(messages, cl100k)[1] + cs.count_tools(tools, cl100k) == 105
+    nested = json.loads(json.dumps(tools))
+    nested[0]["function"]["parameters"]["properties"]["options"] = {
+        "type": "object",
+        "properties": {"depth": {"type": "integer", "description": "How deep to look"}},
+    }
+    assert cs.count_tools(nested, cl100k) > cs.count_tools(tools, cl100k) + 10
+
+
+@pytest.mark.parametrize(
+    ("tools", "expected"),
+    [
+        ({}, "tools must be a list"),
+        ([{"type": "function"}], "tools[0].function.name"),
+        ([{"function": {"name": "x", "description": 3}}], "tools[0].function.description"),
+        ([{"function": {"name": "x", "parameters": []}}], "tools[0].function.parameters"),
+    ],
+)
+def test_bad_tools(tools: Any, expected: str) -> None:
+    with pytest.raises(cs.ContextShrinkError) as info:
+        cs.validate_tools(tools)
+    assert expected in str(info.value)
+
+
+def test_chat_formats_change_the_overhead(cl100k: cs.Tokenizer) -> None:
+    chatml = cs.resolve_tokenizer("tiktoken:cl100k_base", None, "chatml")
+    messages = conversation(2, size=3)
+    openai_total = cs.count_messages(messages, cl100k)[1]
+    assert cs.count_messages(messages, chatml)[1] == openai_total + len(messages) * (4 - 3)
+    with pytest.raises(cs.ContextShrinkError, match="chat format"):
+        cs.resolve_tokenizer("auto", None, "vicuna")
+
+
+def test_tools_and_reserve_shrink_the_budget(cl100k: cs.Tokenizer) -> None:
+    messages = conversation(6, size=100)
+    tools = [{"type": "function", "function": {"name": "bash", "description": "run a command " * 100}}]
+    plain = cs.trim_messages(messages, cl100k, 3000, 2)
+    with_tools = cs.trim_messages(messages, cl100k, 3000, 2, tools=tools, reserve_tokens=500)
+    assert with_tools["tools_tokens"] > 200 and with_tools["reserve_tokens"] == 500
+    assert with_tools["tokens_after"] <= 2500 and with_tools["fits"]
+    assert with_tools["dropped"] > plain["dropped"]
+    assert (
+        with_tools["tokens_after"] == cs.count_messages(with_tools["messages"], cl100k)[1] + with_tools["tools_tokens"]
+    )
+    estimate = cs.estimate_messages(messages, cl100k, 3000, tools=tools, reserve_tokens=500)
+    assert estimate["remaining"] == 2500 - estimate["tokens"]
+    with pytest.raises(cs.ContextShrinkError, match="reserve_tokens"):
+        cs.trim_messages(messages, cl100k, 3000, reserve_tokens=3000)
+
+
+# --------------------------------------------------------------------------- overflow refusals
+
+OVERFLOWS: list[tuple[Any, int | None, int | None]] = [
+    (
+        {
+            "error": {
+                "code": 400,
+                "message": "request (6010 tokens) exceeds the available context size (2048 tokens), try increasing it",
+                "type": "exceed_context_size_error",
+                "n_prompt_tokens": 6010,
+                "n_ctx": 2048,
+            }
+        },
+        2048,
+        6010,
+    ),
+    ("input (9000 tokens) is larger than the max context size (8192 tokens). skipping", 8192, 9000),
+    (
+        {
+            "object": "error",
+            "message": "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
+            "(4500 in the messages, 500 in the completion). Please reduce the length of the messages or completion.",
+            "type": "BadRequestError",
+        },
+        4096,
+        4500,
+    ),
+    (
+        "This model's maximum context length is 8192 tokens. However, your request has 9100 input tokens. "
+        "Please reduce the length of the input messages.",
+        8192,
+        9100,
+    ),
+    (
+        "'max_tokens' or 'max_completion_tokens' is too large: 1000. This model's maximum context length is "
+        "4096 tokens and your request has 3500 input tokens (1000 > 4096 - 3500).",
+        4096,
+        3500,
+    ),
+    (
+        "You passed 7000 input tokens and requested 1000 output tokens. However, the model's context length is "
+        "only 4096 tokens, resulting in a maximum input length of 3096 tokens. Please reduce the length of the "
+        "input prompt.",
+        4096,
+        7000,
+    ),
+    (
+        {
+            "error": {
+                "message": "This model's maximum context length is 32768 tokens. However, you requested 1024 output "
+                "tokens and your prompt contains at least 32769 input tokens, for a total of at least 33793 tokens. "
+                "Please reduce the length of the input prompt or the number of requested output tokens. "
+                "(parameter=input_tokens, value=32769)",
+                "type": "BadRequestError",
+                "param": "input_tokens",
+                "code": 400,
+            }
+        },
+        32768,
+        32769,
+    ),
+    (
+        {
+            "object": "error",
+            "message": "The input (5000 tokens) is longer than the model's context length (4096 tokens).",
+            "type": "BadRequest",
+        },
+        4096,
+        5000,
+    ),
+    (
+        "Requested token count exceeds the model's maximum context length of 8192 tokens. You requested a total "
+        "of 9000 tokens: 8000 tokens from the input messages and 1000 tokens for the completion.",
+        8192,
+        8000,
+    ),
+    (
+        "Input length (9000 tokens) exceeds the maximum allowed length (8192 tokens). Use a shorter input or "
+        "enable --allow-auto-truncate.",
+        8192,
+        9000,
+    ),
+    (
+        {
+            "error": "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4000 "
+            "`inputs` tokens and 200 `max_new_tokens`",
+            "error_type": "validation",
+        },
+        4096,
+        4000,
+    ),
+    ({"error": "Input validation error: `inputs` must have less than 4096 tokens. Given: 5000"}, 4096, 5000),
+    (
+        {
+            "error": {
+                "message": "the prompt is longer than the context length currently available to the model; shorten "
+                "the prompt, adjust the context length in settings, or use a model with a longer context length",
+                "type": "invalid_request_error",
+            }
+        },
+        None,
+        None,
+    ),
+    (
+        {
+            "error": '{"error":{"code":400,"message":"request (5000 tokens) exceeds the available context size '
+            '(4096 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":5000,'
+            '"n_ctx":4096}}'
+        },
+        4096,
+        5000,
+    ),
+    ("the input length exceeds the context length", None, None),
+    (
+        {
+            "error": "Trying to keep the first 9000 tokens when context the overflows. However, the model is loaded "
+            "with context length of only 4096 tokens, which is not enough. Try to load the model with a larger "
+            "context length, or provide a shorter input"
+        },
+        4096,
+        9000,
+    ),
+    (
+        {
+            "error": "The number of tokens to keep from the initial prompt is greater than the context length "
+            "(n_keep: 9000>= n_ctx: 4096). Try to load the model with a larger context length, or provide a "
+            "shorter input."
+        },
+        4096,
+        9000,
+    ),
+    (
+        {
+            "error": {
+                "message": "Prompt too long: 40000 tokens exceeds max context window of 32768 tokens",
+                "type": "invalid_request_error",
+            }
+        },
+        32768,
+        40000,
+    ),
+    ("prompt is too long: 40000 tokens > 32768 maximum; the prompt exceeds max context window of 32768", 32768, 40000),
+    (
+        {
+            "error": {
+                "code": 500,
+                "message": "rpc error: code = Internal desc = request (5000 tokens) exceeds the available context "
+                "size (4096 tokens), try increasing it",
+                "type": "",
+            }
+        },
+        4096,
+        5000,
+    ),
+    (
+        {
+            "error": {
+                "message": "litellm.ContextWindowExceededError: litellm.BadRequestError: OpenAIException - This "
+                "model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens. "
+                "Please reduce the length of the messages.",
+                "code": "400",
+            }
+        },
+        8192,
+        9000,
+    ),
+    (
+        {
+            "error": {
+                "message": "This model's maximum context length is 128000 tokens. However, your messages resulted in "
+                "130000 tokens. Please reduce the length of the messages.",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            }
+        },
+        128000,
+        130000,
+    ),
+    (
+        {
+            "error": {
+                "message": "Your input exceeds the context window of this model. Please adjust your input and try "
+                "again.",
+                "param": "input",
+            }
+        },
+        None,
+        None,
+    ),
+    (
+        "Input tokens exceed the configured limit of 272000 tokens. Your messages resulted in 509178 tokens. "
+        "Please reduce the length of the messages.",
+        272000,
+        509178,
+    ),
+    (
+        {
+            "error": {
+                "message": "Provider returned error",
+                "code": 400,
+                "metadata": {
+                    "raw": '{"object":"error","message":"This model\'s maximum context length is 32768 tokens. '
+                    "However, you requested 33000 tokens (32000 in the messages, 1000 in the completion). Please "
+                    'reduce the length of the messages or completion.","type":"BadRequestError"}',
+                    "provider_name": "Parasail",
+                },
+            }
+        },
+        32768,
+        32000,
+    ),
+    (
+        "This endpoint's maximum context length is 131072 tokens. However, you requested about 140000 tokens "
+        '(140000 of text input). Please reduce the length of either one, or use the "middle-out" transform.',
+        131072,
+        140000,
+    ),
+    (
+        {
+            "error": {
+                "message": "Please reduce the length of the messages or completion.",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            }
+        },
+        None,
+        None,
+    ),
+    (
+        {
+            "error": {
+                "message": "This model's maximum context length is 131072 tokens. However, you requested 140000 "
+                "tokens (139000 in the messages, 1000 in the completion). Please reduce the length of the messages "
+                "or completion.",
+                "type": "invalid_request_error",
+                "code": "invalid_request_error",
+            }
+        },
+        131072,
+        139000,
+    ),
+    ("Prompt contains 40000 tokens, too large for model with 32768 maximum context length", 32768, 40000),
+    ("The input (40000 tokens) is longer than the model's context length (32768 tokens).", 32768, 40000),
+    ("Please reduce the length of the messages or completion. Current length is 9000 while limit is 8192", 8192, 9000),
+]
+
+
+@pytest.mark.parametrize(("body", "limit", "prompt"), OVERFLOWS)
+def test_every_overflow_shape_is_recognised(body: Any, limit: int | None, prompt: int | None) -> None:
+    overflow = cs.parse_overflow(body)
+    assert overflow is not None
+    assert (overflow.limit, overflow.prompt_tokens) == (limit, prompt)
+
+
+def test_vllm_lower_bound_is_flagged() -> None:
+    assert cs.parse_overflow(OVERFLOWS[6][0]).at_least is True
+    assert cs.parse_overflow(OVERFLOWS[0][0]).at_least is False
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}},
+        {"error": "model 'llama3' not found"},
+        "Internal Server Error",
+        None,
+        {"detail": "Not Found"},
+    ],
+)
+def test_other_errors_are_not_overflows(body: Any) -> None:
+    assert cs.parse_overflow(body) is None
+
+
+def test_wire_capture_of_llama_server_is_recognised() -> None:
+    wire = Path(__file__).resolve().parents[3] / "shared" / "data" / "wire" / "llama-server"
+    if not wire.is_dir():
+        pytest.skip("shared/data/wire is not here")
+    for name in ("chat_overflow_error.json", "chat_overflow_error_stream.json", "completion_prompt_2048_tokens.json"):
+        overflow = cs.parse_overflow(json.loads((wire / name).read_text()))
+        assert overflow is not None and overflow.limit == 2048 and overflow.prompt_tokens >= 2048
+
+
+# --------------------------------------------------------------------------- server counting and discovery (mock)
+
+
+def backend(handler: Callable[[httpx2.Request], httpx2.Response], caches: cs.BackendCaches | None = None) -> cs.Backend:
+    client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
+    return cs.Backend(client, "http://srv.test/v1", caches=caches or cs.BackendCaches())
+
+
+def routes(table: dict[str, Any]) -> tuple[Callable[[httpx2.Request], httpx2.Response], list[str]]:
+    seen: list[str] = []
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        key = f"{request.method} {request.url.path}"
+        seen.append(key)
+        if key in table:
+            return httpx2.Response(200, json=table[key])
+        return httpx2.Response(404, json={"error": {"message": "File Not Found", "type": "not_found_error"}})
+
+    return handler, seen
+
+
+@pytest.mark.parametrize(
+    ("table", "expected", "method"),
+    [
+        ({"POST /v1/chat/completions/input_tokens": {"input_tokens": 77}}, 77, cs.COUNT_METHODS[0]),
+        (
+            {"POST /apply-template": {"prompt": "<|im_start|>"}, "POST /tokenize": {"tokens": [1, 2, 3]}},
+            3,
+            cs.COUNT_METHODS[1],
+        ),
+        ({"POST /tokenize": {"count": 42, "max_model_len": 4096, "tokens": []}}, 42, cs.COUNT_METHODS[2]),
+        ({"POST /chat_tokenize": {"tokenize_response": [{"id": 1}] * 9}}, 9, cs.COUNT_METHODS[3]),
+    ],
+)
+def test_server_counting_methods(table: dict[str, Any], expected: int, method: str) -> None:
+    handler, seen = routes(table)
+    b = backend(handler)
+    assert anyio.run(lambda: b.count_tokens([user("hi")])) == (expected, method)
+    probes = len(seen)
+    assert anyio.run(lambda: b.count_tokens([user("hi")])) == (expected, method)
+    assert len(seen) - probes == len(seen[:probes]) - seen[:probes].index(seen[probes])  # only the known method
+
+
+def test_server_that_cannot_count_is_remembered() -> None:
+    handler, seen = routes({})
+    caches = cs.BackendCaches()
+    with pytest.raises(cs.ContextShrinkError, match="cannot count tokens"):
+        anyio.run(lambda: backend(handler, caches).count_tokens([user("hi")]))
+    probes = len(seen)
+    with pytest.raises(cs.ContextShrinkError, match="cannot count tokens"):
+        anyio.run(lambda: backend(handler, caches).count_tokens([user("hi")]))
+    assert len(seen) == probes  # not probed again
+
+
+@pytest.mark.parametrize(
+    ("table", "window", "source"),
+    [
+        ({"GET /props": {"default_generation_settings": {"n_ctx": 4096}}}, 4096, "llama.cpp /props"),
+        ({"GET /v1/models": {"data": [{"id": "m", "meta": {"n_ctx": 2048}}]}}, 2048, "/v1/models"),
+        ({"GET /v1/models": {"data": [{"id": "x"}, {"id": "m", "max_model_len": 32768}]}}, 32768, "/v1/models"),
+        ({"GET /v1/models": {"data": [{"id": "m", "context_window": 131072}]}}, 131072, "/v1/models"),
+        ({"GET /v1/models": {"data": [{"id": "m", "context_length": 200000}]}}, 200000, "/v1/models"),
+        ({"GET /v1/models": {"data": [{"id": "m", "max_context_length": 128000}]}}, 128000, "/v1/models"),
+        ({"GET /api/ps": {"models": [{"name": "m", "context_length": 8192}]}}, 8192, "Ollama /api/ps"),
+        (
+            {"POST /api/show": {"model_info": {"general.architecture": "qwen3", "qwen3.context_length": 40960}}},
+            40960,
+            "Ollama /api/show",
+        ),
+        ({"POST /api/show": {"parameters": "num_ctx                        16384"}}, 16384, "Ollama /api/show"),
+        ({"GET /info": {"max_input_tokens": 8191, "max_total_tokens": 8192}}, 8191, "TGI /info"),
+        (
+            {"GET /api/v0/models": {"data": [{"id": "m", "max_context_length": 32768, "loaded_context_length": 8192}]}},
+            8192,
+            "LM Studio /api/v0/models",
+        ),
+    ],
+)
+def test_window_discovery(table: dict[str, Any], window: int, source: str) -> None:
+    handler, seen = routes(table)
+    b = backend(handler)
+    assert anyio.run(lambda: b.context_window("m")) == (window, source)
+    calls = len(seen)
+    assert anyio.run(lambda: b.context_window("m")) == (window, source)
+    assert len(seen) == calls  # cached
+
+
+def test_window_discovery_failure_names_every_probe() -> None:
+    handler, _ = routes({})
+    with pytest.raises(cs.ContextShrinkError) as info:
+        anyio.run(lambda: backend(handler).context_window("m"))
+    for probe in ("llama.cpp /props", "/v1/models", "Ollama /api/ps", "TGI /info"):
+        assert probe in str(info.value)
+
+
+def test_chat_errors_carry_the_overflow() -> None:
+    body = OVERFLOWS[0][0]
+    b = backend(lambda r: httpx2.Response(400, json=body))
+    with pytest.raises(cs.ContextShrinkError) as info:
+        anyio.run(lambda: b.chat("m", [user("x")], 16))
+    assert info.value.overflow == cs.Overflow(2048, 6010)
+
+
+def test_cookbook_messages_still_129(cl100k: cs.Tokenizer) -> None:
+    assert cs.count_messages(COOKBOOK, cl100k)[1] == 129
