@@ -313,36 +313,32 @@ def _byte_classes() -> bytes:
 _BYTE_CLASSES = _byte_classes()
 HEURISTIC_FEATURES = (b"a", b"A", b"0", b" ", b"\n", b".", b" a", b".a", b"aA", b"t", b" 0")
 HEURISTIC_NON_ASCII = (b"K", b"C", b"E")  # 3-byte (CJK, symbols), 2-byte (Cyrillic, Greek, accents), 4-byte
-HEURISTIC_WEIGHTS = (0.1658, 0.3047, 0.8016, 0.1258, 0.3472, 0.2343, 0.2708, 0.6189, 2.2789, 1.4322, 0.6806)
-HEURISTIC_NON_ASCII_WEIGHTS = (1.0493, 0.5942, 2.7183)
+HEURISTIC_WEIGHTS = (0.1648, 0.3257, 0.8025, 0.1245, 0.3606, 0.2267, 0.2744, 0.6377, 2.235, 1.2564, 0.6942)
+HEURISTIC_NON_ASCII_WEIGHTS = (1.0495, 0.5947, 2.7224)
 HEURISTIC_SAFETY = 1.05  # the fit's undercount on the worst transcript, plus a margin
 HEURISTIC_SAMPLE = 2048  # characters analysed at most per text (four windows of 512)
 
 
+def _sample(text: str) -> tuple[str, float]:
+    """Four evenly spread windows of a long text (joined), and the factor that scales counts back up."""
+    if len(text) <= HEURISTIC_SAMPLE:
+        return text, 1.0
+    width = HEURISTIC_SAMPLE // 4
+    step = (len(text) - width) // 3
+    return "".join(text[k * step : k * step + width] for k in range(4)), len(text) / HEURISTIC_SAMPLE
+
+
 def heuristic_features(text: str) -> list[float]:
     """Class and class-pair counts of ``text`` (sampled in four windows when it is long)."""
-    if len(text) > HEURISTIC_SAMPLE:
-        width = HEURISTIC_SAMPLE // 4
-        step = (len(text) - width) // 3
-        windows = [heuristic_features(text[k * step : k * step + width]) for k in range(4)]
-        scale = len(text) / HEURISTIC_SAMPLE
-        return [sum(column) * scale for column in zip(*windows, strict=True)]
-    classes = text.encode("utf-8").translate(_BYTE_CLASSES)
+    sample, scale = _sample(text)
+    classes = sample.encode("utf-8").translate(_BYTE_CLASSES)
     features = [float(classes.count(f)) for f in HEURISTIC_FEATURES]
-    if text.isascii():
-        return [*features, 0.0, 0.0, 0.0]
-    return features + [float(classes.count(f)) for f in HEURISTIC_NON_ASCII]
+    features += [0.0] * 3 if sample.isascii() else [float(classes.count(f)) for f in HEURISTIC_NON_ASCII]
+    return [f * scale for f in features]
 
 
 _ALL_FEATURES = HEURISTIC_FEATURES + HEURISTIC_NON_ASCII
 _ALL_WEIGHTS = HEURISTIC_WEIGHTS + HEURISTIC_NON_ASCII_WEIGHTS
-
-
-def _heuristic_sum(text: str) -> float:
-    classes = text.encode("utf-8").translate(_BYTE_CLASSES)
-    if text.isascii():
-        return sum(map(operator.mul, HEURISTIC_WEIGHTS, map(classes.count, HEURISTIC_FEATURES)))
-    return sum(map(operator.mul, _ALL_WEIGHTS, map(classes.count, _ALL_FEATURES)))
 
 
 def heuristic_tokens(text: str) -> int:
@@ -352,13 +348,13 @@ def heuristic_tokens(text: str) -> int:
     """
     if not text:
         return 0
-    if len(text) <= HEURISTIC_SAMPLE:
-        raw = _heuristic_sum(text)
+    sample, scale = _sample(text)
+    classes = sample.encode("utf-8").translate(_BYTE_CLASSES)
+    if sample.isascii():
+        raw = sum(map(operator.mul, HEURISTIC_WEIGHTS, map(classes.count, HEURISTIC_FEATURES)))
     else:
-        width = HEURISTIC_SAMPLE // 4
-        step = (len(text) - width) // 3
-        raw = sum(_heuristic_sum(text[k * step : k * step + width]) for k in range(4)) * len(text) / HEURISTIC_SAMPLE
-    return max(1, math.ceil(HEURISTIC_SAFETY * raw))
+        raw = sum(map(operator.mul, _ALL_WEIGHTS, map(classes.count, _ALL_FEATURES)))
+    return max(1, math.ceil(HEURISTIC_SAFETY * raw * scale))
 
 
 HEURISTIC = Tokenizer("heuristic", heuristic_tokens)
@@ -1354,7 +1350,7 @@ class Backend:
         if known is None and expires > now:
             raise ContextShrinkError(reason)
         body = {"messages": messages, **({"tools": tools} if tools else {}), **({"model": model} if model else {})}
-        reasons = []
+        reasons, unsupported = [], True
         for method in [known] if known else COUNT_METHODS:
             try:
                 tokens = await self._count_with(method, body)
@@ -1362,6 +1358,8 @@ class Backend:
                 reasons.append(f"{method}: {exc}")
                 if "unreachable" in str(exc):  # no point probing the other endpoints
                     break
+                # 404/405/501 mean "no such endpoint"; anything else may be about this request only.
+                unsupported = unsupported and bool(re.match(r"backend (404|405|501)\b", str(exc)))
                 continue
             except (KeyError, TypeError, ValueError):
                 reasons.append(f"{method}: unexpected reply")
@@ -1371,7 +1369,8 @@ class Backend:
                 return tokens, method
             reasons.append(f"{method}: empty count")
         reason = f"{self.base_url} cannot count tokens ({'; '.join(reasons)})"
-        self.caches.counting[self.base_url] = (None, now + WINDOW_CACHE_SECONDS, reason)
+        if unsupported:  # remembered for a while, so an endpoint-less server is not probed on every call
+            self.caches.counting[self.base_url] = (None, now + WINDOW_CACHE_SECONDS, reason)
         raise ContextShrinkError(reason)
 
     async def _window_from(self, probe: str, model: str | None) -> int | None:

@@ -610,3 +610,18 @@ def test_chat_errors_carry_the_overflow() -> None:
 
 def test_cookbook_messages_still_129(cl100k: cs.Tokenizer) -> None:
     assert cs.count_messages(COOKBOOK, cl100k)[1] == 129
+
+
+def test_a_request_the_server_rejects_is_not_remembered_as_unsupported() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        seen.append(request.url.path)
+        message = "Cannot continue an assistant message that contains tool calls."
+        return httpx2.Response(400, json={"error": {"code": 400, "message": message, "type": "invalid_request_error"}})
+
+    caches = cs.BackendCaches()
+    for _ in range(2):
+        with pytest.raises(cs.ContextShrinkError, match="Cannot continue an assistant message"):
+            anyio.run(lambda: backend(handler, caches).count_tokens([user("hi")]))
+    assert seen.count("/v1/chat/completions/input_tokens") == 2  # asked again: it may be this request only
