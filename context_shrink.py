@@ -34,9 +34,11 @@ __all__ = [
 import argparse
 import base64
 import binascii
+import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import itertools
 import json
 import logging
@@ -45,12 +47,13 @@ import operator
 import os
 import random
 import re
+import shutil
 import struct
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -92,6 +95,8 @@ IMAGE_TOKENS_DEFAULT = 765  # an image whose size cannot be read counts as 1024x
 
 SYSTEM_ROLES = ("system", "developer")
 RESULT_ROLES = ("tool", "function")
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+REASONING_KEYS = ("reasoning_content", "reasoning")
 ROLES = (*SYSTEM_ROLES, "user", "assistant", *RESULT_ROLES)
 
 SUMMARY_MARKER = "[context-shrink summary]"
@@ -536,7 +541,7 @@ def _content_tokens(content: Any, count: Callable[[str], int]) -> int:
     total = 0
     for part in content:
         kind = part.get("type")
-        if kind in ("image_url", "input_image", "image"):
+        if kind in IMAGE_PART_TYPES:
             total += image_tokens(part)
         elif isinstance(part.get("text"), str):
             total += count(part["text"])
@@ -552,7 +557,7 @@ def count_message(
     total = form.per_message + count(message["role"]) + _content_tokens(message.get("content"), count)
     if isinstance(message.get("name"), str):
         total += count(message["name"]) + form.per_name
-    for key in ("tool_call_id", "reasoning_content", "reasoning"):
+    for key in ("tool_call_id", *REASONING_KEYS):
         if isinstance(message.get(key), str):
             total += count(message[key])
     calls = list(message.get("tool_calls") or [])
@@ -627,6 +632,20 @@ def count_tools(tools: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> int
 # =============================================================================
 # 5. Message helpers: validation, tool-call units, API validity
 # =============================================================================
+
+
+def _plain_content(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    parts = []
+    for part in content:
+        if part.get("type") in IMAGE_PART_TYPES:
+            parts.append("[image omitted]")
+        elif isinstance(part.get("text"), str):
+            parts.append(part["text"])
+    return "\n".join(parts)
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -732,22 +751,170 @@ def _unit_start(units: Sequence[tuple[int, int]], index: int) -> int:
     return next((start for start, end in units if start <= index < end), index)
 
 
-def _cut_points(messages: Sequence[Mapping[str, Any]], keep_last: int) -> tuple[int, list[int], int]:
+def _cut_points(
+    messages: Sequence[Mapping[str, Any]], keep_last: int, start_on_user: bool = True
+) -> tuple[int, list[int], int]:
     """Where the kept history may start: ``(lead, candidates, protected)``, candidates oldest first.
 
     ``lead`` counts the leading system messages (always kept); ``lead`` itself (keep everything) is
-    always a candidate. When the conversation has user messages, the other candidates are the user
-    messages up to the newest one, so the kept history starts on a user turn and always holds the
-    newest user message; without user messages they are the unit starts up to ``protected``, the
-    start of the unit holding the newest ``keep_last`` messages.
+    always a candidate. The other candidates are unit starts up to the newest user message (so it is
+    always kept) and, with ``start_on_user``, only user messages, so the kept history starts on a user
+    turn. Without user messages they are the unit starts up to ``protected``, the start of the unit
+    holding the newest ``keep_last`` messages.
     """
     lead, n = _leading_system(messages), len(messages)
     units = group_units(messages)
     protected = _unit_start(units, max(lead, n - keep_last))
-    users = [i for i in range(lead + 1, n) if messages[i]["role"] == "user"]
-    if users or any(m["role"] == "user" for m in messages[lead : lead + 1]):
-        return lead, [lead, *users], protected
-    return lead, [lead, *(s for s, _ in units if lead < s <= protected)], protected
+    users = [i for i in range(lead, n) if messages[i]["role"] == "user"]
+    limit = users[-1] if users else protected
+    starts = [s for s, _ in units if lead < s <= limit]
+    if users and start_on_user:
+        starts = [s for s in starts if messages[s]["role"] == "user"]
+    return lead, [lead, *starts], protected
+
+
+def message_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A short hex id per message, derived from its content alone (so it survives the removal of others).
+
+    Identical messages get distinct ids by their order of appearance.
+    """
+    seen: dict[str, int] = {}
+    ids = []
+    for m in messages:
+        digest = hashlib.sha256(json.dumps(m, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
+        nth = seen[digest] = seen.get(digest, -1) + 1
+        ids.append(digest[:8] if nth == 0 else hashlib.sha256(f"{digest}#{nth}".encode()).hexdigest()[:8])
+    return ids
+
+
+def tool_names(messages: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Tool-call id -> tool name, from every assistant message's ``tool_calls``."""
+    return {call["id"]: call["function"]["name"] for m in messages for call in m.get("tool_calls") or []}
+
+
+def _has_image(message: Mapping[str, Any]) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(p.get("type") in IMAGE_PART_TYPES for p in content)
+
+
+def message_kind(message: Mapping[str, Any]) -> str:
+    """``system``, ``user``, ``assistant``, ``tool_call``, ``tool_result`` or ``image``."""
+    role = message["role"]
+    if role in SYSTEM_ROLES:
+        return "system"
+    if role in RESULT_ROLES:
+        return "tool_result"
+    if message.get("tool_calls") or message.get("function_call"):
+        return "tool_call"
+    return "image" if _has_image(message) else role
+
+
+def _one_line(text: str, limit: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def message_gist(message: Mapping[str, Any], names: Mapping[str, str]) -> str:
+    """The first ~80 characters on one line; a tool result starts with its tool's name."""
+    kind = message_kind(message)
+    text = _plain_content(message.get("content"))
+    if kind == "tool_result":
+        name = names.get(message.get("tool_call_id", ""), message.get("name", "tool"))
+        return _one_line(f"{name}: {text}")
+    if kind == "tool_call":
+        calls = [
+            f"{c['function']['name']}({c['function'].get('arguments', '')})" for c in message.get("tool_calls") or []
+        ]
+        return _one_line("; ".join(filter(None, [text, *calls])))
+    return _one_line(text)
+
+
+def _lines_and_tokens(text: str) -> str:
+    return f"{text.count(chr(10)) + 1:,} lines, ~{heuristic_tokens(text):,} tokens"
+
+
+def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
+    """A tool result with its content replaced by a placeholder naming the tool and what was cleared.
+
+    The placeholder depends only on the message (sizes use the fixed heuristic), so the same old
+    result gives the same bytes on every turn.
+    """
+    text = _plain_content(message.get("content"))
+    return {**message, "content": f"[tool result cleared: {tool}, {_lines_and_tokens(text)}]"}
+
+
+# Characters kept at the head and tail of an elided text, from gentle to strong.
+ELISION_LEVELS = ((6400, 3200), (3200, 1600), (1600, 800), (800, 400), (400, 200))
+
+
+def elide_text(text: str, level: int = 0) -> str | None:
+    """A verbatim head and tail of ``text`` with ``[… N tokens elided …]`` between, or None if too short.
+
+    The cut depends only on the text and the level, so the same message is elided to the same bytes.
+    """
+    head, tail = ELISION_LEVELS[level]
+    if len(text) <= 2 * (head + tail):
+        return None
+    cut = text.rfind("\n", head // 2, head) + 1 or head  # end the head at a line end when one is near
+    end = len(text) - tail
+    newline = text.find("\n", end, end + tail // 2)  # start the tail at a line start when one is near
+    end = newline + 1 if newline >= 0 else end
+    return f"{text[:cut]}[… {heuristic_tokens(text[cut:end]):,} tokens elided …]\n{text[end:]}"
+
+
+def elided_result(message: Mapping[str, Any], level: int = 0) -> dict[str, Any] | None:
+    """A tool result whose text is elided in the middle, or None when it is too short to elide."""
+    shorter = elide_text(_plain_content(message.get("content")), level)
+    return None if shorter is None else {**message, "content": shorter}
+
+
+def _image_description(part: Mapping[str, Any]) -> str:
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else image
+    if isinstance(url, str) and url.startswith("data:") and "," in url:
+        header, payload = url.split(",", 1)
+        kind = header[5:].split(";")[0].removeprefix("image/") or "image"
+        size = ""
+        with contextlib.suppress(binascii.Error, ValueError):
+            dims = _image_size(base64.b64decode(payload[:87380]))
+            size = f" {dims[0]}x{dims[1]}" if dims else ""
+        return f"[image removed: {kind}{size}, {len(payload) * 3 // 4 // 1024:,} KB]"
+    return f"[image removed: {_one_line(str(url), 60)}]"
+
+
+def without_images(message: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+    """The message with every image part replaced by a text part describing it, and how many went."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return dict(message), 0
+    parts, removed = [], 0
+    for part in content:
+        if part.get("type") in IMAGE_PART_TYPES:
+            parts.append({"type": "text", "text": _image_description(part)})
+            removed += 1
+        else:
+            parts.append(part)
+    return ({**message, "content": parts} if removed else dict(message)), removed
+
+
+def merge_same_roles(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Merge neighbouring user (or plain assistant, or system) messages, for templates that need strict
+    alternation. Tool calls and tool results are never merged; merged text is joined by a blank line."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        prev = out[-1] if out else None
+        mergeable = m["role"] in ("user", "assistant", *SYSTEM_ROLES) and not m.get("tool_calls")
+        if prev and mergeable and prev["role"] == m["role"] and not prev.get("tool_calls"):
+            a, b = prev.get("content"), m.get("content")
+            if isinstance(a, str) and isinstance(b, str):
+                merged: Any = f"{a}\n\n{b}"
+            else:
+                as_parts = [x if isinstance(x, list) else [{"type": "text", "text": x or ""}] for x in (a, b)]
+                merged = as_parts[0] + as_parts[1]
+            out[-1] = {**prev, "content": merged}
+        else:
+            out.append(m if isinstance(m, dict) else dict(m))
+    return out
 
 
 # =============================================================================
@@ -799,6 +966,9 @@ def estimate_messages(
     }
 
 
+TRIM_STRATEGIES = ("auto", "drop")
+
+
 def trim_messages(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
@@ -807,35 +977,159 @@ def trim_messages(
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     reserve_tokens: int = 0,
+    strategy: str = "auto",
+    start_on_user: bool = True,
+    alternate_roles: bool = False,
 ) -> dict[str, Any]:
-    """Drop the oldest messages until the rest fits; never split a tool-call unit.
+    """Make the history fit by tiers, cheapest first, never splitting a tool call from its results.
 
-    Leading system messages and the newest ``keep_last`` messages (widened to whole units, and to
-    the newest user message) are always kept; the kept history starts on a user message. Kept
-    messages are the input's own objects, unchanged. ``fits`` is re-counted, never assumed. One
-    linear pass: each message is counted once, cut points are checked against a running suffix sum.
+    1. clear old tool results (placeholders keep the tool name and size), as few and as old as needed;
+    2. drop whole oldest turns, as few as needed (combined with 1 inside what is kept); when a whole
+       turn had to go, its user message and its newest units that fit are kept instead;
+    3. when the newest turn alone is too big, drop the reasoning text of past assistant messages and
+       elide the middle of its largest tool results, in gentle steps.
+    ``strategy="drop"`` runs tier 2 only. Leading system messages, the newest user message and the
+    newest ``keep_last`` messages (whole units) are kept; with ``start_on_user`` the kept history
+    starts on a user message. Kept messages are the input's own objects unless a tier replaced their
+    content. ``fits`` is re-counted; one linear pass plus the elision of a few messages.
     """
     messages = validate_messages(messages)
     _check_int("keep_last", keep_last, 0, 1_000_000)
+    if strategy not in TRIM_STRATEGIES:
+        raise ContextShrinkError(f"strategy must be one of {', '.join(TRIM_STRATEGIES)}, got {strategy!r}")
     budget = _budget(max_context_tokens, reserve_tokens)
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     counts, total = count_messages(messages, tokenizer)
-    lead, starts, protected = _cut_points(messages, keep_last)
+    n = len(messages)
+    lead, starts, protected = _cut_points(messages, keep_last, start_on_user)
     fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens
     suffix = list(itertools.accumulate(reversed(counts), initial=0))[::-1]  # suffix[i] = sum(counts[i:])
-    cut = next((s for s in starts if fixed + suffix[s] <= budget), starts[-1])
-    kept = list(messages[:lead]) + list(messages[cut:])
-    after = fixed + suffix[cut]
+    users = [i for i in range(lead, n) if messages[i]["role"] == "user"]
+    shield = min(protected, users[-1]) if users else protected  # the newest turn and keep_last: never cleared
+    names = tool_names(messages)
+
+    # Tier 1 candidates: what clearing each old tool result would save.
+    replaced: dict[int, dict[str, Any]] = {}
+    saving = [0] * (n + 1)
+    if strategy == "auto" and total + tools_tokens > budget:
+        for i in range(lead, shield):
+            if messages[i]["role"] in RESULT_ROLES:
+                tool = names.get(messages[i].get("tool_call_id", ""), messages[i].get("name", "tool"))
+                placeholder = cleared_result(messages[i], tool)
+                saved = counts[i] - count_messages([placeholder], tokenizer)[0][0]
+                if saved >= 20:  # clearing a short result buys nothing and loses it
+                    replaced[i], saving[i] = placeholder, saved
+    clearable = list(itertools.accumulate(reversed(saving), initial=0))[::-1]  # clearable[i] = sum(saving[i:])
+
+    # Tier 2: the earliest cut (fewest dropped) that fits, clearing old results inside it if needed.
+    cut = next((s for s in starts if fixed + suffix[s] - clearable[s] <= budget), starts[-1])
+    # Budget use: when a whole turn had to go, keep that turn's user message and its newest units
+    # that still fit (dropping its oldest units), instead of leaving the room empty.
+    pinned, resume = None, cut
+    if strategy == "auto" and cut > lead and fixed + suffix[cut] - clearable[cut] <= budget:
+        previous = starts[starts.index(cut) - 1]
+        if messages[previous]["role"] == "user":
+            room = budget - fixed - counts[previous]
+            resume = next(
+                (u for u, _ in group_units(messages) if previous < u < cut and suffix[u] - clearable[u] <= room), cut
+            )
+            if resume < cut:
+                pinned, cut = previous, resume
+    fixed += counts[pinned] if pinned is not None else 0
+    over = fixed + suffix[cut] - budget
+    cleared = []
+    for i in range(cut, shield):
+        if over <= 0:
+            break
+        if i in replaced:
+            cleared.append(i)
+            over -= saving[i]
+    current = {i: replaced[i] for i in cleared}
+    sizes = {i: counts[i] - saving[i] for i in cleared}
+    after = fixed + suffix[cut] - sum(saving[i] for i in cleared)
+    tiers = []
+    if cleared:
+        tiers.append(
+            {"tier": "clear_tool_results", "messages": len(cleared), "tokens": sum(saving[i] for i in cleared)}
+        )
+    dropped = cut - lead - (pinned is not None)
+    if dropped:
+        kept_tokens = suffix[cut] + (counts[pinned] if pinned is not None else 0)
+        tiers.append({"tier": "drop_turns", "messages": dropped, "tokens": suffix[lead] - kept_tokens})
+
+    # Reasoning text of past assistant turns (most servers drop it from the prompt anyway), oldest first.
+    if strategy == "auto" and after > budget:
+        thoughts = [i for i in range(cut, n - 1) if any(isinstance(messages[i].get(k), str) for k in REASONING_KEYS)]
+        dropped_reasoning = 0
+        for i in thoughts:
+            if after <= budget:
+                break
+            base = current.get(i, messages[i])
+            lighter = {k: v for k, v in base.items() if k not in REASONING_KEYS}
+            size = count_messages([lighter], tokenizer)[0][0]
+            after -= sizes.get(i, counts[i]) - size
+            dropped_reasoning += sizes.get(i, counts[i]) - size
+            current[i], sizes[i] = lighter, size
+        if dropped_reasoning:
+            tiers.append(
+                {
+                    "tier": "drop_reasoning",
+                    "messages": len([i for i in thoughts if i in current]),
+                    "tokens": dropped_reasoning,
+                }
+            )
+
+    # Tier 3: elide the middle of tool results that must stay, one gentle step at a time: largest saving
+    # first, and the smallest step that is enough at the end, so little of the budget is left unused.
+    if strategy == "auto" and after > budget:
+        levels: dict[int, int] = {}
+        elided: dict[int, int] = {}
+        step_cache: dict[tuple[int, int], tuple[dict[str, Any], int] | None] = {}
+
+        def step(i: int) -> tuple[int, dict[str, Any], int] | None:
+            level = levels.get(i, -1) + 1
+            if level >= len(ELISION_LEVELS):
+                return None
+            if (i, level) not in step_cache:
+                shorter = elided_result(messages[i], level)
+                step_cache[i, level] = (
+                    None if shorter is None else (shorter, count_messages([shorter], tokenizer)[0][0])
+                )
+            found = step_cache[i, level]
+            if found is None:
+                levels[i] = level  # too short for this level: try the next one
+                return step(i)
+            return sizes.get(i, counts[i]) - found[1], found[0], found[1]
+
+        candidates = [i for i in range(max(cut, shield), n) if messages[i]["role"] in RESULT_ROLES]
+        while after > budget:
+            options = [(o[0], i, o) for i in candidates if (o := step(i)) is not None and o[0] > 0]
+            if not options:
+                break
+            enough = [o for o in options if o[0] >= after - budget]
+            saved, i, (_, shorter, size) = min(enough) if enough else max(options, key=lambda o: (o[0], -o[1]))
+            levels[i] = levels.get(i, -1) + 1
+            current[i], sizes[i], after = shorter, size, after - saved
+            elided[i] = elided.get(i, 0) + saved
+        if elided:
+            tiers.append({"tier": "elide", "messages": len(elided), "tokens": sum(elided.values())})
+    head = [*messages[:lead], *([messages[pinned]] if pinned is not None else [])]
+    kept = head + [current.get(i, messages[i]) for i in range(cut, n)]
+    if alternate_roles:
+        merged = merge_same_roles(kept)
+        if len(merged) < len(kept):
+            tiers.append({"tier": "merge_roles", "messages": len(kept) - len(merged), "tokens": 0})
+            kept, after = merged, count_messages(merged, tokenizer)[1] + tools_tokens
     warnings = [f"input {p}" for p in api_problems(messages)]
     if cut > protected:
         warnings.append(
-            f"kept {len(messages) - cut} of the newest keep_last={keep_last} messages: the history must start on "
-            f"a user message and starting at messages[{starts[starts.index(cut) - 1]}] would not fit"
+            f"kept only the newest {n - cut} messages of keep_last={keep_last}: the history must start on a user "
+            "message and an earlier start would not fit"
         )
     if after > budget:
         warnings.append(
-            f"the newest turn alone (from messages[{cut}]) is {after} tokens, over the budget of "
-            f"{budget}: compact_context can summarise inside it"
+            f"the newest turn alone (from messages[{cut}]) is {after} tokens after every tier, over the budget "
+            f"of {budget}: compact_context can summarise inside it"
         )
     return {
         "messages": kept,
@@ -843,10 +1137,145 @@ def trim_messages(
         "tokens_after": after,
         "fits": after <= budget,
         "tokens_over": max(0, after - budget),
-        "dropped": cut - lead,
+        "budget_use": round(after / budget, 4),
+        "dropped": dropped,
         "kept": len(kept),
         "kept_from_index": cut,
+        "pinned_user_index": pinned,
+        "tiers": tiers,
         "warnings": warnings,
+        **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
+    }
+
+
+ANALYZE_SORTS = ("chrono", "largest")
+
+
+def analyze_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    reserve_tokens: int = 0,
+    sort: str = "chrono",
+    limit: int = 100,
+    offset: int = 0,
+) -> dict[str, Any]:
+    """What is in the window: totals, then one line per message, ``<id> <kind> <tokens>tok: <gist>``.
+
+    Totals always cover the whole history; ``sort``, ``limit`` and ``offset`` page through the lines.
+    """
+    messages = validate_messages(messages)
+    budget = _budget(max_context_tokens, reserve_tokens)
+    if sort not in ANALYZE_SORTS:
+        raise ContextShrinkError(f"sort must be one of {', '.join(ANALYZE_SORTS)}, got {sort!r}")
+    _check_int("limit", limit, 1, 1000)
+    _check_int("offset", offset, 0, 10**9)
+    tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
+    counts, total = count_messages(messages, tokenizer)
+    ids, names = message_ids(messages), tool_names(messages)
+    order = sorted(range(len(messages)), key=lambda i: (-counts[i], i)) if sort == "largest" else range(len(messages))
+    page = list(order)[offset : offset + limit]
+    lines = [f"{ids[i]} {message_kind(messages[i])} {counts[i]}tok: {message_gist(messages[i], names)}" for i in page]
+    more = offset + len(page) < len(messages)
+    total += tools_tokens
+    return {
+        "tokens": total,
+        "budget_tokens": budget,
+        "percent_of_budget": round(100 * total / budget, 1),
+        "message_count": len(messages),
+        "messages_by_role": dict(collections.Counter(m["role"] for m in messages)),
+        "tool_calls": sum(len(m.get("tool_calls") or []) for m in messages),
+        "images": sum(
+            1
+            for m in messages
+            if isinstance(m.get("content"), list)
+            for p in m["content"]
+            if p.get("type") in IMAGE_PART_TYPES
+        ),
+        "lines": lines,
+        "next_offset": offset + len(page) if more else None,
+        "note": (
+            f"lines {offset + 1}-{offset + len(page)} of {len(messages)}; call again with offset={offset + len(page)}"
+            if more
+            else None
+        ),
+        **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
+    }
+
+
+def prune_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
+    *,
+    remove_ids: Sequence[str] = (),
+    images: bool = False,
+    clear_tool_results_before: int | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    reserve_tokens: int = 0,
+) -> dict[str, Any]:
+    """Remove exactly the messages named by id (prefixes from :func:`analyze_messages`), or run a blanket pass.
+
+    A tool call goes with its results and a result with its call and sibling results. System messages
+    are never removed. ``images`` replaces image parts with a text placeholder describing them;
+    ``clear_tool_results_before=n`` replaces the content of tool results older than the newest ``n``
+    user turns with a placeholder naming the tool and the size cleared.
+    """
+    messages = validate_messages(messages)
+    budget = _budget(max_context_tokens, reserve_tokens)
+    if clear_tool_results_before is not None:
+        _check_int("clear_tool_results_before", clear_tool_results_before, 0, 1_000_000)
+    if isinstance(remove_ids, str) or not all(isinstance(x, str) for x in remove_ids):
+        raise ContextShrinkError("remove_ids must be a list of id prefixes (strings)")
+    tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
+    ids, units, names = message_ids(messages), group_units(messages), tool_names(messages)
+    remove: set[int] = set()
+    resolutions: dict[str, str] = {}
+    for raw in remove_ids:
+        prefix = raw.strip().lower()
+        hits = [i for i, mid in enumerate(ids) if mid.startswith(prefix)] if re.fullmatch("[0-9a-f]+", prefix) else []
+        if len(prefix) < 4:
+            resolutions[raw] = "too short"
+        elif not hits:
+            resolutions[raw] = "no match"
+        elif len(hits) > 1:
+            resolutions[raw] = "ambiguous"
+        elif messages[hits[0]]["role"] in SYSTEM_ROLES:
+            resolutions[raw] = "refused"
+        else:
+            start, end = next(u for u in units if u[0] <= hits[0] < u[1])
+            remove.update(range(start, end))
+            resolutions[raw] = "removed"
+    out = [m for i, m in enumerate(messages) if i not in remove]
+    images_removed = cleared = 0
+    if images:
+        stripped = [without_images(m) if _has_image(m) else (m, 0) for m in out]
+        out, images_removed = [m for m, _ in stripped], sum(k for _, k in stripped)
+    if clear_tool_results_before is not None:
+        users = [i for i, m in enumerate(out) if m["role"] == "user"]
+        k = clear_tool_results_before
+        boundary = len(out) if k == 0 else users[-k] if len(users) >= k else 0
+        for i in range(boundary):
+            content = out[i].get("content")
+            if out[i]["role"] in RESULT_ROLES and not str(content).startswith("[tool result cleared:"):
+                tool = names.get(out[i].get("tool_call_id", ""), out[i].get("name", "tool"))
+                out[i] = cleared_result(out[i], tool)
+                cleared += 1
+    before = count_messages(messages, tokenizer)[1] + tools_tokens
+    after = count_messages(out, tokenizer)[1] + tools_tokens
+    return {
+        "messages": out,
+        "resolutions": resolutions,
+        "removed": len(remove),
+        "removed_indices": sorted(remove),
+        "images_removed": images_removed,
+        "tool_results_cleared": cleared,
+        "tokens_before": before,
+        "tokens_after": after,
+        "fits": after <= budget,
+        "warnings": [f"result {p}" for p in api_problems(out) if p not in api_problems(messages)],
         **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
     }
 
@@ -869,20 +1298,6 @@ def _shorten(text: str, limit: int) -> str:
         return text
     head, tail = limit * 2 // 3, limit // 3
     return f"{text[:head]}\n[… {len(text) - head - tail} characters omitted …]\n{text[-tail:]}"
-
-
-def _plain_content(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return ""
-    parts = []
-    for part in content:
-        if part.get("type") in ("image_url", "input_image", "image"):
-            parts.append("[image omitted]")
-        elif isinstance(part.get("text"), str):
-            parts.append(part["text"])
-    return "\n".join(parts)
 
 
 def render_message(message: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:
@@ -1498,14 +1913,62 @@ def load_messages_file(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]
     return data, None
 
 
-def write_messages_file(path: Path, messages: list[dict[str, Any]], container: dict[str, Any] | None) -> None:
-    """Write atomically: JSONL for ``*.jsonl``, else JSON (a request body keeps its other keys)."""
-    if path.suffix == ".jsonl":
-        text = "".join(json.dumps(m, ensure_ascii=False) + "\n" for m in messages)
-    else:
-        text = json.dumps({**container, "messages": messages} if container else messages, ensure_ascii=False)
+def read_jsonl_lines(path: Path) -> list[tuple[str, dict[str, Any] | None]] | None:
+    """A JSONL file's lines, each with its parsed message (None for a line that does not parse or is blank).
+
+    None when the file is one JSON document instead. Used where a file is rewritten in place, so that a
+    line that does not parse is kept byte for byte.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ContextShrinkError(f"cannot read {path}: {exc}") from None
+    try:
+        json.loads(text)
+        return None
+    except ValueError:
+        pass
+    lines: list[tuple[str, dict[str, Any] | None]] = []
+    for line in text.splitlines(keepends=True):
+        try:
+            parsed = json.loads(line) if line.strip() else None
+        except ValueError:
+            parsed = None
+        lines.append((line, parsed if isinstance(parsed, dict) else None))
+    return lines
+
+
+def render_jsonl(
+    lines: Sequence[tuple[str, dict[str, Any] | None]],
+    originals: Sequence[dict[str, Any]],
+    result: Sequence[dict[str, Any]],
+    removed: Collection[int],
+) -> str:
+    """Rewrite JSONL lines after a prune: unchanged messages and lines that did not parse keep their bytes,
+    changed messages are re-encoded, removed ones (indices into ``originals``) disappear."""
+    kept = iter(result)
+    fate = {k: None if k in removed else next(kept) for k in range(len(originals))}
+    out, k = [], 0
+    for raw, parsed in lines:
+        if parsed is None:
+            out.append(raw)
+            continue
+        new, original, k = fate[k], originals[k], k + 1
+        if new is not None:
+            out.append(raw if new is original else json.dumps(new, ensure_ascii=False) + "\n" * raw.endswith("\n"))
+    return "".join(out)
+
+
+def write_text_atomic(path: Path, text: str, backup: bool = False) -> Path | None:
+    """Write ``text`` to ``path`` atomically; with ``backup``, first copy an existing file to
+    ``<file>.pre-shrink-<UTC stamp>``. Returns the backup's path."""
+    saved = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if backup and path.exists():
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            saved = path.with_name(f"{path.name}.pre-shrink-{stamp}")
+            shutil.copy2(path, saved)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -1519,6 +1982,18 @@ def write_messages_file(path: Path, messages: list[dict[str, Any]], container: d
             raise
     except OSError as exc:
         raise ContextShrinkError(f"cannot write {path}: {exc}") from None
+    return saved
+
+
+def write_messages_file(
+    path: Path, messages: list[dict[str, Any]], container: dict[str, Any] | None, backup: bool = False
+) -> Path | None:
+    """Write atomically: JSONL for ``*.jsonl``, else JSON (a request body keeps its other keys)."""
+    if path.suffix == ".jsonl":
+        text = "".join(json.dumps(m, ensure_ascii=False) + "\n" for m in messages)
+    else:
+        text = json.dumps({**container, "messages": messages} if container else messages, ensure_ascii=False)
+    return write_text_atomic(path, text, backup)
 
 
 @contextlib.contextmanager
@@ -1552,6 +2027,7 @@ class Prepared:
     window_source: str
     backend: Backend
     model: str | None
+    source: Path | None = None  # the file the messages came from
 
 
 MessagesArg = Annotated[
@@ -1597,13 +2073,16 @@ def build_server(config: Config | None = None) -> MCPServer:
         lifespan=lifespan,
     )
 
-    def load(messages: Any, messages_path: str | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    def load(
+        messages: Any, messages_path: str | None
+    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, Path | None]:
         if (messages is None) == (messages_path is None):
             raise ContextShrinkError("give exactly one of messages or messages_path")
         if messages_path is not None:
-            messages, container = load_messages_file(resolve_path(config.root, messages_path))
-            return validate_messages(messages), container
-        return validate_messages(messages), None
+            source = resolve_path(config.root, messages_path)
+            messages, container = load_messages_file(source)
+            return validate_messages(messages), container, source
+        return validate_messages(messages), None, None
 
     async def prepare(
         ctx: Context,
@@ -1618,7 +2097,7 @@ def build_server(config: Config | None = None) -> MCPServer:
     ) -> Prepared:
         """Load the messages, pick the tokenizer (exact on the server when it can count) and the window."""
         state: ServerState = ctx.request_context.lifespan_context
-        loaded, container = load(messages, messages_path)
+        loaded, container, source = load(messages, messages_path)
         if tools is None and container is not None:
             tools = container.get("tools")  # a request body's own tools count too
         tools = validate_tools(tools or [])
@@ -1647,13 +2126,13 @@ def build_server(config: Config | None = None) -> MCPServer:
                 local = dataclasses.replace(local, name=f"server:{method}", scale=exact / max(1, estimate))
         if window == "auto":
             try:
-                window, source = await backend.context_window(model)
+                window, window_source = await backend.context_window(model)
             except ContextShrinkError as exc:
-                window, source = DEFAULT_MAX_CONTEXT_TOKENS, f"default {DEFAULT_MAX_CONTEXT_TOKENS} ({exc})"
+                window, window_source = DEFAULT_MAX_CONTEXT_TOKENS, f"default {DEFAULT_MAX_CONTEXT_TOKENS} ({exc})"
                 log.info("window discovery failed: %s", exc)
         else:
-            source = "given"
-        return Prepared(loaded, container, tools, local, exact, int(window), source, backend, model)
+            window_source = "given"
+        return Prepared(loaded, container, tools, local, exact, int(window), window_source, backend, model, source)
 
     async def recount(
         req: Prepared,
@@ -1687,12 +2166,13 @@ def build_server(config: Config | None = None) -> MCPServer:
             "reserve_tokens": reserve,
         }
 
-    def deliver(result: dict[str, Any], output_path: str | None, container: dict[str, Any] | None) -> dict[str, Any]:
-        result = {**result, "output_path": None}
+    def deliver(result: dict[str, Any], output_path: str | None, req: Prepared) -> dict[str, Any]:
+        """Write the messages to ``output_path`` (backing up a file rewritten in place) or return them."""
+        result = {**result, "output_path": None, "backup_path": None}
         if output_path is not None and result["messages"] is not None:
             target = resolve_path(config.root, output_path)
-            write_messages_file(target, result["messages"], container)
-            result.update(messages=None, output_path=str(target))
+            backup = write_messages_file(target, result["messages"], req.container, backup=target == req.source)
+            result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
         return result
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
@@ -1731,19 +2211,123 @@ def build_server(config: Config | None = None) -> MCPServer:
         tokenizer: TokenizerArg = None,
         model: ModelArg = None,
         reserve_tokens: ReserveArg = default_reserve,
+        strategy: Annotated[
+            Literal["auto", "drop"],
+            Field(description="auto: clear old tool results, drop turns, elide; drop: turns only."),
+        ] = "auto",
+        start_on_user: Annotated[bool, Field(description="Kept history starts on a user message.")] = True,
+        alternate_roles: Annotated[bool, Field(description="Merge same-role neighbours (strict templates).")] = False,
     ) -> dict[str, Any]:
-        """Drop the oldest messages until the history fits; keeps leading system messages, the newest keep_last
-        messages and every tool call together with its results."""
+        """Shrink the history until it fits: clear old tool results, drop the oldest turns, elide huge tool outputs
+        of the newest turn. Tool calls stay with their results; system messages and the newest user message stay."""
         with _tool_errors():
             req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
+            options = {"strategy": strategy, "start_on_user": start_on_user, "alternate_roles": alternate_roles}
 
             def trim(reserve: int) -> dict[str, Any]:
                 return trim_messages(
-                    req.messages, req.tokenizer, req.window, keep_last, tools=req.tools, reserve_tokens=reserve
+                    req.messages,
+                    req.tokenizer,
+                    req.window,
+                    keep_last,
+                    tools=req.tools,
+                    reserve_tokens=reserve,
+                    **options,
                 )
 
             result = await recount(req, await anyio.to_thread.run_sync(trim, reserve_tokens), reserve_tokens, trim)
-            return deliver(result, output_path, req.container)
+            return deliver(result, output_path, req)
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
+    async def analyze_context(
+        ctx: Context,
+        messages: MessagesArg = None,
+        messages_path: PathArg = None,
+        max_context_tokens: WindowArg = default_window,
+        sort: Annotated[Literal["chrono", "largest"], Field(description="Line order.")] = "chrono",
+        limit: Annotated[int, Field(ge=1, le=1000, description="Lines per page.")] = 100,
+        offset: Annotated[int, Field(ge=0, description="First line of the page.")] = 0,
+        tools: ToolsArg = None,
+        tokenizer: TokenizerArg = None,
+        model: ModelArg = None,
+        reserve_tokens: ReserveArg = default_reserve,
+    ) -> dict[str, Any]:
+        """Show what fills the window: totals, then one line per message, '<id> <kind> <tokens>tok: <gist>'.
+        Pass ids to prune_context to remove exactly those messages."""
+        with _tool_errors():
+            req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
+            result = await anyio.to_thread.run_sync(
+                lambda: analyze_messages(
+                    req.messages,
+                    req.tokenizer,
+                    req.window,
+                    tools=req.tools,
+                    reserve_tokens=reserve_tokens,
+                    sort=sort,
+                    limit=limit,
+                    offset=offset,
+                )
+            )
+            if req.exact is not None:
+                result.update(tokens=req.exact, percent_of_budget=round(100 * req.exact / result["budget_tokens"], 1))
+            return {**result, "max_context_source": req.window_source}
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=True, open_world_hint=False))
+    async def prune_context(
+        ctx: Context,
+        messages: MessagesArg = None,
+        messages_path: PathArg = None,
+        output_path: OutputArg = None,
+        remove_ids: Annotated[
+            list[str] | None, Field(description="Message ids (>= 4 hex chars) from analyze_context.")
+        ] = None,
+        images: Annotated[bool, Field(description="Replace image parts with a short placeholder.")] = False,
+        clear_tool_results_before: Annotated[
+            int | None, Field(ge=0, description="Clear tool results older than the newest n user turns.")
+        ] = None,
+        dry_run: Annotated[
+            bool | None, Field(description="Report only; default true when rewriting messages_path in place.")
+        ] = None,
+        max_context_tokens: WindowArg = default_window,
+        tools: ToolsArg = None,
+        tokenizer: TokenizerArg = None,
+        reserve_tokens: ReserveArg = default_reserve,
+    ) -> dict[str, Any]:
+        """Remove exactly the messages named by id (a tool call goes with its results), and/or strip images or
+        clear old tool results. System messages are never removed."""
+        with _tool_errors():
+            source = resolve_path(config.root, messages_path) if messages_path is not None else None
+            lines = read_jsonl_lines(source) if source is not None and messages is None else None
+            if lines is not None:  # JSONL: a line that does not parse is kept as it is
+                messages, messages_path = [m for _, m in lines if m is not None], None
+            req = await prepare(ctx, messages, messages_path, tools, tokenizer, None, max_context_tokens)
+            result = await anyio.to_thread.run_sync(
+                lambda: prune_messages(
+                    req.messages,
+                    req.tokenizer,
+                    req.window,
+                    remove_ids=remove_ids or [],
+                    images=images,
+                    clear_tool_results_before=clear_tool_results_before,
+                    tools=req.tools,
+                    reserve_tokens=reserve_tokens,
+                )
+            )
+            result = {**result, "max_context_source": req.window_source, "output_path": None, "backup_path": None}
+            if output_path is None:
+                return {**result, "dry_run": bool(dry_run)}
+            target = resolve_path(config.root, output_path)
+            in_place = source is not None and source == target
+            dry = in_place if dry_run is None else dry_run
+            if dry:
+                return {**result, "dry_run": True}
+            if lines is not None and target.suffix == ".jsonl":
+                text = render_jsonl(lines, req.messages, result["messages"], set(result["removed_indices"]))
+                backup = write_text_atomic(target, text, backup=in_place)
+            else:
+                backup = write_messages_file(target, result["messages"], req.container, backup=in_place)
+            result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
+            return {**result, "dry_run": False}
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=False, open_world_hint=True))
     async def compact_context(
@@ -1798,7 +2382,7 @@ def build_server(config: Config | None = None) -> MCPServer:
             mode = "summary" if summary is not None else "model" if model_name else "plan"
             result = {**plan, "mode": mode, "summariser": None, "model_calls": 0}
             if mode != "model" or not plan["needs_summary"]:
-                return deliver(await recount(req, result, reserve_tokens), output_path, req.container)
+                return deliver(await recount(req, result, reserve_tokens), output_path, req)
             start, end, pinned = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_user_index"]
             span = [m for i, m in enumerate(req.messages[start:end], start) if i != pinned]
             window, warnings, calls, sent = req.window, list(plan["warnings"]), 0, [0]
@@ -1818,7 +2402,7 @@ def build_server(config: Config | None = None) -> MCPServer:
                         log.warning("compaction failed, messages returned untouched: %s", exc)
                         failed = {**result, "needs_summary": False, "messages": req.messages}
                         failed.update(reason=f"summary failed: {exc}", warnings=warnings, model_calls=calls)
-                        return deliver(await recount(req, failed, reserve_tokens), output_path, req.container)
+                        return deliver(await recount(req, failed, reserve_tokens), output_path, req)
                     # The summariser refused a chunk for its length: its limit, in our units, is the limit
                     # scaled by (our estimate of that request / the prompt size it reported). Retry smaller.
                     if overflow.limit and overflow.prompt_tokens:
@@ -1831,7 +2415,7 @@ def build_server(config: Config | None = None) -> MCPServer:
                     )
             done = {**await anyio.to_thread.run_sync(compact, text), "mode": mode, "model_calls": calls}
             done.update(summariser=f"{model_name} @ {req.backend.base_url}", warnings=warnings)
-            return deliver(await recount(req, done, reserve_tokens), output_path, req.container)
+            return deliver(await recount(req, done, reserve_tokens), output_path, req)
 
     return server
 

@@ -51,7 +51,13 @@ after(async () => {
 test("lists the three tools with their parameters", async () => {
   const { tools } = await client.listTools();
   const byName = Object.fromEntries(tools.map((t) => [t.name, t]));
-  assert.deepEqual(Object.keys(byName).sort(), ["compact_context", "estimate_context", "trim_context"]);
+  assert.deepEqual(Object.keys(byName).sort(), [
+    "analyze_context",
+    "compact_context",
+    "estimate_context",
+    "prune_context",
+    "trim_context",
+  ]);
   assert.deepEqual(Object.keys(byName.estimate_context.inputSchema.properties), [
     "messages",
     "max_context_tokens",
@@ -123,6 +129,6 @@ test("examples/js-client.js runs", () => {
     encoding: "utf8",
     stdio: ["ignore", "pipe", "ignore"],
   });
-  assert.match(output, /tools: estimate_context, trim_context, compact_context/);
+  assert.match(output, /tools: estimate_context, trim_context, analyze_context, prune_context, compact_context/);
   assert.match(output, /estimate_context: \d+ tokens of 32768/);
 });

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import copy
+import itertools
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_core import check_trim
 
 import context_shrink as cs
 
@@ -51,25 +52,27 @@ def index_of(messages: list[dict[str, Any]], item: dict[str, Any]) -> int:
 
 
 @settings(max_examples=300, deadline=None)
-@given(conversations(), st.integers(1, 3000), st.integers(0, 10))
-def test_trim_invariants(messages: list[dict[str, Any]], budget: int, keep_last: int) -> None:
-    before = copy.deepcopy(messages)
-    result = cs.trim_messages(messages, cs.HEURISTIC, budget, keep_last)
-    out = result["messages"]
-    assert messages == before  # input untouched
-    assert cs.api_problems(out) == []
-    positions = [index_of(messages, m) for m in out]
-    assert positions == sorted(positions)  # order kept, messages are the input's own objects
-    lead = cs._leading_system(messages)
-    assert out[:lead] == messages[:lead]
-    users = [m for m in messages if m["role"] == "user"]
-    if users:
-        assert any(m is users[-1] for m in out)
-        first = next(m for m in out if m["role"] not in cs.SYSTEM_ROLES)
-        assert first["role"] == "user" or first is messages[lead]
-    recount = cs.count_messages(out, cs.HEURISTIC)[1]
-    assert recount == result["tokens_after"] and result["fits"] == (recount <= budget)
-    assert cs.trim_messages(messages, cs.HEURISTIC, budget, keep_last) == result  # deterministic
+@given(
+    conversations(),
+    st.integers(1, 3000),
+    st.integers(0, 10),
+    st.sampled_from(["auto", "drop"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_trim_invariants(
+    messages: list[dict[str, Any]], budget: int, keep_last: int, strategy: str, start_on_user: bool, alternate: bool
+) -> None:
+    kwargs = {"keep_last": keep_last, "strategy": strategy, "start_on_user": start_on_user}
+    if alternate:
+        result = cs.trim_messages(messages, cs.HEURISTIC, budget, alternate_roles=True, **kwargs)
+        out = result["messages"]
+        assert cs.api_problems(out) == []
+        assert all(a["role"] != b["role"] or a.get("tool_calls") or b.get("tool_calls") or a["role"] in cs.RESULT_ROLES
+                   for a, b in itertools.pairwise(out))  # fmt: skip
+        assert result["tokens_after"] == cs.count_messages(out, cs.HEURISTIC)[1]
+    else:
+        check_trim(messages, cs.HEURISTIC, budget, **kwargs)
 
 
 @settings(max_examples=200, deadline=None)

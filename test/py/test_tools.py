@@ -27,6 +27,32 @@ CONTRACT = {
         *COMMON,
         "model",
         "reserve_tokens",
+        "strategy",
+        "start_on_user",
+        "alternate_roles",
+    ],
+    "analyze_context": [
+        "messages",
+        "messages_path",
+        "max_context_tokens",
+        "sort",
+        "limit",
+        "offset",
+        *COMMON,
+        "model",
+        "reserve_tokens",
+    ],
+    "prune_context": [
+        "messages",
+        "messages_path",
+        "output_path",
+        "remove_ids",
+        "images",
+        "clear_tool_results_before",
+        "dry_run",
+        "max_context_tokens",
+        *COMMON,
+        "reserve_tokens",
     ],
     "compact_context": [
         "messages",
@@ -127,7 +153,8 @@ def test_estimate_from_files(server: Any, tmp_path: Path) -> None:
 
 def test_trim_inline_and_to_a_file(server: Any, tmp_path: Path) -> None:
     messages = conversation(6, size=100)
-    inline = ok(run(call(server, "trim_context", {"messages": messages, "max_context_tokens": 2000, "keep_last": 2})))
+    arguments = {"messages": messages, "max_context_tokens": 2000, "keep_last": 2, "strategy": "drop"}
+    inline = ok(run(call(server, "trim_context", arguments)))
     assert inline["fits"] and inline["dropped"] > 0 and inline["output_path"] is None
     assert inline["messages"] == messages[:1] + messages[inline["kept_from_index"] :]
     (tmp_path / "in.json").write_text(json.dumps({"model": "m", "messages": messages}))
@@ -136,7 +163,12 @@ def test_trim_inline_and_to_a_file(server: Any, tmp_path: Path) -> None:
             call(
                 server,
                 "trim_context",
-                {"messages_path": "in.json", "output_path": "out/trimmed.json", "max_context_tokens": 2000},
+                {
+                    "messages_path": "in.json",
+                    "output_path": "out/trimmed.json",
+                    "max_context_tokens": 2000,
+                    "strategy": "drop",
+                },
             )
         )
     )
