@@ -537,13 +537,14 @@ def test_summarise_never_exceeds_the_window(tok: cs.Tokenizer) -> None:
     async def fake(prompt: list[dict[str, Any]], limit: int) -> str:
         sizes.append(cs.count_messages(prompt, tok)[1] + limit)
         prompts.append(prompt[1]["content"])
-        return "<think>planning</think>\n- summary so far " + str(len(sizes))
+        return "<think>planning</think>\n- summary number " + str(len(sizes))
 
-    summary, calls = asyncio.run(cs.summarise_messages(messages, tok, 4096, 512, fake))
-    assert calls == len(sizes) > 3
+    summary, calls, plan = asyncio.run(cs.summarise_messages(messages, tok, 4096, 512, fake))
+    assert calls == len(sizes) == plan.chunks + sum(1 for p in prompts if p.count("Part 1:"))
+    assert plan.chunks > 3 and plan.reduce_steps >= 1
     assert max(sizes) <= 4096
-    assert summary == f"- summary so far {calls}"
-    assert "Summary of the conversation so far" in prompts[1]
+    assert summary.startswith("- summary number") and "<think>" not in summary
+    assert any("Part 2:" in p for p in prompts)  # partial summaries were merged
 
 
 def test_transcript_markers_are_defused() -> None:
@@ -565,7 +566,7 @@ def test_empty_summary_is_an_error(tok: cs.Tokenizer) -> None:
     async def empty(prompt: list[dict[str, Any]], limit: int) -> str:
         return "<think>only thinking</think>  "
 
-    with pytest.raises(cs.ContextShrinkError, match="empty summary"):
+    with pytest.raises(cs.ContextShrinkError, match="empty or too short"):
         asyncio.run(cs.summarise_messages([user("a")], tok, 4096, 256, empty))
 
 
@@ -574,7 +575,7 @@ def test_window_too_small_for_summary(tok: cs.Tokenizer) -> None:
         raise AssertionError
 
     with pytest.raises(cs.ContextShrinkError, match="too small"):
-        asyncio.run(cs.summarise_messages([user("a")], tok, 1000, 512, never))
+        asyncio.run(cs.summarise_messages([user("a")], tok, 600, 512, never))
 
 
 # --------------------------------------------------------------------------- files and paths

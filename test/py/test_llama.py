@@ -43,7 +43,7 @@ def test_model_mode_compacts_in_chunks(llama_url: str, tmp_path: Path) -> None:
     )
     assert result["mode"] == "model" and result["compacted"], result["reason"]
     assert result["model_calls"] > 1  # 8k tokens of history through a 2k window: several chunks
-    assert result["summariser"] == f"tiny @ {llama_url}"
+    assert result["summariser"] == f"model tiny @ {llama_url}"
     out = result["messages"]
     assert out[0] == messages[0] and out[1]["content"].startswith(cs.SUMMARY_MARKER)
     assert out[2] == messages[1]  # the task (newest user message) is pinned after the summary
@@ -67,7 +67,7 @@ def test_overflow_refusal_is_learned_and_retried(llama_url: str, tmp_path: Path)
         )
     )
     assert result["compacted"], result["reason"]
-    refused = [w for w in result["warnings"] if "refused a chunk for its length" in w]
+    refused = [w for w in result["warnings"] if "refused a request for its length" in w]
     assert refused and "exceeds the available context size (8192 tokens)" in refused[0]
 
 

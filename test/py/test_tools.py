@@ -70,6 +70,11 @@ CONTRACT = {
         "output_path",
         *COMMON,
         "reserve_tokens",
+        "target_ratio",
+        "summary_context_tokens",
+        "summary_concurrency",
+        "previous_summary",
+        "fallback",
     ],
 }
 
