@@ -61,6 +61,7 @@ from typing import Annotated, Any, Literal
 import httpx2
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.shared.exceptions import MCPDeprecationWarning
 from mcp_types import (
     CreateMessageRequest,
     CreateMessageRequestParams,
@@ -1570,7 +1571,8 @@ def plan_compaction(
 ) -> tuple[int, int, int | None]:
     """``(start, end, pinned)``: summarise ``messages[start:end]`` except ``pinned``, keep the rest.
 
-    ``start`` follows the leading system messages. ``end`` starts the kept tail: the earliest unit
+    ``start`` follows the leading system messages (an earlier summary among them is part of the span,
+    to be folded into the new one). ``end`` starts the kept tail: the earliest unit
     whose tail fits in ``room`` tokens (given ``counts``), but never later than the unit holding the
     newest ``keep_last`` messages. When the tail does not start on a user message, the newest user
     message before it is kept too (``pinned``) and placed right after the summary, so the history
@@ -1580,6 +1582,8 @@ def plan_compaction(
     lead, n = _leading_system(messages), len(messages)
     units = group_units(messages)
     end = max(lead, _unit_start(units, max(lead, n - keep_last)))
+    # An earlier summary sits among the leading system messages: it is folded into the new one.
+    lead = next((i for i in range(lead) if str(messages[i].get("content") or "").startswith(SUMMARY_MARKER)), lead)
     if counts is not None and room is not None:
         suffix = list(itertools.accumulate(reversed(counts), initial=0))[::-1]
         end = next((u for u, _ in units if lead < u <= end and suffix[u] <= room), end)
@@ -2577,7 +2581,7 @@ def build_server(config: Config | None = None) -> MCPServer:
         message = SamplingMessage(role="user", content=TextContent(type="text", text=prompt[1]["content"]))
         try:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
+                warnings.simplefilter("ignore", MCPDeprecationWarning)  # still the way on 2025-era connections
                 reply = await ctx.session.create_message(
                     [message], max_tokens=max_tokens, system_prompt=prompt[0]["content"], temperature=0
                 )

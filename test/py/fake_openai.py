@@ -1,0 +1,115 @@
+"""A scriptable OpenAI-compatible server on 127.0.0.1, for what a real model cannot be made to do on demand.
+
+Each request is checked against the server's window (cl100k count of the messages plus ``max_tokens``):
+an oversized one is refused with a vLLM-style 400 and recorded. Replies follow a script of behaviours,
+then the default: ``ok`` (a short summary), ``429`` (with Retry-After), ``500``, ``garbage`` (not JSON),
+``hang`` (no reply for 30 s), ``empty``, ``tool_call`` (no text), ``overflow_openai`` (an OpenAI-style
+context_length_exceeded body). Every request also waits ``latency`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from tiny_llama import free_port
+
+import context_shrink as cs
+
+
+class FakeOpenAI:
+    def __init__(
+        self, window: int = 4096, latency: float = 0.0, script: list[str] | None = None, fill: float = 0.0
+    ) -> None:
+        self.window = window
+        self.latency = latency
+        self.fill = fill  # a summary this share of max_tokens long (0: one short line)
+        self.script = list(script or [])
+        self.default = "ok"
+        self.requests: list[dict[str, Any]] = []
+        self.oversized: list[int] = []
+        self.active = 0
+        self.max_active = 0
+        self.tokenizer = cs.resolve_tokenizer("tiktoken:cl100k_base")
+        self.app = Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"])])
+
+    async def chat(self, request: Request) -> Response:
+        body = await request.json()
+        tokens = cs.count_messages(body["messages"], self.tokenizer)[1] + int(body.get("max_tokens") or 0)
+        self.requests.append({"body": body, "tokens": tokens, "auth": request.headers.get("authorization")})
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await asyncio.sleep(self.latency)
+            if tokens > self.window:
+                self.oversized.append(tokens)
+                message = (
+                    f"This model's maximum context length is {self.window} tokens. However, you requested "
+                    f"{int(body.get('max_tokens') or 0)} output tokens and your prompt contains {tokens} input "
+                    f"tokens, for a total of {tokens} tokens."
+                )
+                return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, 400)
+            behaviour = self.script.pop(0) if self.script else self.default
+            self.max_tokens = int(body.get("max_tokens") or 0)
+            return await self.reply(behaviour, len(self.requests))
+        finally:
+            self.active -= 1
+
+    async def reply(self, behaviour: str, n: int) -> Response:
+        if behaviour == "429":
+            return JSONResponse({"error": {"message": "Rate limit reached"}}, 429, headers={"Retry-After": "0"})
+        if behaviour == "500":
+            return JSONResponse({"error": {"message": "internal error"}}, 500)
+        if behaviour == "garbage":
+            return PlainTextResponse("<html>bad gateway</html>", 200)
+        if behaviour == "hang":
+            await asyncio.sleep(30)
+        if behaviour == "overflow_openai":
+            body = {
+                "error": {
+                    "message": "This model's maximum context length is 1000 tokens. However, your messages "
+                    "resulted in 5000 tokens. Please reduce the length of the messages.",
+                    "type": "invalid_request_error",
+                    "param": "messages",
+                    "code": "context_length_exceeded",
+                }
+            }
+            return JSONResponse(body, 400)
+        text = f"- summary {n}: the goal, files touched, next steps"
+        if self.fill:  # about eight tokens a line
+            text += "".join(f"\n- fact {k} of summary {n}" for k in range(int(self.fill * self.max_tokens / 8)))
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if behaviour == "empty":
+            message["content"] = ""
+        if behaviour == "tool_call":
+            message = {"role": "assistant", "content": None, "tool_calls": [{"id": "x", "function": {"name": "f"}}]}
+        return JSONResponse({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+
+
+@contextlib.contextmanager
+def serve(fake: FakeOpenAI) -> Iterator[str]:
+    """Run ``fake`` on 127.0.0.1 in a thread; yields its base URL (``.../v1``)."""
+    port = free_port()
+    config = uvicorn.Config(fake.app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the fake OpenAI server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
