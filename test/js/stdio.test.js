@@ -26,9 +26,15 @@ before(async () => {
     let body = "";
     req.on("data", (chunk) => (body += chunk));
     req.on("end", () => {
+      if (req.method !== "POST" || req.url !== "/v1/chat/completions") {
+        res.writeHead(404, { "content-type": "application/json" });
+        res.end(JSON.stringify({ error: { message: "File Not Found", type: "not_found_error" } }));
+        return;
+      }
       backendRequests.push({ url: req.url, auth: req.headers.authorization, body: JSON.parse(body) });
       res.writeHead(200, { "content-type": "application/json" });
-      res.end(JSON.stringify({ choices: [{ message: { role: "assistant", content: "- fixed KeyError in config.py" } }] }));
+      const content = "- fixed KeyError in config.py by reading the timeout with a default";
+      res.end(JSON.stringify({ choices: [{ message: { role: "assistant", content } }] }));
     });
   });
   await new Promise((resolve) => backend.listen(0, "127.0.0.1", resolve));
