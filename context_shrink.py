@@ -93,6 +93,8 @@ DEFAULT_THRESHOLD = 0.8
 DEFAULT_MAX_SUMMARY_TOKENS = 1024
 TIKTOKEN_LOAD_TIMEOUT = 10.0
 MAX_FILE_BYTES = 512 * 1024 * 1024
+DEFAULT_MAX_TEXT_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_TEXT_LINES = 1_000_000
 ENV_PREFIXES = ("CONTEXT_SHRINK_", "OMLX_SHRINK_", "OPENAI_SHRINK_")  # highest precedence first
 TOKENIZER_CHOICES = ("auto", "server", "tiktoken", "heuristic")
 TOKENIZER_SPEC = re.compile(r"auto|server|heuristic|tiktoken(:[a-z0-9_]+)?")
@@ -150,6 +152,8 @@ class Config:
     max_context_tokens: int | Literal["auto"] = DEFAULT_MAX_CONTEXT_TOKENS
     reserve_tokens: int = 0
     summary_context_tokens: int | None = None  # the summariser's own window, when it differs
+    max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES  # shrink_text / check_text input caps
+    max_text_lines: int = DEFAULT_MAX_TEXT_LINES
     extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     log_level: str = "INFO"
     root: Path = dataclasses.field(default_factory=Path.cwd)
@@ -222,6 +226,10 @@ class Config:
             values["reserve_tokens"] = reserve
         if (window := integer("SUMMARY_CONTEXT_TOKENS", 256, MAX_CONTEXT_TOKENS_LIMIT, "discovery")) is not None:
             values["summary_context_tokens"] = window
+        if (cap := integer("MAX_TEXT_BYTES", 1, MAX_FILE_BYTES, DEFAULT_MAX_TEXT_BYTES)) is not None:
+            values["max_text_bytes"] = cap
+        if (cap := integer("MAX_TEXT_LINES", 1, 100_000_000, DEFAULT_MAX_TEXT_LINES)) is not None:
+            values["max_text_lines"] = cap
         if found := get("EXTRA_HEADERS"):
             try:
                 headers = json.loads(found[1])
@@ -1005,6 +1013,7 @@ def trim_messages(
     strategy: str = "auto",
     start_on_user: bool = True,
     alternate_roles: bool = False,
+    diet_tool_results: bool = False,
 ) -> dict[str, Any]:
     """Make the history fit by tiers, cheapest first, never splitting a tool call from its results.
 
@@ -1024,7 +1033,12 @@ def trim_messages(
         raise ContextShrinkError(f"strategy must be one of {', '.join(TRIM_STRATEGIES)}, got {strategy!r}")
     budget = _budget(max_context_tokens, reserve_tokens)
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
+    diet, before = None, None
+    if diet_tool_results:  # before anything is dropped: remove only redundant lines, verbatim
+        before = count_messages(messages, tokenizer)[1]
+        messages, diet = diet_results(messages, tokenizer)
     counts, total = count_messages(messages, tokenizer)
+    before = total if before is None else before
     n = len(messages)
     lead, starts, protected = _cut_points(messages, keep_last, start_on_user)
     fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens
@@ -1158,7 +1172,7 @@ def trim_messages(
         )
     return {
         "messages": kept,
-        "tokens_before": total + tools_tokens,
+        "tokens_before": before + tools_tokens,
         "tokens_after": after,
         "fits": after <= budget,
         "tokens_over": max(0, after - budget),
@@ -1167,7 +1181,9 @@ def trim_messages(
         "kept": len(kept),
         "kept_from_index": cut,
         "pinned_user_index": pinned,
-        "tiers": tiers,
+        "tiers": ([{"tier": "diet", "messages": diet["messages"], "tokens": diet["tokens_saved"]}] if diet else [])
+        + tiers,
+        "diet": diet,
         "warnings": warnings,
         **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
     }
@@ -1303,6 +1319,380 @@ def prune_messages(
         "warnings": [f"result {p}" for p in api_problems(out) if p not in api_problems(messages)],
         **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
     }
+
+
+# --- the verbatim diet: fewer lines, every kept line copied exactly ----------------------------------
+# Each stage takes the indices of the lines still kept and returns the indices it keeps plus a manifest
+# entry; rendering puts a one-line marker where lines were cut. The marker is the only text that is
+# not from the input.
+
+DIET_ERROR = re.compile(
+    r"\b(error|errors|exception|traceback|fail|failed|failure|failures|fatal|panic|warning|warn|assert\w*)\b"
+    r"|^E\s|^\s*FAIL",
+    re.IGNORECASE,
+)
+DIET_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+DIET_MIN_DEDUPE = 8  # a line shorter than this (stripped) is never removed as a duplicate: "}" is structure
+DIET_BLOCK = 3  # the shortest repeated block removed as one
+DIET_CONTEXT = 2  # lines of context around a query hit or an error line
+DIET_HEAD, DIET_TAIL = 10, 20  # lines always kept by the extractive summary
+
+
+def diet_marker(cut: int) -> str:
+    """The one line that stands where ``cut`` consecutive lines were removed."""
+    return f"[… {cut} line{'s' * (cut != 1)} cut …]"
+
+
+def render_kept(lines: Sequence[str], kept: Sequence[int]) -> list[str]:
+    """The kept lines in order, with a marker for every gap (including before the first and after the last)."""
+    out: list[str] = []
+    previous = -1
+    for i in kept:
+        if i > previous + 1:
+            out.append(diet_marker(i - previous - 1))
+        out.append(lines[i])
+        previous = i
+    if len(lines) > previous + 1:
+        out.append(diet_marker(len(lines) - previous - 1))
+    return out
+
+
+def _stage(
+    name: str,
+    lines: Sequence[str],
+    before: Sequence[int],
+    after: Sequence[int],
+    count: Callable[[str], int],
+    **extra: Any,
+) -> dict[str, Any]:
+    kept = set(after)
+    gone = [i for i in before if i not in kept]
+    return {
+        "stage": name,
+        "lines_kept": len(after),
+        "lines_removed": len(gone),
+        "bytes_kept": sum(len(lines[i].encode()) + 1 for i in kept),
+        "bytes_removed": sum(len(lines[i].encode()) + 1 for i in gone),
+        "tokens_kept": sum(count(lines[i]) for i in kept),
+        "tokens_removed": sum(count(lines[i]) for i in gone),
+        **extra,
+    }
+
+
+def dedupe_lines(
+    lines: Sequence[str], kept: Sequence[int], count: Callable[[str], int], exact_only: bool = False
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Remove repeated blocks, then repeated lines, then (unless ``exact_only``) lines that differ from an
+    earlier one only in ``0x…`` addresses. The first occurrence stays; later ones are counted.
+
+    Lines shorter than a few characters (braces, blank lines) are structure, never removed alone.
+    """
+    seen_block: dict[tuple[str, ...], int] = {}
+    drop: set[int] = set()
+    blocks: dict[int, list[int]] = {}  # first line of a block -> its repeats' first lines
+    pos = 0
+    order = list(kept)
+    while pos + DIET_BLOCK <= len(order):
+        window = tuple(lines[i] for i in order[pos : pos + DIET_BLOCK])
+        first = seen_block.get(window)
+        if first is not None and first + DIET_BLOCK <= pos and any(len(x.strip()) >= DIET_MIN_DEDUPE for x in window):
+            size = DIET_BLOCK
+            while (
+                pos + size < len(order)
+                and first + size < pos
+                and lines[order[pos + size]] == lines[order[first + size]]
+            ):
+                size += 1
+            drop.update(order[pos : pos + size])
+            blocks.setdefault(order[first], []).append(order[pos])
+            pos += size
+            continue
+        seen_block.setdefault(window, pos)
+        pos += 1
+    after_blocks = [i for i in order if i not in drop]
+    exact: dict[str, list[int]] = {}
+    near: dict[str, list[int]] = {}
+    seen_line: dict[str, int] = {}
+    seen_shape: dict[str, int] = {}
+    for i in after_blocks:
+        text = lines[i]
+        if len(text.strip()) < DIET_MIN_DEDUPE:
+            continue
+        if text in seen_line:
+            exact.setdefault(str(seen_line[text]), []).append(i)
+            continue
+        seen_line[text] = i
+        shape = DIET_ADDRESS.sub("0x…", text)
+        if not exact_only and shape != text and shape in seen_shape:
+            near.setdefault(str(seen_shape[shape]), []).append(i)
+            continue
+        seen_shape.setdefault(shape, i)
+    dup_lines = {i for group in exact.values() for i in group}
+    near_lines = {i for group in near.values() for i in group}
+    # A cut must pay for its marker: a gap whose lines cost fewer tokens than the marker is put back.
+    removed = drop | dup_lines | near_lines
+    cost = count(diet_marker(99))
+    run: list[int] = []
+    for i in [*order, None]:
+        if i is not None and i in removed:
+            run.append(i)
+            continue
+        if run and sum(count(lines[j]) for j in run) <= cost:
+            drop.difference_update(run)
+            dup_lines.difference_update(run)
+            near_lines.difference_update(run)
+        run = []
+    after_blocks = [i for i in order if i not in drop]
+    after_lines = [i for i in after_blocks if i not in dup_lines and i not in near_lines]
+
+    def top(groups: Mapping[Any, list[int]]) -> list[dict[str, Any]]:
+        ranked = sorted(groups.items(), key=lambda g: -len(g[1]))[:20]
+        return [{"first_line": int(k) + 1, "text": _one_line(lines[int(k)]), "repeats": len(v)} for k, v in ranked]
+
+    stages = [
+        _stage("dedupe_blocks", lines, order, after_blocks, count, repeated=top(blocks)),
+        _stage(
+            "dedupe_lines",
+            lines,
+            after_blocks,
+            [i for i in after_blocks if i not in dup_lines],
+            count,
+            repeated=top(exact),
+        ),
+    ]
+    if not exact_only:
+        before_near = [i for i in after_blocks if i not in dup_lines]
+        stages.append(_stage("near_duplicates", lines, before_near, after_lines, count, repeated=top(near)))
+    return after_lines, stages
+
+
+def _query_terms(query: str | Sequence[str]) -> list[str]:
+    words = re.findall(r"\w+", query if isinstance(query, str) else " ".join(query))
+    return sorted({w.lower() for w in words if len(w) >= 2})
+
+
+def _around(hits: Sequence[int], kept: Sequence[int], context: int) -> list[int]:
+    """``hits`` and ``context`` kept lines either side of each (windows merge where they overlap)."""
+    position = {i: k for k, i in enumerate(kept)}
+    chosen: set[int] = set()
+    for hit in hits:
+        k = position[hit]
+        chosen.update(kept[max(0, k - context) : k + context + 1])
+    return sorted(chosen)
+
+
+def extract_lines(
+    lines: Sequence[str],
+    kept: Sequence[int],
+    query: str | Sequence[str],
+    count: Callable[[str], int],
+    context: int = DIET_CONTEXT,
+) -> tuple[list[int], dict[str, Any]]:
+    """Keep the lines containing any query word (case-insensitive, whole words) and ``context`` lines around."""
+    terms = _query_terms(query)
+    if not terms:
+        raise ContextShrinkError("query must contain at least one word of two or more characters")
+    pattern = re.compile(r"\b(" + "|".join(re.escape(t) for t in terms) + r")\b", re.IGNORECASE)
+    hits = [i for i in kept if pattern.search(lines[i])]
+    after = _around(hits, kept, context)
+    return after, _stage("extract", lines, kept, after, count, terms=terms, hits=len(hits))
+
+
+def summary_lines(
+    lines: Sequence[str], kept: Sequence[int], count: Callable[[str], int]
+) -> tuple[list[int], dict[str, Any]]:
+    """The extractive summary: error, failure and warning lines with their context, plus head and tail."""
+    errors = [i for i in kept if DIET_ERROR.search(lines[i])]
+    after = sorted(set(_around(errors, kept, DIET_CONTEXT)) | set(kept[:DIET_HEAD]) | set(kept[-DIET_TAIL:]))
+    return after, _stage("summary", lines, kept, after, count, error_lines=len(errors))
+
+
+def pack_lines(
+    lines: Sequence[str],
+    kept: Sequence[int],
+    budget: int,
+    count: Callable[[str], int],
+    *,
+    protect: Sequence[str] = (),
+    query: str | Sequence[str] | None = None,
+    on_overflow: str = "fail",
+) -> tuple[list[int], dict[str, Any]]:
+    """Fit the kept lines into ``budget`` tokens (markers included): protected lines first, then error lines
+    with their context, then query hits with theirs, then the rest in original order.
+
+    If the protected lines alone exceed the budget: ``on_overflow="fail"`` raises naming every one,
+    ``"partial"`` keeps them all and reports the shortfall.
+    """
+    if on_overflow not in ("fail", "partial"):
+        raise ContextShrinkError(f"on_overflow must be 'fail' or 'partial', got {on_overflow!r}")
+    needles = [p for p in protect if p]
+    protected = [i for i in kept if any(p in lines[i] for p in needles)]
+    errors = _around([i for i in kept if DIET_ERROR.search(lines[i])], kept, DIET_CONTEXT)
+    terms = _query_terms(query) if query else []
+    pattern = re.compile(r"\b(" + "|".join(re.escape(t) for t in terms) + r")\b", re.IGNORECASE) if terms else None
+    hits = _around([i for i in kept if pattern.search(lines[i])], kept, DIET_CONTEXT) if pattern else []
+
+    def size(chosen: Collection[int]) -> int:
+        return sum(count(x) + 1 for x in render_kept(lines, sorted(chosen)))
+
+    protected_tokens = size(protected)
+    missing = [p for p in needles if not any(p in lines[i] for i in protected)]
+    if protected and protected_tokens > budget and on_overflow == "fail":
+        at_stake = "; ".join(_one_line(lines[i], 60) for i in protected)
+        raise ContextShrinkError(
+            f"the {len(protected)} protected lines alone need {protected_tokens} tokens, over the budget of {budget} "
+            f"(on_overflow='partial' keeps them anyway): {at_stake}"
+        )
+    chosen: set[int] = set(protected)
+    used = protected_tokens
+    for tier in (errors, hits, kept):
+        for i in tier:
+            if i in chosen:
+                continue
+            cost = count(lines[i]) + 1 + count(diet_marker(10**6)) + 1  # the line, and at most one more marker
+            if used + cost > budget:
+                continue
+            chosen.add(i)
+            used += cost
+    after = sorted(chosen)
+    while after and size(after) > budget and len(after) > len(protected):  # markers cost less than assumed
+        after.remove(next(i for i in reversed(after) if i not in protected))
+    return after, _stage(
+        "pack",
+        lines,
+        kept,
+        after,
+        count,
+        budget=budget,
+        protected_kept=len(protected),
+        protected_missing=missing,
+        shortfall=max(0, size(after) - budget),
+    )
+
+
+def shrink_text(
+    text: str,
+    tokenizer: Tokenizer,
+    *,
+    budget: int | None = None,
+    query: str | Sequence[str] | None = None,
+    protect: Sequence[str] = (),
+    exact_only: bool = False,
+    on_overflow: str = "fail",
+    stages: Sequence[str] = ("dedupe", "extract", "pack"),
+) -> dict[str, Any]:
+    """Shrink a text (a log, a tool output) verbatim: dedupe, near-dedupe, extract by query, pack to a budget.
+
+    Every output line is a line of the input, unchanged; gaps carry a one-line marker. The manifest
+    accounts for every stage: lines, bytes and tokens kept and removed.
+    """
+    if not isinstance(text, str):
+        raise ContextShrinkError(f"text must be a string, got {_type_name(text)}")
+    if budget is not None:
+        _check_int("budget", budget, 1, MAX_CONTEXT_TOKENS_LIMIT)
+    count = tokenizer.count
+    lines = text.split("\n")
+    kept = list(range(len(lines)))
+    manifest: list[dict[str, Any]] = []
+    if "dedupe" in stages:
+        kept, entries = dedupe_lines(lines, kept, count, exact_only)
+        manifest += entries
+    if query and "extract" in stages and budget is None:
+        kept, entry = extract_lines(lines, kept, query, count)
+        manifest.append(entry)
+    if "summary" in stages:
+        kept, entry = summary_lines(lines, kept, count)
+        manifest.append(entry)
+    if budget is not None and "pack" in stages:
+        kept, entry = pack_lines(lines, kept, budget, count, protect=protect, query=query, on_overflow=on_overflow)
+        manifest.append(entry)
+    out = "\n".join(render_kept(lines, kept))
+    protected_kept = [p for p in protect if p and any(p in lines[i] for i in kept)]
+    return {
+        "text": out,
+        "verbatim": True,
+        "input": {"lines": len(lines), "bytes": len(text.encode()), "tokens": count(text)},
+        "output": {"lines": len(kept), "bytes": len(out.encode()), "tokens": count(out)},
+        "stages": manifest,
+        "protected": {"kept": protected_kept, "missing": [p for p in protect if p and p not in protected_kept]},
+        "tokenizer": tokenizer.name,
+    }
+
+
+def check_text(
+    text: str,
+    plan: Sequence[str],
+    *,
+    markers: Sequence[str] = (),
+    fail_markers: Sequence[str] = ("FAIL",),
+    skipped: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Check that every planned item survived in ``text``: ``found`` with its evidence line (case-sensitive),
+    or ``missing``. With ``markers`` a line counts only if it holds the item and a marker (or a fail marker)
+    as a whole word; the first such line decides ``passed`` or ``failed``. Declared skips are never missing.
+    """
+    if isinstance(plan, str) or not all(isinstance(p, str) and p for p in plan):
+        raise ContextShrinkError("plan must be a list of non-empty strings")
+    lines = text.split("\n")
+
+    def word(marker: str) -> re.Pattern[str]:
+        return re.compile(rf"(?<!\w){re.escape(marker)}(?!\w)")
+
+    passing, failing = [word(m) for m in markers], [word(m) for m in fail_markers]
+    items = []
+    for item in plan:
+        if item in skipped:
+            items.append({"item": item, "status": "skipped", "evidence": None})
+            continue
+        status, evidence = "missing", None
+        for line in lines:
+            if item not in line:
+                continue
+            if not markers:
+                status, evidence = "found", line
+                break
+            if any(p.search(line) for p in failing):
+                status, evidence = "failed", line
+                break
+            if any(p.search(line) for p in passing):
+                status, evidence = "passed", line
+                break
+        items.append({"item": item, "status": status, "evidence": evidence})
+    bad = [i for i in items if i["status"] in ("missing", "failed")]
+    return {
+        "survived": not bad,
+        "items": items,
+        "counts": dict(collections.Counter(i["status"] for i in items)),
+    }
+
+
+def diet_message(message: Mapping[str, Any], min_chars: int = 2000) -> dict[str, Any] | None:
+    """A large tool result with its repeated and near-repeated lines removed (verbatim), or None if that
+    saves nothing. Depends only on the message, so the same result gives the same bytes every turn."""
+    text = message.get("content")
+    if message["role"] not in RESULT_ROLES or not isinstance(text, str) or len(text) < min_chars:
+        return None
+    lines = text.split("\n")
+    kept, _ = dedupe_lines(lines, list(range(len(lines))), HEURISTIC.count)
+    if len(kept) == len(lines):
+        return None
+    return {**message, "content": "\n".join(render_kept(lines, kept))}
+
+
+def diet_results(
+    messages: Sequence[dict[str, Any]], tokenizer: Tokenizer
+) -> tuple[list[dict[str, Any]], dict[str, int] | None]:
+    """Every large tool result dieted (:func:`diet_message`); the report says how many and what it saved."""
+    out, changed, saved = [], 0, 0
+    for m in messages:
+        lighter = diet_message(m)
+        if lighter is None:
+            out.append(m)
+            continue
+        out.append(lighter)
+        changed += 1
+        saved += count_messages([m], tokenizer)[0][0] - count_messages([lighter], tokenizer)[0][0]
+    return out, ({"messages": changed, "tokens_saved": saved} if changed else None)
 
 
 # =============================================================================
@@ -1612,6 +2002,7 @@ def compact_messages(
     tools: Sequence[Mapping[str, Any]] | None = None,
     reserve_tokens: int = 0,
     target_ratio: float = DEFAULT_TARGET_RATIO,
+    diet_tool_results: bool = False,
 ) -> dict[str, Any]:
     """Replace the oldest messages by ``summary``; with ``summary=None``, plan only (no content echoed).
 
@@ -1635,6 +2026,10 @@ def compact_messages(
     if isinstance(target_ratio, bool) or not isinstance(target_ratio, int | float) or not 0 < target_ratio <= 1:
         raise ContextShrinkError(f"target_ratio must be a number above 0 and at most 1, got {target_ratio!r}")
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
+    diet, before = None, None
+    if diet_tool_results:  # redundant lines of large tool results go first, verbatim
+        before = count_messages(messages, tokenizer)[1] + tools_tokens
+        messages, diet = diet_results(messages, tokenizer)
     counts, total = count_messages(messages, tokenizer)
     total += tools_tokens
     lead = _leading_system(messages)
@@ -1651,9 +2046,10 @@ def compact_messages(
         "needs_summary": False,
         "reason": None,
         "messages": None,
-        "tokens_before": total,
+        "tokens_before": total if before is None else before,
         "tokens_after": total,
         "threshold_tokens": trigger,
+        "diet": diet,
         "fits": total <= budget,
         "summarize_from_index": start,
         "kept_from_index": end,
@@ -1666,7 +2062,11 @@ def compact_messages(
         **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
     }
     if total < trigger and not force:
-        return {**result, "messages": list(messages), "reason": f"below the threshold ({total} < {trigger} tokens)"}
+        return {
+            **result,
+            "messages": list(messages),
+            "reason": f"below the threshold ({total} < {trigger} tokens)" + (" after the diet" if diet else ""),
+        }
     if replaced <= 0:
         return {
             **result,
@@ -2170,6 +2570,36 @@ def write_messages_file(
     return write_text_atomic(path, text, backup)
 
 
+def load_text(text: str | None, path: Path | None, config: Config) -> str:
+    """A text given inline or read from ``path`` (already confined to the root), within the configured caps."""
+    if path is not None:
+        try:
+            size = path.stat().st_size
+            if size > config.max_text_bytes:
+                raise ContextShrinkError(
+                    f"{path} is {size:,} bytes, over the limit of {config.max_text_bytes:,} "
+                    "(CONTEXT_SHRINK_MAX_TEXT_BYTES)"
+                )
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            raise ContextShrinkError(f"path {str(path)!r} does not exist") from None
+        except OSError as exc:
+            raise ContextShrinkError(f"cannot read {path}: {exc}") from None
+    if not isinstance(text, str):
+        raise ContextShrinkError(f"text must be a string, got {_type_name(text)}")
+    size = len(text.encode())
+    if size > config.max_text_bytes:
+        raise ContextShrinkError(
+            f"the text is {size:,} bytes, over the limit of {config.max_text_bytes:,} (CONTEXT_SHRINK_MAX_TEXT_BYTES)"
+        )
+    lines = text.count("\n") + 1
+    if lines > config.max_text_lines:
+        raise ContextShrinkError(
+            f"the text has {lines:,} lines, over the limit of {config.max_text_lines:,} (CONTEXT_SHRINK_MAX_TEXT_LINES)"
+        )
+    return text
+
+
 @contextlib.contextmanager
 def _tool_errors() -> Iterator[None]:
     """Turn the module's error into an MCP tool error the model can read."""
@@ -2403,12 +2833,18 @@ def build_server(config: Config | None = None) -> MCPServer:
         ] = "auto",
         start_on_user: Annotated[bool, Field(description="Kept history starts on a user message.")] = True,
         alternate_roles: Annotated[bool, Field(description="Merge same-role neighbours (strict templates).")] = False,
+        diet_tool_results: Annotated[bool, Field(description="First drop repeated lines of big tool results.")] = False,
     ) -> dict[str, Any]:
         """Shrink the history until it fits: clear old tool results, drop the oldest turns, elide huge tool outputs
         of the newest turn. Tool calls stay with their results; system messages and the newest user message stay."""
         with _tool_errors():
             req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
-            options = {"strategy": strategy, "start_on_user": start_on_user, "alternate_roles": alternate_roles}
+            options = {
+                "strategy": strategy,
+                "start_on_user": start_on_user,
+                "alternate_roles": alternate_roles,
+                "diet_tool_results": diet_tool_results,
+            }
 
             def trim(reserve: int) -> dict[str, Any]:
                 return trim_messages(
@@ -2514,6 +2950,61 @@ def build_server(config: Config | None = None) -> MCPServer:
                 backup = write_messages_file(target, result["messages"], req.container, backup=in_place)
             result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
             return {**result, "dry_run": False}
+
+    def read_text(text: str | None, path: str | None) -> str:
+        """The text to diet or check: inline or from a file inside the root, within the size caps."""
+        if (text is None) == (path is None):
+            raise ContextShrinkError("give exactly one of text or path")
+        return load_text(text, resolve_path(config.root, path) if path is not None else None, config)
+
+    @server.tool(
+        name="shrink_text",
+        annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
+    )
+    def shrink_text_tool(
+        text: Annotated[str | None, Field(description="The text (a log, a tool output). Or give path.")] = None,
+        path: Annotated[str | None, Field(description="A text file inside the server's root.")] = None,
+        budget: Annotated[int | None, Field(ge=1, le=MAX_CONTEXT_TOKENS_LIMIT, description="Token budget.")] = None,
+        query: Annotated[str | None, Field(description="Keep lines with these words (and context).")] = None,
+        protect: Annotated[list[str] | None, Field(description="Lines containing these are kept first.")] = None,
+        exact_only: Annotated[bool, Field(description="No near-duplicate (0x address) matching.")] = False,
+        on_overflow: Literal["fail", "partial"] = "fail",
+    ) -> dict[str, Any]:
+        """Shrink a text verbatim: drop repeated lines and blocks, keep query hits, pack to a token budget. Every
+        kept line is copied exactly; cuts are marked; the manifest accounts for every line."""
+        with _tool_errors():
+            return shrink_text(
+                read_text(text, path),
+                resolve_tokenizer(config.tokenizer, config.model, config.chat_format),
+                budget=budget,
+                query=query,
+                protect=protect or [],
+                exact_only=exact_only,
+                on_overflow=on_overflow,
+            )
+
+    @server.tool(
+        name="check_text",
+        annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
+    )
+    def check_text_tool(
+        plan: Annotated[list[str], Field(description="Items that must appear, e.g. test names.")],
+        text: Annotated[str | None, Field(description="The text to check. Or give path.")] = None,
+        path: Annotated[str | None, Field(description="A text file inside the server's root.")] = None,
+        markers: Annotated[list[str] | None, Field(description="Pass markers, e.g. PASSED, ok.")] = None,
+        fail_markers: Annotated[list[str] | None, Field(description="Fail markers; default FAIL.")] = None,
+        skipped: Annotated[list[str] | None, Field(description="Items declared skipped.")] = None,
+    ) -> dict[str, Any]:
+        """Check that every planned item survived in a text: found (with its evidence line) or missing; with
+        markers, passed or failed."""
+        with _tool_errors():
+            return check_text(
+                read_text(text, path),
+                plan,
+                markers=markers or [],
+                fail_markers=["FAIL"] if fail_markers is None else fail_markers,
+                skipped=skipped or [],
+            )
 
     async def summarise_with(
         ctx: Context, req: Prepared, span: list[dict[str, Any]], previous: str | None, how: dict[str, Any]
@@ -2666,6 +3157,7 @@ def build_server(config: Config | None = None) -> MCPServer:
         ),
         previous_summary: Annotated[str | None, Field(description="Last turn's summary, folded in.")] = None,
         fallback: Annotated[Literal["none", "trim"], Field(description="If summarising fails: trim instead.")] = "none",
+        diet_tool_results: Annotated[bool, Field(description="First drop repeated lines of big tool results.")] = False,
     ) -> dict[str, Any]:
         """Replace the oldest messages with one summary message. Give summary to use yours; otherwise a configured
         model (or the client's, by sampling) writes it; with neither, get a plan and call again."""
@@ -2674,6 +3166,11 @@ def build_server(config: Config | None = None) -> MCPServer:
             req = await prepare(
                 ctx, messages, messages_path, tools, tokenizer, model_name, max_context_tokens, base_url, api_key
             )
+            diet = None
+            if diet_tool_results:
+                before = count_messages(req.messages, req.tokenizer)[1]
+                lighter, diet = await anyio.to_thread.run_sync(diet_results, req.messages, req.tokenizer)
+                req = dataclasses.replace(req, messages=lighter)
             options = {
                 "max_context_tokens": req.window,
                 "keep_last": keep_last,
@@ -2690,6 +3187,8 @@ def build_server(config: Config | None = None) -> MCPServer:
                 return compact_messages(req.messages, req.tokenizer, summary=text, **options)
 
             plan = await anyio.to_thread.run_sync(compact, summary)
+            if diet:
+                plan.update(diet=diet, tokens_before=before + plan["tools_tokens"])
             capabilities = ctx.client_capabilities
             can_sample = model != "" and capabilities is not None and capabilities.sampling is not None
             mode = "summary" if summary is not None else "model" if model_name else "sampling" if can_sample else "plan"
@@ -2755,6 +3254,8 @@ def build_server(config: Config | None = None) -> MCPServer:
             text, stats = outcome
             notes = stats.pop("notes")
             done = {**result, **await anyio.to_thread.run_sync(compact, text), **stats}
+            if diet:
+                done.update(diet=diet, tokens_before=result["tokens_before"])
             done.update(
                 mode=mode, warnings=[*done["warnings"], *notes], previous_summary_folded=bool(previous_summary or found)
             )
@@ -2768,21 +3269,109 @@ def build_server(config: Config | None = None) -> MCPServer:
 # =============================================================================
 
 
+def _cli(args: argparse.Namespace, config: Config) -> int:
+    """The text subcommands: count, dedupe, extract, pack, check. Output on stdout, errors on stderr."""
+    root = Path(args.root).expanduser() if args.root else config.root
+    config = dataclasses.replace(config, root=root)
+    path = resolve_path(root, args.input) if args.input and args.input != "-" else None
+    text = load_text(None if path else sys.stdin.read(), path, config)
+    tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
+    result: dict[str, Any]
+    if args.command == "count":
+        result = {
+            "lines": text.count("\n") + 1,
+            "bytes": len(text.encode()),
+            "tokens": tokenizer.count(text),
+            "tokenizer": tokenizer.name,
+        }
+        print(json.dumps(result) if args.json else f"{result['tokens']} tokens ({tokenizer.name}), "
+              f"{result['lines']} lines, {result['bytes']} bytes")  # fmt: skip
+        return 0
+    if args.command == "check":
+        plan = [line.strip() for line in Path(args.plan).read_text(encoding="utf-8").splitlines() if line.strip()]
+        result = check_text(
+            text, plan, markers=args.markers, fail_markers=args.fail_markers or ["FAIL"], skipped=args.skipped
+        )
+        if args.json:
+            print(json.dumps(result, ensure_ascii=False, indent=1))
+        else:
+            for item in result["items"]:
+                print(f"{item['status']:8} {item['item']}" + (f"  <- {item['evidence']}" if item["evidence"] else ""))
+        return 0 if result["survived"] else 1
+    protect = []
+    if args.protect_file:
+        protect = [line for line in Path(args.protect_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    stages = {"dedupe": ("dedupe",), "extract": ("dedupe", "extract"), "pack": ("dedupe", "pack")}[args.command]
+    if args.command == "extract" and not args.query:
+        raise ContextShrinkError("extract needs --query")
+    if args.command == "pack" and not args.budget:
+        raise ContextShrinkError("pack needs --budget")
+    result = shrink_text(
+        text,
+        tokenizer,
+        budget=args.budget if args.command == "pack" else None,
+        query=args.query,
+        protect=protect,
+        exact_only=args.exact_only,
+        on_overflow=args.on_overflow,
+        stages=stages,
+    )
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False, indent=1))
+    else:
+        print(result["text"])
+        print(
+            f"context-shrink {args.command}: {result['input']['lines']} -> {result['output']['lines']} lines, "
+            f"{result['input']['tokens']} -> {result['output']['tokens']} tokens ({tokenizer.name})",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``context-shrink``: serve the MCP tools over stdio."""
+    """``context-shrink``: serve the MCP tools over stdio, or run a text subcommand."""
     parser = argparse.ArgumentParser(
         prog="context-shrink",
-        description="MCP server (stdio) that measures, trims and compacts OpenAI-style chat histories. "
-        "Configured by CONTEXT_SHRINK_* environment variables; see the README.",
+        description="MCP server (stdio) that measures, trims and compacts OpenAI-style chat histories; without "
+        "a subcommand it serves the MCP tools. Configured by CONTEXT_SHRINK_* environment variables (README).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.parse_args(argv)
-    config, warnings = Config.from_env()
+    commands = parser.add_subparsers(dest="command", metavar="{count,dedupe,extract,pack,check}")
+    for name, purpose in (
+        ("count", "count tokens, lines and bytes"),
+        ("dedupe", "drop repeated lines and blocks (and 0x-address near-duplicates), verbatim"),
+        ("extract", "keep the lines matching --query, with context"),
+        ("pack", "fit the text into --budget tokens: protected, error, query lines first"),
+        ("check", "check that every item of --plan appears; exit 1 when one is missing or failed"),
+    ):
+        sub = commands.add_parser(name, help=purpose, description=purpose)
+        sub.add_argument("--input", default="-", help="a text file (default: standard input)")
+        sub.add_argument("--root", help="folder the input must be inside (default: CONTEXT_SHRINK_ROOT or .)")
+        sub.add_argument("--json", action="store_true", help="print the result and manifest as JSON")
+        if name in ("dedupe", "extract", "pack"):
+            sub.add_argument("--exact-only", action="store_true", help="no near-duplicate (0x address) matching")
+            sub.add_argument("--query", help="words to keep (with context)")
+            sub.add_argument("--budget", type=int, help="token budget (pack)")
+            sub.add_argument("--protect-file", help="a file of lines: text lines containing one are kept first")
+            sub.add_argument("--on-overflow", choices=("fail", "partial"), default="fail")
+        if name == "check":
+            sub.add_argument("--plan", required=True, help="a file with one item per line")
+            sub.add_argument("--markers", nargs="*", default=[], help="pass markers, e.g. PASSED ok")
+            sub.add_argument("--fail-markers", nargs="*", help="fail markers (default FAIL)")
+            sub.add_argument("--skipped", nargs="*", default=[], help="items declared skipped")
+    args = parser.parse_args(argv)
+    config, problems = Config.from_env()
     logging.basicConfig(
         level=config.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for warning in warnings:
-        log.warning("%s", warning)
+    for problem in problems:
+        log.warning("%s", problem)
+    if args.command:
+        try:
+            return _cli(args, config)
+        except (ContextShrinkError, OSError) as exc:
+            print(f"context-shrink {args.command}: {exc}", file=sys.stderr)
+            return 2
     log.info(
         "context-shrink %s: root %s, backend %s, model %s", __version__, config.root, config.base_url, config.model
     )

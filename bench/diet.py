@@ -1,0 +1,111 @@
+"""The verbatim diet on real text: tool results of the shared transcripts and a verbose pytest run.
+
+    python bench/diet.py
+
+For each source: lines and cl100k tokens before and after the dedupe stages (exact lines and blocks,
+then 0x-address near-duplicates), the reduction, and the time taken. Then the pytest log is packed
+to a few budgets, and check_text confirms that every test's verdict survived (marker mode). No
+assertion: the numbers are measured in this run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import context_shrink as cs  # noqa: E402
+
+
+def pytest_log() -> str:
+    """A real CI-style log: this project's suite in verbose mode, with llama.cpp's own server log."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-v",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "test/py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return run.stdout + run.stderr
+
+
+def row(name: str, texts: list[str], tok: cs.Tokenizer) -> str:
+    lines = sum(t.count("\n") + 1 for t in texts)
+    before = sum(tok.count(t) for t in texts)
+    started = time.perf_counter()
+    results = [cs.shrink_text(t, tok) for t in texts]
+    took = time.perf_counter() - started
+    after = sum(r["output"]["tokens"] for r in results)
+    kept = sum(r["output"]["lines"] for r in results)
+    return (
+        f"| {name} | {len(texts)} | {lines:,} | {kept:,} | {before:,} | {after:,} | {1 - after / before:.1%} | "
+        f"{took * 1000:.0f} |"
+    )
+
+
+def main() -> int:
+    tok = cs.resolve_tokenizer("tiktoken:cl100k_base")
+    folder = ROOT.parent / "shared" / "data" / "sessions"
+    folder = folder if folder.is_dir() else ROOT / "test" / "data"
+    print("## Dedupe (exact lines and blocks, then 0x near-duplicates)\n")
+    print("| source | texts | lines | lines kept | tokens | tokens after | reduction | ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    everything: list[str] = []
+    for path in sorted(folder.glob("*.json")):
+        messages = json.loads(path.read_text())["messages"]
+        texts = [m["content"] for m in messages if m["role"] == "tool" and isinstance(m["content"], str)]
+        texts = [t for t in texts if len(t) >= 2000]  # what diet_tool_results touches
+        if texts:
+            everything += texts
+            print(row(f"tool results: {path.stem[:40]}", texts, tok))
+    print(row("tool results: all transcripts", everything, tok))
+    generator = ROOT.parent / "shared" / "bench" / "gen_session.py"
+    if generator.exists():
+        generated = subprocess.run(
+            [sys.executable, str(generator), "--messages", "2000", "--seed", "7"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        data = json.loads(generated)
+        messages = data["messages"] if isinstance(data, dict) else data
+        texts = [m["content"] for m in messages if m["role"] == "tool" and len(m["content"]) >= 2000]
+        print(row("tool results: synthetic 2,000-message session (build/test logs)", texts, tok))
+    log = pytest_log()
+    print(row("pytest -v -s of this project's suite (llama.cpp's log included)", [log], tok))
+
+    verdicts = re.findall(r"^(test/py/\S+::\S+) (PASSED|FAILED|SKIPPED)", log, re.MULTILINE)
+    plan = [name.split("::", 1)[1] for name, _ in verdicts]
+    print(f"\n## Packing the pytest log ({tok.count(log):,} tokens, {len(plan)} test verdicts)\n")
+    print("| budget | tokens out | lines out | verdicts that survived (check_text, marker mode) | ms |")
+    print("|---:|---:|---:|---:|---:|")
+    for budget in (2000, 8000, 32000):
+        started = time.perf_counter()
+        packed = cs.shrink_text(log, tok, budget=budget, query="PASSED FAILED")
+        took = time.perf_counter() - started
+        checked = cs.check_text(packed["text"], plan, markers=["PASSED", "SKIPPED"], fail_markers=["FAILED"])
+        survived = sum(1 for i in checked["items"] if i["status"] in ("passed", "failed"))
+        print(
+            f"| {budget:,} | {packed['output']['tokens']:,} | {packed['output']['lines']:,} | "
+            f"{survived} of {len(plan)} | {took * 1000:.0f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
