@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -61,6 +62,7 @@ from typing import Annotated, Any, Literal
 import httpx2
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver.tools import Tool
 from mcp.shared.exceptions import MCPDeprecationWarning
 from mcp_types import (
     CreateMessageRequest,
@@ -105,6 +107,25 @@ TOKENS_PER_TOOL_CALL = 3
 IMAGE_TOKENS_LOW = 85
 IMAGE_TOKENS_DEFAULT = 765  # an image whose size cannot be read counts as 1024x1024 at high detail
 
+TOOL_NAMES = (
+    "estimate_context",
+    "analyze_context",
+    "trim_context",
+    "prune_context",
+    "compact_context",
+    "shrink_text",
+    "check_text",
+)
+CORE_TOOLS = ("estimate_context", "trim_context", "compact_context")
+SERVER_INSTRUCTIONS = (
+    "Measure, trim and compact OpenAI-style chat histories so a request fits the context window. "
+    "Parameters shared by the tools: messages (OpenAI chat messages) or messages_path (a JSON list, a request "
+    "body or JSONL, inside the server's root: use it for long histories); output_path writes the resulting "
+    "messages there and returns only the report; max_context_tokens is the window ('auto' asks the backend); "
+    "reserve_tokens stay free for the reply; tools are the request's tool definitions (counted too); "
+    "tokenizer is auto, server, heuristic, tiktoken or tiktoken:<encoding>; model names the model the "
+    "history is for; keep_last is how many newest messages are always kept."
+)
 SYSTEM_ROLES = ("system", "developer")
 RESULT_ROLES = ("tool", "function")
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
@@ -152,6 +173,7 @@ class Config:
     max_context_tokens: int | Literal["auto"] = DEFAULT_MAX_CONTEXT_TOKENS
     reserve_tokens: int = 0
     summary_context_tokens: int | None = None  # the summariser's own window, when it differs
+    tools: tuple[str, ...] | None = None  # the tools to expose (CONTEXT_SHRINK_TOOLS); None: all
     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES  # shrink_text / check_text input caps
     max_text_lines: int = DEFAULT_MAX_TEXT_LINES
     extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
@@ -239,6 +261,16 @@ class Config:
                 values["extra_headers"] = headers
             else:  # the value may hold a secret: never echo it
                 warnings.append(f"{found[0]} is not a JSON object of string values; ignored")
+        if found := get("TOOLS"):
+            names = [n.strip() for n in found[1].split(",") if n.strip()]
+            names = [n for group in names for n in (CORE_TOOLS if group == "core" else [group])]
+            unknown = [n for n in names if n not in TOOL_NAMES]
+            if unknown:
+                warnings.append(
+                    f"{found[0]} names unknown tools ({', '.join(unknown)}); known: {', '.join(TOOL_NAMES)}"
+                )
+            if known := tuple(n for n in names if n in TOOL_NAMES):
+                values["tools"] = known
         if found := get("LOG_LEVEL"):
             if found[1].upper() in LOG_LEVELS:
                 values["log_level"] = found[1].upper()
@@ -2648,24 +2680,22 @@ class Prepared:
 
 MessagesArg = Annotated[
     list[dict[str, Any]] | None,
-    Field(description="OpenAI chat messages. Give this or messages_path."),
+    Field(),
 ]
 PathArg = Annotated[
     str | None,
-    Field(description="JSON (list or request body) or JSONL file of messages, inside the server's root."),
+    Field(),
 ]
 OutputArg = Annotated[
     str | None,
-    Field(description="Write the resulting messages here (atomically) and return only the report."),
+    Field(),
 ]
-WindowArg = Annotated[
-    int | Literal["auto"], Field(description="Context window in tokens, or 'auto' to ask the server.")
-]
-KeepLastArg = Annotated[int, Field(ge=0, le=1_000_000, description="Newest messages always kept (whole units).")]
-ToolsArg = Annotated[list[dict[str, Any]] | None, Field(description="The request's tool definitions (counted too).")]
-TokenizerArg = Annotated[str | None, Field(description="auto, server, heuristic, tiktoken or tiktoken:<encoding>.")]
-ReserveArg = Annotated[int, Field(ge=0, le=MAX_CONTEXT_TOKENS_LIMIT, description="Tokens kept free for the reply.")]
-ModelArg = Annotated[str | None, Field(description="Model the history is for (picks tokenizer and window).")]
+WindowArg = Annotated[int | Literal["auto"], Field()]
+KeepLastArg = Annotated[int, Field(ge=0)]
+ToolsArg = Annotated[list[dict[str, Any]] | None, Field()]
+TokenizerArg = Annotated[str | None, Field()]
+ReserveArg = Annotated[int, Field(ge=0)]
+ModelArg = Annotated[str | None, Field()]
 
 
 def build_server(config: Config | None = None) -> MCPServer:
@@ -2682,12 +2712,26 @@ def build_server(config: Config | None = None) -> MCPServer:
         async with httpx2.AsyncClient(timeout=timeout) as http:
             yield ServerState(config, http)
 
-    server = MCPServer(
-        "context-shrink",
-        version=__version__,
-        instructions="Measure, trim and compact OpenAI-style chat histories so a request fits the context window.",
-        lifespan=lifespan,
-    )
+    registry: dict[str, Tool] = {}
+
+    def register(
+        name: str | None = None, *, read_only: bool, idempotent: bool, open_world: bool = False
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+            hints = ToolAnnotations(  # only what differs from the protocol's defaults
+                read_only_hint=read_only or None,
+                idempotent_hint=idempotent or None,
+                open_world_hint=open_world and None,
+            )
+            description = " ".join(inspect.cleandoc(fn.__doc__ or "").split())
+            tool = Tool.from_function(fn, name=name, description=description, annotations=hints)
+            tool.parameters = compact_schema(tool.parameters)  # what clients read: no titles, no null branches
+            if tool.fn_metadata.output_schema is not None:
+                tool.fn_metadata.output_schema = {"type": "object"}
+            registry[tool.name] = tool
+            return fn
+
+        return add
 
     def load(
         messages: Any, messages_path: str | None
@@ -2791,7 +2835,7 @@ def build_server(config: Config | None = None) -> MCPServer:
             result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
         return result
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
+    @register(read_only=True, idempotent=True, open_world=False)
     async def estimate_context(
         ctx: Context,
         messages: MessagesArg = None,
@@ -2802,7 +2846,7 @@ def build_server(config: Config | None = None) -> MCPServer:
         model: ModelArg = None,
         reserve_tokens: ReserveArg = default_reserve,
     ) -> dict[str, Any]:
-        """Count the tokens of a chat history (and its tools) and say whether it fits the context window."""
+        """Count a chat history's tokens and say whether it fits the window."""
         with _tool_errors():
             req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
             result = await anyio.to_thread.run_sync(
@@ -2815,7 +2859,7 @@ def build_server(config: Config | None = None) -> MCPServer:
                 result["should_trim"] = result["remaining"] < 0
             return {**result, "max_context_source": req.window_source}
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=True, open_world_hint=False))
+    @register(read_only=False, idempotent=True, open_world=False)
     async def trim_context(
         ctx: Context,
         messages: MessagesArg = None,
@@ -2827,16 +2871,13 @@ def build_server(config: Config | None = None) -> MCPServer:
         tokenizer: TokenizerArg = None,
         model: ModelArg = None,
         reserve_tokens: ReserveArg = default_reserve,
-        strategy: Annotated[
-            Literal["auto", "drop"],
-            Field(description="auto: clear old tool results, drop turns, elide; drop: turns only."),
-        ] = "auto",
-        start_on_user: Annotated[bool, Field(description="Kept history starts on a user message.")] = True,
-        alternate_roles: Annotated[bool, Field(description="Merge same-role neighbours (strict templates).")] = False,
-        diet_tool_results: Annotated[bool, Field(description="First drop repeated lines of big tool results.")] = False,
+        strategy: Annotated[Literal["auto", "drop"], Field(description="drop: whole turns only.")] = "auto",
+        start_on_user: Annotated[bool, Field(description="Start on a user message.")] = True,
+        alternate_roles: Annotated[bool, Field(description="Merge same-role neighbours.")] = False,
+        diet_tool_results: Annotated[bool, Field(description="Dedupe big tool results first.")] = False,
     ) -> dict[str, Any]:
-        """Shrink the history until it fits: clear old tool results, drop the oldest turns, elide huge tool outputs
-        of the newest turn. Tool calls stay with their results; system messages and the newest user message stay."""
+        """Shrink a chat history until it fits: clear old tool results, drop old turns, elide huge outputs;
+        never split a tool call from its results."""
         with _tool_errors():
             req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
             options = {
@@ -2860,22 +2901,21 @@ def build_server(config: Config | None = None) -> MCPServer:
             result = await recount(req, await anyio.to_thread.run_sync(trim, reserve_tokens), reserve_tokens, trim)
             return deliver(result, output_path, req)
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
+    @register(read_only=True, idempotent=True, open_world=False)
     async def analyze_context(
         ctx: Context,
         messages: MessagesArg = None,
         messages_path: PathArg = None,
         max_context_tokens: WindowArg = default_window,
-        sort: Annotated[Literal["chrono", "largest"], Field(description="Line order.")] = "chrono",
-        limit: Annotated[int, Field(ge=1, le=1000, description="Lines per page.")] = 100,
-        offset: Annotated[int, Field(ge=0, description="First line of the page.")] = 0,
+        sort: Annotated[Literal["chrono", "largest"], Field()] = "chrono",
+        limit: Annotated[int, Field(ge=1, le=1000)] = 100,
+        offset: Annotated[int, Field(ge=0)] = 0,
         tools: ToolsArg = None,
         tokenizer: TokenizerArg = None,
         model: ModelArg = None,
         reserve_tokens: ReserveArg = default_reserve,
     ) -> dict[str, Any]:
-        """Show what fills the window: totals, then one line per message, '<id> <kind> <tokens>tok: <gist>'.
-        Pass ids to prune_context to remove exactly those messages."""
+        """List what fills the window, one line per message: '<id> <kind> <tokens>tok: <gist>'."""
         with _tool_errors():
             req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
             result = await anyio.to_thread.run_sync(
@@ -2894,29 +2934,24 @@ def build_server(config: Config | None = None) -> MCPServer:
                 result.update(tokens=req.exact, percent_of_budget=round(100 * req.exact / result["budget_tokens"], 1))
             return {**result, "max_context_source": req.window_source}
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=True, open_world_hint=False))
+    @register(read_only=False, idempotent=True, open_world=False)
     async def prune_context(
         ctx: Context,
         messages: MessagesArg = None,
         messages_path: PathArg = None,
         output_path: OutputArg = None,
-        remove_ids: Annotated[
-            list[str] | None, Field(description="Message ids (>= 4 hex chars) from analyze_context.")
-        ] = None,
-        images: Annotated[bool, Field(description="Replace image parts with a short placeholder.")] = False,
+        remove_ids: Annotated[list[str] | None, Field(description="Id prefixes from analyze_context.")] = None,
+        images: Annotated[bool, Field(description="Replace images by a placeholder.")] = False,
         clear_tool_results_before: Annotated[
-            int | None, Field(ge=0, description="Clear tool results older than the newest n user turns.")
+            int | None, Field(ge=0, description="Clear tool results before the newest n turns.")
         ] = None,
-        dry_run: Annotated[
-            bool | None, Field(description="Report only; default true when rewriting messages_path in place.")
-        ] = None,
+        dry_run: Annotated[bool | None, Field(description="Report only; default true in place.")] = None,
         max_context_tokens: WindowArg = default_window,
         tools: ToolsArg = None,
         tokenizer: TokenizerArg = None,
         reserve_tokens: ReserveArg = default_reserve,
     ) -> dict[str, Any]:
-        """Remove exactly the messages named by id (a tool call goes with its results), and/or strip images or
-        clear old tool results. System messages are never removed."""
+        """Remove messages by id (a tool call with its results), strip images or clear old tool results."""
         with _tool_errors():
             source = resolve_path(config.root, messages_path) if messages_path is not None else None
             lines = read_jsonl_lines(source) if source is not None and messages is None else None
@@ -2957,21 +2992,17 @@ def build_server(config: Config | None = None) -> MCPServer:
             raise ContextShrinkError("give exactly one of text or path")
         return load_text(text, resolve_path(config.root, path) if path is not None else None, config)
 
-    @server.tool(
-        name="shrink_text",
-        annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
-    )
+    @register("shrink_text", read_only=True, idempotent=True)
     def shrink_text_tool(
-        text: Annotated[str | None, Field(description="The text (a log, a tool output). Or give path.")] = None,
-        path: Annotated[str | None, Field(description="A text file inside the server's root.")] = None,
-        budget: Annotated[int | None, Field(ge=1, le=MAX_CONTEXT_TOKENS_LIMIT, description="Token budget.")] = None,
-        query: Annotated[str | None, Field(description="Keep lines with these words (and context).")] = None,
-        protect: Annotated[list[str] | None, Field(description="Lines containing these are kept first.")] = None,
-        exact_only: Annotated[bool, Field(description="No near-duplicate (0x address) matching.")] = False,
+        text: Annotated[str | None, Field(description="Text (or path).")] = None,
+        path: Annotated[str | None, Field(description="Text file in the root.")] = None,
+        budget: Annotated[int | None, Field(ge=1, description="Token budget.")] = None,
+        query: Annotated[str | None, Field(description="Keep lines with these words.")] = None,
+        protect: Annotated[list[str] | None, Field(description="Lines containing these stay.")] = None,
+        exact_only: Annotated[bool, Field(description="No 0x-address near-duplicates.")] = False,
         on_overflow: Literal["fail", "partial"] = "fail",
     ) -> dict[str, Any]:
-        """Shrink a text verbatim: drop repeated lines and blocks, keep query hits, pack to a token budget. Every
-        kept line is copied exactly; cuts are marked; the manifest accounts for every line."""
+        """Shrink a log or text verbatim: dedupe lines, keep query hits and errors, pack to a token budget."""
         with _tool_errors():
             return shrink_text(
                 read_text(text, path),
@@ -2983,20 +3014,16 @@ def build_server(config: Config | None = None) -> MCPServer:
                 on_overflow=on_overflow,
             )
 
-    @server.tool(
-        name="check_text",
-        annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
-    )
+    @register("check_text", read_only=True, idempotent=True)
     def check_text_tool(
-        plan: Annotated[list[str], Field(description="Items that must appear, e.g. test names.")],
-        text: Annotated[str | None, Field(description="The text to check. Or give path.")] = None,
-        path: Annotated[str | None, Field(description="A text file inside the server's root.")] = None,
-        markers: Annotated[list[str] | None, Field(description="Pass markers, e.g. PASSED, ok.")] = None,
-        fail_markers: Annotated[list[str] | None, Field(description="Fail markers; default FAIL.")] = None,
-        skipped: Annotated[list[str] | None, Field(description="Items declared skipped.")] = None,
+        plan: Annotated[list[str], Field(description="Items that must appear.")],
+        text: Annotated[str | None, Field(description="Text (or path).")] = None,
+        path: Annotated[str | None, Field(description="Text file in the root.")] = None,
+        markers: Annotated[list[str] | None, Field(description="e.g. PASSED, ok")] = None,
+        fail_markers: Annotated[list[str] | None, Field(description="Default: FAIL")] = None,
+        skipped: Annotated[list[str] | None, Field()] = None,
     ) -> dict[str, Any]:
-        """Check that every planned item survived in a text: found (with its evidence line) or missing; with
-        markers, passed or failed."""
+        """Check that planned items (e.g. test names) appear in a text; with markers, passed or failed."""
         with _tool_errors():
             return check_text(
                 read_text(text, path),
@@ -3119,48 +3146,36 @@ def build_server(config: Config | None = None) -> MCPServer:
             "notes": [],
         }
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=False, idempotent_hint=False, open_world_hint=True))
+    @register(read_only=False, idempotent=False, open_world=True)
     async def compact_context(
         ctx: Context,
         messages: MessagesArg = None,
         keep_last: KeepLastArg = DEFAULT_KEEP_LAST,
         max_context_tokens: WindowArg = default_window,
-        threshold: Annotated[float, Field(ge=0, le=1, description="Compact only above this share of the window.")] = (
+        threshold: Annotated[float, Field(ge=0, le=1, description="Act above this share of the window.")] = (
             DEFAULT_THRESHOLD
         ),
-        force: Annotated[bool, Field(description="Compact even below the threshold.")] = False,
-        summary: Annotated[
-            str | None, Field(description="Your summary of the oldest messages (no model call).")
-        ] = None,
-        model: Annotated[
-            str | None, Field(description="Backend model that writes the summary; '' = plan only.")
-        ] = None,
-        base_url: Annotated[str | None, Field(description="OpenAI-compatible base URL, e.g. .../v1.")] = None,
-        api_key: Annotated[str | None, Field(description="Backend API key (never echoed).")] = None,
-        max_summary_tokens: Annotated[int, Field(ge=16, le=100_000, description="Longest summary.")] = (
-            DEFAULT_MAX_SUMMARY_TOKENS
-        ),
+        force: Annotated[bool, Field()] = False,
+        summary: Annotated[str | None, Field(description="Your summary (no model call).")] = None,
+        model: Annotated[str | None, Field(description="Summariser model; '' = plan only.")] = None,
+        base_url: Annotated[str | None, Field(description="Summariser base URL (.../v1).")] = None,
+        api_key: Annotated[str | None, Field()] = None,
+        max_summary_tokens: Annotated[int, Field(ge=16)] = (DEFAULT_MAX_SUMMARY_TOKENS),
         summary_role: Literal["system", "user"] = "system",
         messages_path: PathArg = None,
         output_path: OutputArg = None,
         tools: ToolsArg = None,
         tokenizer: TokenizerArg = None,
         reserve_tokens: ReserveArg = default_reserve,
-        target_ratio: Annotated[float, Field(gt=0, le=1, description="Compact down to this share of the window.")] = (
-            DEFAULT_TARGET_RATIO
-        ),
-        summary_context_tokens: Annotated[
-            int | None, Field(ge=256, le=MAX_CONTEXT_TOKENS_LIMIT, description="The summariser's own window.")
-        ] = None,
-        summary_concurrency: Annotated[int, Field(ge=1, le=16, description="Summary requests at once.")] = (
-            DEFAULT_SUMMARY_CONCURRENCY
-        ),
-        previous_summary: Annotated[str | None, Field(description="Last turn's summary, folded in.")] = None,
-        fallback: Annotated[Literal["none", "trim"], Field(description="If summarising fails: trim instead.")] = "none",
-        diet_tool_results: Annotated[bool, Field(description="First drop repeated lines of big tool results.")] = False,
+        target_ratio: Annotated[float, Field(gt=0, le=1, description="Shrink to this share.")] = (DEFAULT_TARGET_RATIO),
+        summary_context_tokens: Annotated[int | None, Field(ge=256, description="The summariser's window.")] = None,
+        summary_concurrency: Annotated[int, Field(ge=1, le=16)] = (DEFAULT_SUMMARY_CONCURRENCY),
+        previous_summary: Annotated[str | None, Field()] = None,
+        fallback: Annotated[Literal["none", "trim"], Field(description="On failure: trim.")] = "none",
+        diet_tool_results: Annotated[bool, Field(description="Dedupe big tool results first.")] = False,
     ) -> dict[str, Any]:
-        """Replace the oldest messages with one summary message. Give summary to use yours; otherwise a configured
-        model (or the client's, by sampling) writes it; with neither, get a plan and call again."""
+        """Replace the oldest messages with a summary: yours (summary), a model's, the client's (sampling),
+        or get a plan."""
         with _tool_errors():
             model_name = (config.model or None) if model is None else (model or None)
             req = await prepare(
@@ -3261,7 +3276,35 @@ def build_server(config: Config | None = None) -> MCPServer:
             )
             return deliver(await recount(req, done, reserve_tokens), output_path, req)
 
-    return server
+    chosen = [registry[name] for name in TOOL_NAMES if config.tools is None or name in config.tools]
+    return MCPServer(
+        "context-shrink",
+        version=__version__,
+        instructions=SERVER_INSTRUCTIONS,
+        lifespan=lifespan,
+        tools=chosen,
+    )
+
+
+def compact_schema(schema: Any) -> Any:
+    """A JSON schema without what pydantic adds for humans (titles, null defaults, ``anyOf`` with null,
+    ``additionalProperties: true``), so ``tools/list`` costs the model fewer tokens. Validation is
+    unaffected: arguments are still checked by the tool's own model."""
+    if isinstance(schema, list):
+        return [compact_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: compact_schema(v) for k, v in schema.items() if k != "title" and not (k == "default" and v is None)}
+    if out.get("additionalProperties") is True:
+        del out["additionalProperties"]
+    if out.get("items") == {"type": "object"}:  # "an array" says enough: each tool documents its items
+        del out["items"]
+    branches = out.get("anyOf")
+    if isinstance(branches, list) and {"type": "null"} in branches:
+        rest = [b for b in branches if b != {"type": "null"}]
+        del out["anyOf"]
+        out = {**rest[0], **out} if len(rest) == 1 else {**out, "anyOf": rest}
+    return out
 
 
 # =============================================================================

@@ -137,6 +137,6 @@ test("examples/js-client.js runs", () => {
     encoding: "utf8",
     stdio: ["ignore", "pipe", "ignore"],
   });
-  assert.match(output, /tools: estimate_context, trim_context, analyze_context, prune_context, /);
+  assert.match(output, /tools: estimate_context, analyze_context, trim_context, prune_context, compact_context/);
   assert.match(output, /estimate_context: \d+ tokens of 32768/);
 });

@@ -21,7 +21,7 @@ def test_python_example_over_stdio() -> None:
     )
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("tools: estimate_context, trim_context, analyze_context, prune_context, ")
+    assert lines[0] == "tools: " + ", ".join(cs.TOOL_NAMES)
     assert lines[1].startswith("estimate_context: 1309 tokens of 32768 (tiktoken:cl100k_base)")
     assert re.search(r"dropped \d+ messages, fits=True", lines[2])
     assert "compact_context (plan): needs_summary=True" in lines[3]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -278,3 +279,51 @@ def test_errors_write_nothing_and_the_server_keeps_running(server: Any, tmp_path
 def test_malformed_file_is_reported(server: Any, tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"role": "user", "content": "a"}\n{"role": \n')
     assert "line 2" in error(run(call(server, "estimate_context", {"messages_path": "bad.jsonl"})))
+
+
+def listed(config: cs.Config) -> list[Any]:
+    async def listing() -> Any:
+        async with Client(cs.build_server(config)) as client:
+            return (await client.list_tools()).tools
+
+    return run(listing())
+
+
+def test_tools_subset_from_the_environment(tmp_path: Path) -> None:
+    config, warnings = cs.Config.from_env({"CONTEXT_SHRINK_TOOLS": "core, shrink_text, bogus"})
+    assert config.tools == (*cs.CORE_TOOLS, "shrink_text") and "bogus" in warnings[0]
+    names = [t.name for t in listed(dataclasses.replace(config, root=tmp_path))]
+    assert names == ["estimate_context", "trim_context", "compact_context", "shrink_text"]
+
+
+def test_tools_list_is_small(tmp_path: Path) -> None:
+    tok = cs.resolve_tokenizer("tiktoken:cl100k_base")
+
+    def size(tools: list[Any]) -> int:
+        dumped = [t.model_dump(by_alias=True, exclude_none=True, mode="json") for t in tools]
+        return tok.count(json.dumps({"tools": dumped}, separators=(",", ":")))
+
+    everything = listed(cs.Config(root=tmp_path))
+    core = listed(cs.Config(root=tmp_path, tools=cs.CORE_TOOLS))
+    assert size(core) <= 1200  # the documented figures are lower; this catches schema bloat
+    assert size(everything) <= 1700
+    schema = json.dumps([t.input_schema for t in everything])
+    assert '"title"' not in schema and '{"type": "null"}' not in schema
+
+
+def test_compact_schema() -> None:
+    schema = {
+        "title": "X",
+        "properties": {
+            "a": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "A"},
+            "b": {"anyOf": [{"type": "integer"}, {"const": "auto", "type": "string"}], "default": 5},
+            "c": {"items": {"additionalProperties": True, "type": "object"}, "type": "array"},
+        },
+    }
+    assert cs.compact_schema(schema) == {
+        "properties": {
+            "a": {"type": "string"},
+            "b": {"anyOf": [{"type": "integer"}, {"const": "auto", "type": "string"}], "default": 5},
+            "c": {"type": "array"},
+        }
+    }
