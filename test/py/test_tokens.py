@@ -67,7 +67,7 @@ def test_o200k_unavailable_falls_back_to_cl100k(monkeypatch: pytest.MonkeyPatch)
     try:
         tokenizer = cs.resolve_tokenizer("auto", "gpt-4o")
         assert tokenizer.name == "tiktoken:cl100k_base"
-        assert "o200k_base" in tokenizer.note and "counting with cl100k_base" in tokenizer.note
+        assert "o200k_base" in tokenizer.note and "counting with tiktoken cl100k_base" in tokenizer.note
     finally:
         cs.resolve_tokenizer.cache_clear()
 
