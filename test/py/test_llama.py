@@ -17,6 +17,14 @@ import context_shrink as cs
 pytestmark = pytest.mark.llama
 
 
+@pytest.fixture(autouse=True)
+def gibberish_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny random model writes gibberish until max_tokens, which the degenerate-output guard rightly
+    refuses; these tests are about the wire (chunking, refusals, counting), so the guard stands aside.
+    The guard itself is tested in test_fidelity.py."""
+    monkeypatch.setattr(cs, "guard_summary", lambda text, source, limit, count: (cs.clean_summary(text), [], True))
+
+
 def session() -> list[dict[str, Any]]:
     path = LOCAL_SESSIONS / "swe-agent_function-calling_marshmallow-1867.json"
     return json.loads(path.read_text())["messages"]

@@ -78,6 +78,7 @@ CONTRACT = {
         "previous_summary",
         "fallback",
         "diet_tool_results",
+        "anchor_identifiers",
     ],
     "shrink_text": ["text", "path", "budget", "query", "protect", "exact_only", "on_overflow"],
     "check_text": ["plan", "text", "path", "markers", "fail_markers", "skipped"],

@@ -148,7 +148,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def llama_server(model: Path, n_ctx: int = 2048, alias: str = "tiny") -> Iterator[str]:
+def llama_server(model: Path, n_ctx: int = 2048, alias: str = "tiny", threads: int = 1) -> Iterator[str]:
     """Serve ``model`` with llama.cpp's own server on 127.0.0.1; yields the base URL (ending in ``/v1``)."""
     import httpx2
     import xllamacpp
@@ -160,8 +160,8 @@ def llama_server(model: Path, n_ctx: int = 2048, alias: str = "tiny") -> Iterato
     params.port = port
     params.n_ctx = n_ctx
     params.n_parallel = 1
-    params.cpuparams.n_threads = 1
-    params.cpuparams_batch.n_threads = 1
+    params.cpuparams.n_threads = threads
+    params.cpuparams_batch.n_threads = threads
     params.model_alias = {alias}
     params.endpoint_slots = True
     params.ui = False
