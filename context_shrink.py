@@ -3636,12 +3636,11 @@ def build_server(config: Config | None = None) -> MCPServer:
             state: ServerState = ctx.request_context.lifespan_context
             summariser = f"model {model_name} @ {req.backend.base_url}" if mode == "model" else "client sampling"
             chain = span_hashes(span)
+            filed = f"{summariser} | {max_summary_tokens} | anchored={anchor_identifiers}"  # what shapes the text
             if previous is None:  # the longest already-summarised start of this span is folded, not redone
-                done_before = next(
-                    (k for k in range(len(span), 0, -1) if (summariser, chain[k]) in state.span_summaries), 0
-                )
+                done_before = next((k for k in range(len(span), 0, -1) if (filed, chain[k]) in state.span_summaries), 0)
                 if done_before:
-                    previous = state.span_summaries[summariser, chain[done_before]]
+                    previous = state.span_summaries[filed, chain[done_before]]
                     span = span[done_before:]
             window = summary_context_tokens or config.summary_context_tokens
             if window is None and mode == "model":
@@ -3700,11 +3699,12 @@ def build_server(config: Config | None = None) -> MCPServer:
                 anchored = anchor_summary(text, list(dict.fromkeys([*candidates, *anchored_in(previous)])))
                 stats["anchored"] = len(anchored_in(anchored)) - len(anchored_in(text))
                 text = anchored
-            state.span_summaries[summariser, chain[-1]] = text
-            if pinned is not None:  # a later span will also hold the pinned message: file the summary under
-                before_pin = sum(1 for i, _ in items if i < pinned)  # the part of this span that precedes it too
-                state.span_summaries[summariser, chain[before_pin]] = text
-            while len(state.span_summaries) > 512:
+            if result["fallback"] is None:  # extracted notes are not filed: the model may do better next time
+                state.span_summaries[filed, chain[-1]] = text
+                if pinned is not None:  # a later span will also hold the pinned message: file the summary under
+                    before_pin = sum(1 for i, _ in items if i < pinned)  # the part that precedes it too
+                    state.span_summaries[filed, chain[before_pin]] = text
+            while len(state.span_summaries) > 512 or sum(map(len, state.span_summaries.values())) > SUMMARY_CACHE_CHARS:
                 state.span_summaries.pop(next(iter(state.span_summaries)))
             done = {**result, **await anyio.to_thread.run_sync(compact, text), **stats}
             if result["fallback"]:

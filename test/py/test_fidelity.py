@@ -166,3 +166,28 @@ def test_a_real_small_model_keeps_every_planted_identifier(tmp_path: Path) -> No
     summary_message = result["messages"][1]["content"]
     for identifier in IDENTIFIERS:
         assert identifier in summary_message, identifier
+
+
+def test_summaries_are_filed_by_what_shapes_them(tmp_path: Path) -> None:
+    """A summary made with anchoring is not reused for a call without it; extracted notes are never reused."""
+    messages = planted_conversation()
+    fake = FakeOpenAI(window=100_000, script=["copy", "copy"])
+    with serve(fake) as url:
+        server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", model="fake", base_url=url))
+        base = {"messages": messages, "force": True, "keep_last": 1}
+
+        async def go() -> list[dict[str, Any]]:
+            async with Client(server) as client:
+                calls = [
+                    {**base, "fallback": "extract"},  # the model fails twice: notes
+                    base,  # the model answers: a summary, anchored
+                    base,  # the same: from the cache
+                    {**base, "anchor_identifiers": False},  # the model's reply again, not the anchored text
+                ]
+                return [ok(await client.call_tool("compact_context", arguments)) for arguments in calls]
+
+        notes, first, again, plain = anyio.run(go)
+    assert notes["fallback"] == "extract" and first["fallback"] is None and first["model_calls"] == 1
+    assert again["summary_cached"] and again["model_calls"] == 0 and again["summary"] == first["summary"]
+    assert plain["model_calls"] == 0 and cs.ANCHOR_HEADING not in plain["summary"]
+    assert cs.ANCHOR_HEADING in first["summary"] and first["summary"].startswith(plain["summary"].rstrip())
