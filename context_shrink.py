@@ -2703,7 +2703,7 @@ class Backend:
             return parsed
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int) -> str:
+    async def chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int) -> Reply:
         """Return the reply text of a chat completion (temperature 0, not streamed)."""
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": False}
         reply = await self._send("POST", f"{self.base_url}/chat/completions", body)
