@@ -2149,7 +2149,9 @@ def anchor_summary(summary: str, identifiers: Sequence[str]) -> str:
     missing = [i for i in identifiers if i not in summary]
     if not missing:
         return summary
-    return summary.rstrip() + f"\n\n{ANCHOR_HEADING}\n" + "\n".join(f"- {i}" for i in missing)
+    heading = "\n" if summary.rstrip().endswith(tuple(f"- {i}" for i in anchored_in(summary))) else ""
+    lines = "\n".join(f"- {i}" for i in missing)
+    return summary.rstrip() + (heading or f"\n\n{ANCHOR_HEADING}\n") + lines
 
 
 def anchored_in(summary: str | None) -> list[str]:
@@ -2269,8 +2271,8 @@ async def summarise_messages(
     in, so a repeated span costs no model call. Returns the summary, the number of calls made and the
     final plan. Raises :class:`ContextShrinkError` when the window is too small or a reply is not a
     usable summary (the first failure stops the other requests). Every reply passes
-    :func:`guard_summary`: repetitions are trimmed, and a copied or cut-off reply is asked for once more
-    with a stricter instruction; what was detected is counted in ``guard``.
+    :func:`guard_summary`: repetitions are trimmed, and a copied or cut-off reply or a tool call is asked
+    for once more with a stricter instruction; what was detected is counted in ``guard``.
     """
     import anyio
 

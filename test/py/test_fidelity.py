@@ -43,6 +43,8 @@ def test_anchoring_appends_only_what_is_missing() -> None:
     assert anchored == summary + f"\n\n{cs.ANCHOR_HEADING}\n- PARSER_STRICT=1\n- 250 ms"
     assert cs.anchor_summary(anchored, ["PARSER_STRICT=1", "250 ms"]) == anchored  # idempotent
     assert cs.anchored_in(anchored) == ["PARSER_STRICT=1", "250 ms"]
+    extended = cs.anchor_summary(anchored, ["a1b2c3d"])  # an anchored summary grows its list, not a second one
+    assert extended == anchored + "\n- a1b2c3d" and extended.count(cs.ANCHOR_HEADING) == 1
 
 
 def test_guard_trims_repetition() -> None:
