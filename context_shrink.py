@@ -2280,6 +2280,17 @@ async def summarise_messages(
     report = {} if guard is None else guard
     calls, failure = 0, []
     limiter = anyio.CapacityLimiter(max(1, concurrency))
+
+    async def judged(prompt: list[dict[str, Any]]) -> tuple[str, list[str], bool]:
+        """One summariser call, its reply passed through the guard and what it found counted."""
+        nonlocal calls
+        reply = await summarise(prompt, max_summary_tokens)
+        calls += 1
+        verdict = guard_summary(reply, prompt[1]["content"], max_summary_tokens, tokenizer.count)
+        for problem in verdict[1]:
+            report[problem] = report.get(problem, 0) + 1
+        return verdict
+
     while True:
         plan = plan_summary(messages, tokenizer, window, max_summary_tokens, replies, previous)
         if not plan.requests:
@@ -2289,15 +2300,9 @@ async def summarise_messages(
         what = "merging partial summaries" if plan.reduce_steps else "summarising chunks"
 
         async def one(key: str, prompt: list[dict[str, Any]], scope: anyio.CancelScope, what: str = what) -> None:
-            nonlocal calls
             async with limiter:
                 try:
-                    reply = await summarise(prompt, max_summary_tokens)
-                    calls += 1
-                    source = prompt[1]["content"]
-                    text, problems, usable = guard_summary(reply, source, max_summary_tokens, tokenizer.count)
-                    for problem in problems:
-                        report[problem] = report.get(problem, 0) + 1
+                    text, problems, usable = await judged(prompt)
                     if not usable:  # once more, with a stricter instruction
                         report["retried"] = report.get("retried", 0) + 1
                         stricter = [
@@ -2307,11 +2312,7 @@ async def summarise_messages(
                             },
                             *prompt[1:],
                         ]
-                        reply = await summarise(stricter, max_summary_tokens)
-                        calls += 1
-                        text, problems, usable = guard_summary(reply, source, max_summary_tokens, tokenizer.count)
-                        for problem in problems:
-                            report[problem] = report.get(problem, 0) + 1
+                        text, problems, usable = await judged(stricter)
                         if not usable:
                             raise ContextShrinkError(f"the summariser's reply is degenerate ({', '.join(problems)})")
                     accept_summary(text)  # fail fast, before the other chunks finish
