@@ -9,24 +9,23 @@ tokens kept as a share of the budget, which tiers ran, and the same for plain tu
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from workloads import load, transcript_paths  # noqa: E402
+
 import context_shrink as cs  # noqa: E402
 
 
 def main() -> int:
     tok = cs.resolve_tokenizer("tiktoken:cl100k_base")
-    folder = ROOT.parent / "shared" / "data" / "sessions"
-    folder = folder if folder.is_dir() else ROOT / "test" / "data"
     print("| transcript | tokens | budget | fits | budget use | tiers | drop only: fits | drop only: use |")
     print("|---|---:|---:|---|---:|---|---|---:|")
-    for path in sorted(folder.glob("*.json")):
-        messages = json.loads(path.read_text())["messages"]
+    for path in transcript_paths():
+        messages = load(path)
         total = cs.count_messages(messages, tok)[1]
         for budget in (16384, 32768):
             if total <= budget:

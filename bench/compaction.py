@@ -12,7 +12,6 @@ assertion.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -25,6 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 import anyio  # noqa: E402
 from fake_openai import FakeOpenAI, serve  # noqa: E402
 from mcp import Client  # noqa: E402
+from workloads import load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
 
@@ -37,10 +37,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--fill", type=float, default=0.8, help="summary length as a share of max_summary_tokens")
     args = parser.parse_args()
-    folder = ROOT.parent / "shared" / "data" / "sessions"
-    folder = folder if folder.is_dir() else ROOT / "test" / "data"
-    path = max(folder.glob("*.json"), key=lambda p: p.stat().st_size)
-    messages = json.loads(path.read_text())["messages"]
+    path = max(transcript_paths(), key=lambda p: p.stat().st_size)
+    messages = load(path)
     print(
         f"{path.stem}: {len(messages)} messages; summariser window {args.window}, latency {args.latency} s, "
         f"summaries of ~{args.fill:.0%} of max_summary_tokens={args.summary_tokens}\n"

@@ -10,7 +10,6 @@ assertion: the numbers are measured in this run.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from workloads import generated, load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
 
@@ -60,30 +61,20 @@ def row(name: str, texts: list[str], tok: cs.Tokenizer) -> str:
 
 def main() -> int:
     tok = cs.resolve_tokenizer("tiktoken:cl100k_base")
-    folder = ROOT.parent / "shared" / "data" / "sessions"
-    folder = folder if folder.is_dir() else ROOT / "test" / "data"
     print("## Dedupe (exact lines and blocks, then 0x near-duplicates)\n")
     print("| source | texts | lines | lines kept | tokens | tokens after | reduction | ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     everything: list[str] = []
-    for path in sorted(folder.glob("*.json")):
-        messages = json.loads(path.read_text())["messages"]
+    for path in transcript_paths():
+        messages = load(path)
         texts = [m["content"] for m in messages if m["role"] == "tool" and isinstance(m["content"], str)]
         texts = [t for t in texts if len(t) >= 2000]  # what diet_tool_results touches
         if texts:
             everything += texts
             print(row(f"tool results: {path.stem[:40]}", texts, tok))
     print(row("tool results: all transcripts", everything, tok))
-    generator = ROOT.parent / "shared" / "bench" / "gen_session.py"
-    if generator.exists():
-        generated = subprocess.run(
-            [sys.executable, str(generator), "--messages", "2000", "--seed", "7"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        data = json.loads(generated)
-        messages = data["messages"] if isinstance(data, dict) else data
+    messages = generated(2000)
+    if messages is not None:
         texts = [m["content"] for m in messages if m["role"] == "tool" and len(m["content"]) >= 2000]
         print(row("tool results: synthetic 2,000-message session (build/test logs)", texts, tok))
     log = pytest_log()

@@ -13,7 +13,6 @@ multiplies by HEURISTIC_SAFETY so no whole transcript is undercounted by more th
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,17 +20,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 
 from samples import samples  # noqa: E402
+from workloads import load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
 
 
 def transcripts() -> dict[str, list[str]]:
-    folder = ROOT.parent / "shared" / "data" / "sessions"
-    folder = folder if folder.is_dir() else ROOT / "test" / "data"
     out = {}
-    for path in sorted(folder.glob("*.json")):
+    for path in transcript_paths():
         texts = []
-        for m in json.loads(path.read_text(encoding="utf-8"))["messages"]:
+        for m in load(path):
             content = m.get("content")
             text = content if isinstance(content, str) else cs._plain_content(content)
             if text:

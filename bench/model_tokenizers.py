@@ -11,12 +11,13 @@ tokenizer matches llama.cpp's usage.prompt_tokens exactly is shown by bench/toke
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from workloads import load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
 
@@ -26,12 +27,10 @@ def main() -> int:
     qwen = cs.resolve_tokenizer("qwen:qwen3.6-27b")
     if not qwen.name.startswith("qwen:"):
         raise SystemExit(f"the Qwen tokenizer is not available: {qwen.note}")
-    folder = ROOT.parent / "shared" / "data" / "sessions"
-    folder = folder if folder.is_dir() else ROOT / "test" / "data"
     print("| transcript | cl100k | Qwen3.6 | Qwen3.6 ÷ cl100k | heuristic ÷ cl100k | heuristic ÷ Qwen3.6 |")
     print("|---|---:|---:|---:|---:|---:|")
-    for path in sorted(folder.glob("*.json")):
-        messages = json.loads(path.read_text())["messages"]
+    for path in transcript_paths():
+        messages = load(path)
         a = cs.count_messages(messages, cl100k)[1]
         b = cs.count_messages(messages, qwen)[1]
         h = cs.count_messages(messages, cs.HEURISTIC)[1]

@@ -29,6 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 
+from workloads import load, transcript_paths  # noqa: E402
+
 import context_shrink as cs  # noqa: E402
 
 TOK = cs.resolve_tokenizer("tiktoken:cl100k_base")
@@ -149,9 +151,7 @@ def main() -> int:
     parser.add_argument("--budgets", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--no-server", action="store_true")
     args = parser.parse_args()
-    folder = ROOT.parent / "shared" / "data" / "sessions"
-    folder = folder if folder.is_dir() else ROOT / "test" / "data"
-    sessions = {p.stem[:36]: json.loads(p.read_text())["messages"] for p in sorted(folder.glob("*.json"))}
+    sessions = {p.stem[:36]: load(p) for p in transcript_paths()}
     print("| transcript | budget | strategy | requests | prefill | floor | excess ÷ sliding's | mean budget use "
           "| prefix changed |")  # fmt: skip
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,10 +34,10 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches
 import anyio  # noqa: E402
 from mcp import Client  # noqa: E402
 from mcp.client.stdio import StdioServerParameters  # noqa: E402
+from workloads import generated, load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
 
-SHARED = ROOT.parent / "shared"
 REFERENCE = cs.resolve_tokenizer("tiktoken:cl100k_base")
 RAW_COUNT = REFERENCE.count._count  # the same encoder without context-shrink's cache, for the others
 Messages = list[dict[str, Any]]
@@ -50,23 +49,13 @@ SLOW = ("hand-written loop", "LiteLLM trim_messages")  # skipped on the 10,000-m
 
 def workloads(quick: bool) -> dict[str, Messages]:
     out: dict[str, Messages] = {}
-    for path in sorted((SHARED / "data" / "sessions").glob("*.json")) or sorted(
-        (ROOT / "test" / "data").glob("*.json")
-    ):
-        out[path.stem[:38]] = json.loads(path.read_text())["messages"]
-    generator = SHARED / "bench" / "gen_session.py"
-    sizes = (200, 2000) if quick else (200, 2000, 10000)
-    if generator.exists():
-        for n in sizes:
-            for end in ("tool", "user"):
-                text = subprocess.run(
-                    [sys.executable, str(generator), "--messages", str(n), "--seed", "7", "--end", end],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stdout
-                data = json.loads(text)
-                out[f"synthetic {n:,} (ends on {end})"] = data["messages"] if isinstance(data, dict) else data
+    for path in transcript_paths():
+        out[path.stem[:38]] = load(path)
+    for n in (200, 2000) if quick else (200, 2000, 10000):
+        for end in ("tool", "user"):
+            messages = generated(n, end=end)
+            if messages is not None:
+                out[f"synthetic {n:,} (ends on {end})"] = messages
     return out
 
 

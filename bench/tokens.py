@@ -18,9 +18,7 @@ this run on this machine; nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,27 +28,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 
-import context_shrink as cs  # noqa: E402
+from workloads import generated, load, transcript_paths  # noqa: E402
 
-SHARED = ROOT.parent / "shared"
+import context_shrink as cs  # noqa: E402
 
 
 def workloads() -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
-    sessions = sorted((SHARED / "data" / "sessions").glob("*.json"), key=lambda p: p.stat().st_size)
-    if sessions:
-        out[f"{sessions[-1].stem[:34]}"] = json.loads(sessions[-1].read_text())["messages"]
-    generator = SHARED / "bench" / "gen_session.py"
+    largest = max(transcript_paths(), key=lambda p: p.stat().st_size, default=None)
+    if largest is not None:
+        out[f"{largest.stem[:34]}"] = load(largest)
     for n in (2000, 10000):
-        if generator.exists():
-            text = subprocess.run(
-                [sys.executable, str(generator), "--messages", str(n), "--seed", "7", "--end", "tool"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            data = json.loads(text)
-            out[f"synthetic {n:,} messages"] = data["messages"] if isinstance(data, dict) else data
+        messages = generated(n, end="tool")
+        if messages is not None:
+            out[f"synthetic {n:,} messages"] = messages
     return out
 
 
@@ -107,9 +98,8 @@ def accuracy(server: str | None) -> list[str]:
     cl100k = cs.resolve_tokenizer("tiktoken:cl100k_base")
     four = cs.Tokenizer("chars/4", lambda t: (len(t) + 3) // 4)
     rows = []
-    sessions = sorted((SHARED / "data" / "sessions").glob("*.json")) or sorted((ROOT / "test" / "data").glob("*.json"))
-    for path in sessions:
-        messages = json.loads(path.read_text())["messages"]
+    for path in transcript_paths():
+        messages = load(path)
         exact = cs.count_messages(messages, cl100k)[1]
         heuristic = cs.count_messages(messages, cs.HEURISTIC)[1]
         naive = cs.count_messages(messages, four)[1]
