@@ -1228,7 +1228,9 @@ def trim_messages(
     ``strategy="drop"`` runs tier 2 only. With ``target_ratio`` below 1 the cut is stable across turns
     (cache-friendly): it is chosen on a grid of ``(1 - target_ratio) x budget`` tokens counted from the
     start, so it moves only when the kept part outgrows the budget, and then leaves it about
-    ``target_ratio`` full; old results are cleared all at once rather than one more each turn.
+    ``target_ratio`` full; old results are cleared all at once rather than one more each turn; and when
+    the newest turn alone is too big (a long agent loop), its user message is kept and its oldest steps
+    are dropped at grid points before tier 3.
     Leading system messages, the newest user message and the
     newest ``keep_last`` messages (whole units) are kept; with ``start_on_user`` the kept history
     starts on a user message. Kept messages are the input's own objects unless a tier replaced their
@@ -1302,6 +1304,19 @@ def trim_messages(
     current = {i: replaced[i] for i in cleared}
     sizes = {i: counts[i] - saving[i] for i in cleared}
     after = fixed + suffix[cut] - sum(saving[i] for i in cleared)
+    # Stable cuts inside the newest turn (a long agent loop): keep its user message and drop its oldest
+    # steps at grid points, so the cut moves rarely here too, before anything budget-dependent runs.
+    if strategy == "auto" and stable and after > budget and pinned is None and users and cut == users[-1]:
+        inner = [s for s, _ in group_units(messages) if cut < s <= protected]
+        grid = stable_grid(inner, lambda s: suffix[lead] - suffix[s], step)
+        fits = [s for s in inner if fixed + counts[cut] + suffix[s] <= budget]
+        resume = next((s for s in grid if s in fits), fits[0] if fits else inner[-1] if inner else cut)
+        if fits and fixed + counts[cut] + suffix[resume] < budget // 2:  # a huge step: not worth the cache
+            resume = fits[0]
+        if resume > cut + 1:
+            pinned, cut = cut, resume
+            fixed += counts[pinned]
+            after = fixed + suffix[cut]
     tiers = []
     if cleared:
         tiers.append(
@@ -3030,6 +3045,21 @@ class ServerState:
         default_factory=dict
     )  # (summariser, span) -> summary
 
+    def summarised_start(self, filed: str, span: Sequence[Mapping[str, Any]]) -> tuple[int, str | None, list[str]]:
+        """How many of ``span``'s first messages were summarised before (under ``filed``), that summary,
+        and the span's chained hashes: the start is folded into a new summary, not summarised again."""
+        chain = span_hashes(span)
+        done = next((k for k in range(len(span), 0, -1) if (filed, chain[k]) in self.span_summaries), 0)
+        return done, self.span_summaries.get((filed, chain[done])) if done else None, chain
+
+    def file_summary(self, filed: str, chain: Sequence[str], text: str, also: int | None = None) -> None:
+        """File ``text`` as the summary of the whole span (and of its first ``also`` messages); bounded."""
+        self.span_summaries[filed, chain[-1]] = text
+        if also is not None:
+            self.span_summaries[filed, chain[also]] = text
+        while len(self.span_summaries) > 512 or sum(map(len, self.span_summaries.values())) > SUMMARY_CACHE_CHARS:
+            self.span_summaries.pop(next(iter(self.span_summaries)))
+
 
 SUMMARY_CACHE_CHARS = 16_000_000
 
@@ -3638,13 +3668,10 @@ def build_server(config: Config | None = None) -> MCPServer:
             previous = previous_summary or found
             state: ServerState = ctx.request_context.lifespan_context
             summariser = f"model {model_name} @ {req.backend.base_url}" if mode == "model" else "client sampling"
-            chain = span_hashes(span)
             filed = f"{summariser} | {max_summary_tokens} | anchored={anchor_identifiers}"  # what shapes the text
-            if previous is None:  # the longest already-summarised start of this span is folded, not redone
-                done_before = next((k for k in range(len(span), 0, -1) if (filed, chain[k]) in state.span_summaries), 0)
-                if done_before:
-                    previous = state.span_summaries[filed, chain[done_before]]
-                    span = span[done_before:]
+            done_before, filed_text, chain = state.summarised_start(filed, span)
+            if previous is None and done_before:  # the already-summarised start is folded, not redone
+                previous, span = filed_text, span[done_before:]
             window = summary_context_tokens or config.summary_context_tokens
             if window is None and mode == "model":
                 with contextlib.suppress(ContextShrinkError):
@@ -3703,12 +3730,9 @@ def build_server(config: Config | None = None) -> MCPServer:
                 stats["anchored"] = len(anchored_in(anchored)) - len(anchored_in(text))
                 text = anchored
             if result["fallback"] is None:  # extracted notes are not filed: the model may do better next time
-                state.span_summaries[filed, chain[-1]] = text
-                if pinned is not None:  # a later span will also hold the pinned message: file the summary under
-                    before_pin = sum(1 for i, _ in items if i < pinned)  # the part that precedes it too
-                    state.span_summaries[filed, chain[before_pin]] = text
-            while len(state.span_summaries) > 512 or sum(map(len, state.span_summaries.values())) > SUMMARY_CACHE_CHARS:
-                state.span_summaries.pop(next(iter(state.span_summaries)))
+                # a later span will also hold a pinned message: file the summary under the part before it too
+                before_pin = None if pinned is None else sum(1 for i, _ in items if i < pinned)
+                state.file_summary(filed, chain, text, before_pin)
             done = {**result, **await anyio.to_thread.run_sync(compact, text), **stats}
             if result["fallback"]:
                 done["reason"] = f"{result['reason']}; {done['reason']}"

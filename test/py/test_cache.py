@@ -78,6 +78,28 @@ def test_cleared_results_are_byte_identical_across_turns(tok: cs.Tokenizer) -> N
     assert seen
 
 
+def test_a_long_single_turn_agent_loop_is_cut_stably(tok: cs.Tokenizer) -> None:
+    """One user request and a growing agent loop (Claude Code's shape): stable mode keeps the request and
+    drops the loop's oldest steps at grid points, so most requests extend the previous one."""
+    full = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "fix src/app.py"}]
+    for k in range(60):
+        call = {"id": f"c{k}", "type": "function", "function": {"name": "bash", "arguments": f'{{"n": {k}}}'}}
+        full += [{"role": "assistant", "content": None, "tool_calls": [call]}]
+        full += [{"role": "tool", "tool_call_id": f"c{k}", "content": f"output {k}\n" * 40}]
+    histories = [full[: 2 + 2 * k] for k in range(1, 61)]
+    outputs = [check_trim(h, tok, 3000, target_ratio=0.6, keep_last=2) for h in histories]
+    same = 0
+    for before, after in itertools.pairwise(outputs):
+        assert after["fits"] and after["messages"][1]["content"] == "fix src/app.py"  # the request stays
+        if before["kept_from_index"] == after["kept_from_index"]:
+            same += 1
+            assert after["messages"][: len(before["messages"])] == before["messages"]
+    assert same >= 0.7 * (len(outputs) - 1)
+    over = [r for r in outputs if r["tokens_before"] > 3000]
+    assert over and all(r["pinned_user_index"] == 1 and r["budget_use"] >= 0.5 for r in over)
+    assert all(t["tier"] == "drop_turns" for r in over for t in r["tiers"])  # no budget-dependent elision
+
+
 def test_target_ratio_is_validated(tok: cs.Tokenizer) -> None:
     with pytest.raises(cs.ContextShrinkError, match="target_ratio"):
         cs.trim_messages(conversation(2), tok, 1000, target_ratio=0)
