@@ -2392,7 +2392,9 @@ def plan_compaction(
     if counts is not None and room is not None:
         suffix = list(itertools.accumulate(reversed(counts), initial=0))[::-1]
         grid = stable_grid([u for u, _ in units if lead < u <= end], lambda u: suffix[lead] - suffix[u], step)
-        end = next((u for u in grid if suffix[u] <= room), end)
+        # When even the newest keep_last do not fit the room, the last grid point before them is the cut:
+        # it holds still for a few turns, where the keep_last boundary would move on every turn.
+        end = next((u for u in grid if suffix[u] <= room), grid[-1] if grid else end)
     if end < n and messages[end]["role"] == "user":
         return lead, end, None
     users = [i for i in range(lead, end) if messages[i]["role"] == "user"]
