@@ -100,6 +100,20 @@ def test_a_long_single_turn_agent_loop_is_cut_stably(tok: cs.Tokenizer) -> None:
     assert all(t["tier"] == "drop_turns" for r in over for t in r["tiers"])  # no budget-dependent elision
 
 
+def test_compaction_cut_holds_when_keep_last_alone_exceeds_the_share(tok: cs.Tokenizer) -> None:
+    """Long messages: the newest keep_last do not fit the kept share, yet the cut must not slide every turn."""
+    history = [{"role": "system", "content": "s"}]
+    for t in range(20):
+        history += [{"role": "user", "content": f"q{t} " + "word " * 300}, {"role": "assistant", "content": "ok " * 300}]
+    plans = [
+        cs.compact_messages(history[: 2 * k], tok, summary=None, max_context_tokens=5800, threshold=0)
+        for k in range(10, 20)
+    ]
+    ends = [p["kept_from_index"] for p in plans]
+    moves = sum(1 for a, b in itertools.pairwise(ends) if a != b)
+    assert moves <= len(ends) // 2 and all(p["needs_summary"] for p in plans), ends
+
+
 def test_target_ratio_is_validated(tok: cs.Tokenizer) -> None:
     with pytest.raises(cs.ContextShrinkError, match="target_ratio"):
         cs.trim_messages(conversation(2), tok, 1000, target_ratio=0)
