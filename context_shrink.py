@@ -6,9 +6,12 @@ oldest messages with a summary (given by the caller, or written by an OpenAI-com
 Trimming and compaction never split an assistant tool call from its results, keep leading system
 messages, start the kept history on a user message and never change a kept message.
 
+``context-shrink proxy --upstream URL`` serves the same machinery as an OpenAI-compatible HTTP proxy:
+every chat request is shrunk to fit the upstream's window before it is forwarded.
+
 The module reads top to bottom: configuration, the error type, token counting, message helpers,
-trimming, compaction, the backend client, the MCP tools, and the command line. Sections 4-7 are
-pure functions (no I/O); the backend is the only network code and is injected into compaction.
+trimming, compaction, the backend client, the MCP tools, the proxy, and the command line. Sections
+4-7 are pure functions (no I/O); the backend is the only network code and is injected into compaction.
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ TOOL_NAMES = (
     "compact_context",
     "shrink_text",
     "check_text",
+    "recall_context",
 )
 CORE_TOOLS = ("estimate_context", "trim_context", "compact_context")
 SERVER_INSTRUCTIONS = (
@@ -3467,6 +3471,25 @@ def build_server(config: Config | None = None) -> MCPServer:
                 skipped=skipped or [],
             )
 
+    @register("recall_context", read_only=True, idempotent=True)
+    def recall_context(
+        query: Annotated[str, Field(description="Words, or an entry id.")],
+        conversation: Annotated[str | None, Field()] = None,
+        limit: Annotated[int, Field(ge=1, le=100)] = 10,
+    ) -> dict[str, Any]:
+        """Fetch back verbatim the messages the proxy summarised or dropped (from its archive)."""
+        with _tool_errors():
+            directory = default_archive_dir()
+            entries = read_archive(directory, conversation)
+            found = search_archive(entries, query, limit)
+            keys = ("id", "conversation", "index", "action", "time", "message")
+            return {
+                "archive": str(directory),
+                "searched": len(entries),
+                "found": len(found),
+                "entries": [{k: e.get(k) for k in keys} for e in found],
+            }
+
     async def summarise_with(
         ctx: Context, req: Prepared, span: list[dict[str, Any]], previous: str | None, how: dict[str, Any]
     ) -> tuple[str, dict[str, Any]] | InputRequiredResult:
@@ -3775,7 +3798,625 @@ def compact_schema(schema: Any) -> Any:
 
 
 # =============================================================================
-# 10. Command line
+# 10. The proxy (an OpenAI-compatible HTTP front that shrinks every chat request)
+# =============================================================================
+
+PROXY_PORT = 8787
+PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
+PROXY_TRIGGER = 0.9  # shrink above this share of the budget (window minus the reply's reserve)
+PROXY_TRIM_RATIO = 0.6  # stable cuts: the kept part is about this share of the budget after a cut moves
+PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
+PROXY_TIMEOUT = 600.0
+SUMMARY_BACKOFF = 120.0  # seconds before a summariser that failed is asked again
+CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
+CALIBRATION_MODELS = 64  # models remembered (calibration factors and learnt windows)
+TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
+HOP_HEADERS = frozenset(
+    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+     "proxy-authorization", "proxy-connection"}
+)  # fmt: skip
+ARCHIVE_HEAD_MESSAGES = 2  # a conversation is identified by a hash of its first non-system messages
+
+
+def default_archive_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``CONTEXT_SHRINK_ARCHIVE_DIR``, else ``$XDG_STATE_HOME/context-shrink/archive`` (``~/.local/state``)."""
+    env = os.environ if environ is None else environ
+    if env.get("CONTEXT_SHRINK_ARCHIVE_DIR", "").strip():
+        return Path(env["CONTEXT_SHRINK_ARCHIVE_DIR"].strip()).expanduser()
+    state = env.get("XDG_STATE_HOME", "").strip() or str(Path.home() / ".local" / "state")
+    return Path(state) / "context-shrink" / "archive"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyConfig:
+    """Proxy settings: command-line flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, else defaults."""
+
+    upstream: str  # the upstream's base URL, ending in /v1 (added when missing)
+    host: str = "127.0.0.1"
+    port: int = PROXY_PORT
+    window: int | None = None  # None: discovered from the upstream (and learnt from its refusals)
+    summary_url: str | None = None  # None: the upstream writes the summaries
+    summary_model: str | None = None  # None: the request's own model
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # replaces the client's Authorization
+    archive_dir: Path | None = None  # None: no archive
+    max_body_bytes: int = PROXY_MAX_BODY_BYTES
+    keep_last: int = DEFAULT_KEEP_LAST
+    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
+    timeout: float = PROXY_TIMEOUT
+
+    @property
+    def base(self) -> str:
+        base = self.upstream.rstrip("/")
+        return base if base.endswith("/v1") else base + "/v1"
+
+    def target(self, path: str, query: str) -> str:
+        """The upstream URL of a request path: ``/v1/...`` maps onto the base, anything else onto its root."""
+        url = self.base + path[3:] if path == "/v1" or path.startswith("/v1/") else self.base[:-3] + path
+        return f"{url}?{query}" if query else url
+
+
+# --- pure helpers -----------------------------------------------------------------------------------
+
+
+def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
+    """A stable id for a conversation: a hash of its leading system messages and first two others, which
+    an agent resends unchanged on every turn."""
+    lead = _leading_system(messages)
+    head = [*messages[:lead], *messages[lead : lead + ARCHIVE_HEAD_MESSAGES]]
+    return hashlib.sha256(json.dumps(head, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def message_hash(message: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
+
+
+def folded_away(
+    original: Sequence[Mapping[str, Any]], shrunk: Sequence[Mapping[str, Any]]
+) -> list[tuple[int, Mapping[str, Any]]]:
+    """The original messages (with their index) that do not appear verbatim in the shrunk request."""
+    kept = {message_hash(m) for m in shrunk}
+    return [(i, m) for i, m in enumerate(original) if message_hash(m) not in kept]
+
+
+def calibrated(factor: float | None, estimate: int, actual: int) -> float:
+    """The next per-model correction factor: the server's prompt count over our estimate, smoothed."""
+    ratio = min(max(actual / max(1, estimate), CALIBRATION_LIMITS[0]), CALIBRATION_LIMITS[1])
+    return ratio if factor is None else round(0.5 * factor + 0.5 * ratio, 4)
+
+
+def silently_truncated(estimate: int, prompt_tokens: int) -> bool:
+    """True when the server counted far fewer prompt tokens than were sent (it dropped some, like Ollama)."""
+    return estimate > 256 and prompt_tokens < TRUNCATION_RATIO * estimate
+
+
+def shrink_header(report: Mapping[str, Any]) -> str:
+    """The ``x-context-shrink`` response header: what the proxy did to the request."""
+    parts = [f"tokens_before={report['tokens_before']}", f"tokens_after={report['tokens_after']}"]
+    parts += [f"action={report['action']}"]
+    keys = ("window", "ms", "retried", "summary_cached", "conversation")
+    parts += [f"{k}={report[k]}" for k in keys if report.get(k) is not None]
+    if report.get("reason"):
+        parts.append("reason=" + re.sub(r"[^\x20-\x7e]|;", " ", str(report["reason"]))[:200])
+    return "; ".join(parts)
+
+
+def usage_in_stream(tail: bytes) -> int | None:
+    """``usage.prompt_tokens`` of the last SSE event that carries one (``include_usage``), if any."""
+    for line in reversed(tail.decode("utf-8", "replace").splitlines()):
+        if line.startswith("data:") and '"usage"' in line:
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                tokens = (json.loads(line[5:]).get("usage") or {}).get("prompt_tokens")
+                if isinstance(tokens, int):
+                    return tokens
+    return None
+
+
+def search_archive(entries: Sequence[Mapping[str, Any]], query: str, limit: int) -> list[dict[str, Any]]:
+    """Archive entries matching ``query``: an entry id (or its prefix), else all query words; newest first."""
+    query = query.strip()
+    if re.fullmatch(r"[0-9a-f]{6,64}", query):
+        hits = [e for e in entries if str(e.get("id", "")).startswith(query)]
+        if hits:
+            return [dict(e) for e in hits[:limit]]
+    words = [w for w in re.findall(r"\w+", query.lower()) if w]
+    if not words:
+        raise ContextShrinkError("query must hold a word or an id from the archive")
+    found = []
+    for entry in reversed(entries):
+        text = json.dumps(entry.get("message"), ensure_ascii=False).lower()
+        if all(w in text for w in words):
+            found.append(dict(entry))
+            if len(found) >= limit:
+                break
+    return found
+
+
+# --- the archive (the proxy's only disk I/O) -----------------------------------------------------------
+
+
+def archive_messages(
+    directory: Path, conversation: str, folded: Sequence[tuple[int, Mapping[str, Any]]], seen: set[str], action: str
+) -> int:
+    """Append what a request no longer carries to ``<directory>/<conversation>.jsonl`` (each message once);
+    returns how many entries were written. ``seen`` holds the hashes already there and is updated."""
+    path = directory / f"{conversation}.jsonl"
+    if not seen and path.exists():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                seen.add(json.loads(line)["hash"])
+    lines = []
+    for index, message in folded:
+        digest = message_hash(message)
+        if digest not in seen:
+            seen.add(digest)
+            entry = {
+                "id": digest[:12],
+                "hash": digest,
+                "index": index,
+                "action": action,
+                "time": int(time.time()),
+                "message": message,
+            }
+            lines.append(json.dumps(entry, ensure_ascii=False, default=str))
+    if lines:
+        directory.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as out:
+            out.write("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def read_archive(directory: Path, conversation: str | None = None) -> list[dict[str, Any]]:
+    """Every entry of the archive (or of one conversation), oldest first within each file."""
+    if conversation is not None and not re.fullmatch(r"[0-9a-f]{16}", conversation):
+        raise ContextShrinkError(f"conversation must be a 16-character id from the archive, got {conversation!r}")
+    files = [directory / f"{conversation}.jsonl"] if conversation else sorted(directory.glob("*.jsonl"))
+    entries = []
+    for path in files:
+        if not path.is_file():
+            continue
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if isinstance(entry, dict) and "message" in entry:
+                    entries.append({**entry, "conversation": path.stem})
+    return entries
+
+
+# --- the shrinking pipeline ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ProxyState:
+    """What lives as long as the proxy: settings, one HTTP client, and what the upstream taught us."""
+
+    config: ProxyConfig
+    http: httpx2.AsyncClient
+    tokenizer: Tokenizer
+    server: ServerState  # the summary caches, shared with the MCP tools' code
+    windows: dict[str | None, int] = dataclasses.field(default_factory=dict)  # model -> window from a refusal
+    factors: dict[str | None, float] = dataclasses.field(default_factory=dict)  # model -> calibration
+    archived: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # conversation -> hashes
+    summariser_failed: dict[str | None, tuple[float, str]] = dataclasses.field(default_factory=dict)  # when, why
+    lock: Any = dataclasses.field(default=None)  # an anyio.Lock around archive writes
+
+    def remember(self, table: dict[str | None, Any], model: str | None, value: Any) -> None:
+        table.pop(model, None)
+        table[model] = value
+        while len(table) > CALIBRATION_MODELS:
+            table.pop(next(iter(table)))
+
+    def backend(self, url: str, authorization: str | None) -> Backend:
+        headers = {"Authorization": authorization} if authorization and not self.config.api_key else {}
+        return Backend(self.http, url, self.config.api_key, headers, caches=self.server.caches)
+
+
+async def proxy_window(state: ProxyState, model: str | None, authorization: str | None) -> int | None:
+    """The window for ``model``: learnt from a refusal, else configured, else discovered; None if unknown."""
+    if model in state.windows:
+        return state.windows[model]
+    if state.config.window:
+        return state.config.window
+    try:
+        return (await state.backend(state.config.base, authorization).context_window(model))[0]
+    except ContextShrinkError as exc:
+        log.info("proxy: window unknown for %s (%s); forwarding unshrunk until the upstream refuses", model, exc)
+        return None
+
+
+async def proxy_summary(
+    state: ProxyState,
+    messages: list[dict[str, Any]],
+    plan: dict[str, Any],
+    model: str | None,
+    window: int,
+    authorization: str | None,
+) -> tuple[str, bool]:
+    """The summary of the plan's span, by the configured summariser or the upstream's model, reusing
+    the span-summary cache (a repeated span costs no call; a longer one folds the earlier summary)."""
+    config = state.config
+    model = config.summary_model or model
+    if not model:
+        raise ContextShrinkError("no model to summarise with: the request names none and no summary model is set")
+    url = config.summary_url or config.base
+    start, end, pinned = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_user_index"]
+    items = [(i, m) for i, m in enumerate(messages[start:end], start) if i != pinned]
+    found, _, positions = previous_summary_in([m for _, m in items])
+    items = [item for k, item in enumerate(items) if k not in positions]
+    span = [m for _, m in items]
+    filed = f"model {model} @ {url} | {config.max_summary_tokens} | anchored=True"
+    done, previous, chain = state.server.summarised_start(filed, span)
+    if done == len(span) and previous:
+        return previous, True
+    previous = previous or found
+    backend = state.backend(url, authorization)
+
+    async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
+        return await backend.chat(model, prompt, max_tokens)
+
+    replies = state.server.summaries.setdefault(filed, {})
+    failed = state.summariser_failed.get(filed)
+    if failed and time.monotonic() - failed[0] < SUMMARY_BACKOFF:  # not asked on every turn while it fails
+        raise ContextShrinkError(f"{failed[1]} (not asked again for {SUMMARY_BACKOFF:g} s)")
+    try:
+        text, _, _ = await summarise_messages(
+            span[done:], state.tokenizer, window, config.max_summary_tokens, call, previous=previous, replies=replies
+        )
+    except ContextShrinkError as exc:
+        state.remember(state.summariser_failed, filed, (time.monotonic(), str(exc)))
+        raise
+    state.summariser_failed.pop(filed, None)
+    _bound(state.server.summaries)
+    identifiers = extract_identifiers(span, state.tokenizer.count, ANCHOR_TOKENS)
+    text = anchor_summary(text, list(dict.fromkeys([*identifiers, *anchored_in(previous)])))
+    state.server.file_summary(filed, chain, text, None if pinned is None else sum(1 for i, _ in items if i < pinned))
+    return text, False
+
+
+async def shrink_request(
+    state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The request body to forward and a report; in order of cost: the diet of large tool results,
+    clearing old tool results, compaction (the summary reused across turns), trimming on stable cuts.
+    Raises :class:`ContextShrinkError` for a body it does not understand (the caller forwards it as is)."""
+    import anyio
+
+    started = time.perf_counter()
+    messages = validate_messages(body.get("messages"))
+    tools = validate_tools(body.get("tools") or [])
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    window = window or await proxy_window(state, model, authorization)
+    tokenizer = dataclasses.replace(state.tokenizer, scale=state.factors.get(model, 1.0))
+    tools_tokens = count_tools(tools, tokenizer)
+    before = count_messages(messages, tokenizer)[1] + tools_tokens
+    report: dict[str, Any] = {"tokens_before": before, "tokens_after": before, "action": "none", "window": window}
+    if window is None:
+        return body, {**report, "reason": "window unknown"}
+    asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
+    reserve = asked if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
+    budget = window - reserve
+    if budget <= 0:
+        return body, {**report, "reason": f"max_tokens {reserve} leaves no room in the window of {window}"}
+    if before <= PROXY_TRIGGER * budget:
+        return body, report
+    trigger = int(PROXY_TRIGGER * budget)
+    config = state.config
+
+    def done(out: list[dict[str, Any]], action: str, **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        after = count_messages(out, tokenizer)[1] + tools_tokens
+        took = round(1000 * (time.perf_counter() - started))
+        return {**body, "messages": out}, {**report, "tokens_after": after, "action": action, "ms": took, **extra}
+
+    lighter, diet = await anyio.to_thread.run_sync(diet_results, messages, tokenizer)
+    if diet and count_messages(lighter, tokenizer)[1] + tools_tokens <= trigger:
+        return done(lighter, "diet")
+    options = {"tools": tools, "keep_last": config.keep_last}
+    cleared = await anyio.to_thread.run_sync(  # clearing old tool results alone, to under the trigger
+        functools.partial(trim_messages, lighter, tokenizer, trigger, target_ratio=PROXY_TRIM_RATIO, **options)
+    )
+    if cleared["fits"] and [t["tier"] for t in cleared["tiers"]] == ["clear_tool_results"]:
+        return done(cleared["messages"], "diet+clear" if diet else "clear")
+    reason = None
+    plan = await anyio.to_thread.run_sync(
+        functools.partial(
+            compact_messages,
+            lighter,
+            tokenizer,
+            summary=None,
+            max_context_tokens=budget,
+            threshold=0,
+            max_summary_tokens=config.max_summary_tokens,
+            **options,
+        )
+    )
+    if plan["needs_summary"]:
+        try:
+            text, cached = await proxy_summary(state, lighter, plan, model, window, authorization)
+        except ContextShrinkError as exc:
+            reason = f"summary failed: {exc}"
+            log.warning("proxy: %s; trimming instead", reason)
+        else:
+            compacted = compact_messages(
+                lighter,
+                tokenizer,
+                summary=text,
+                max_context_tokens=budget,
+                threshold=0,
+                max_summary_tokens=config.max_summary_tokens,
+                **options,
+            )
+            if compacted["fits"] and not api_problems(compacted["messages"]):
+                return done(compacted["messages"], "compact", summary_cached=cached)
+            lighter, reason = compacted["messages"], "the compacted request still did not fit"
+    else:
+        reason = plan["reason"]
+    trimmed = await anyio.to_thread.run_sync(  # stable cuts, to under the trigger so the next turns fit too
+        functools.partial(trim_messages, lighter, tokenizer, trigger, target_ratio=PROXY_TRIM_RATIO, **options)
+    )
+    fits = count_messages(trimmed["messages"], tokenizer)[1] + tools_tokens <= budget
+    return done(trimmed["messages"], "trim" if fits else "trim (still too long)", reason=reason)
+
+
+# --- the HTTP front ----------------------------------------------------------------------------------------
+
+
+def _forward_headers(headers: Mapping[str, str], config: ProxyConfig, *, chat: bool) -> dict[str, str]:
+    out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+    if chat:  # the proxy reads these replies (usage, errors): ask for them uncompressed
+        out = {k: v for k, v in out.items() if k.lower() != "accept-encoding"}
+    if config.api_key:
+        out = {k: v for k, v in out.items() if k.lower() != "authorization"}
+        out["Authorization"] = f"Bearer {config.api_key}"
+    return out
+
+
+def _reply_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+
+
+def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
+    """The proxy as an ASGI app (starlette): ``POST .../chat/completions`` is shrunk, the rest relayed."""
+    import anyio
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    holder: dict[str, ProxyState] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        timeout = httpx2.Timeout(config.timeout, connect=10.0)
+        limits = httpx2.Limits(max_connections=256, max_keepalive_connections=32)
+        async with httpx2.AsyncClient(timeout=timeout, limits=limits) as http:
+            server = ServerState(Config(), http)
+            holder["state"] = ProxyState(
+                config, http, tokenizer or resolve_tokenizer("auto"), server, lock=anyio.Lock()
+            )
+            yield
+
+    def failure(status: int, message: str, kind: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+    async def read_body(request: Request) -> bytes | None:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def open_upstream(method: str, url: str, headers: dict[str, str], content: bytes) -> httpx2.Response:
+        request = state().http.build_request(method, url, headers=headers, content=content)
+        try:
+            return await state().http.send(request, stream=True)
+        except httpx2.TimeoutException as exc:
+            raise ContextShrinkError(f"upstream {config.base} did not answer in time ({type(exc).__name__})") from None
+        except httpx2.TransportError as exc:
+            raise ContextShrinkError(f"upstream {config.base} unreachable: {exc}") from None
+
+    def state() -> ProxyState:
+        return holder["state"]
+
+    def relay(
+        upstream: httpx2.Response, extra: Mapping[str, str] | None = None, on_end: Callable[[bytes], Any] | None = None
+    ) -> StreamingResponse:
+        """Relay an upstream reply as it arrives; a client that goes away closes the upstream request."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            tail = b""
+            try:
+                async for chunk in upstream.aiter_raw():
+                    tail = (tail + chunk)[-65536:]
+                    yield chunk
+            finally:
+                await upstream.aclose()
+            if on_end is not None:
+                on_end(tail)
+
+        headers = {**_reply_headers(upstream.headers), **(extra or {})}
+        return StreamingResponse(
+            chunks(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(upstream.aclose)
+        )
+
+    async def passthrough(request: Request, body: bytes) -> Response:
+        headers = _forward_headers(request.headers, config, chat=False)
+        url = config.target(request.url.path, request.url.query)
+        try:
+            upstream = await open_upstream(request.method, url, headers, body)
+        except ContextShrinkError as exc:
+            return failure(502, f"context-shrink proxy: {exc}", "upstream_error")
+        return relay(upstream)
+
+    async def chat(request: Request, raw: bytes) -> Response:
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                raise ValueError
+        except ValueError:
+            return await passthrough(request, raw)  # not a body we understand: the upstream answers it
+        authorization = request.headers.get("authorization")
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        url = config.target(request.url.path, request.url.query)
+        headers = _forward_headers(request.headers, config, chat=True)
+        st = state()
+        window = None
+        for attempt in range(2):
+            try:
+                sent, report = await shrink_request(st, body, authorization, window)
+            except ContextShrinkError as exc:  # fail open: the original goes out, and the log says why
+                log.warning("proxy: not shrunk, forwarded as is: %s", exc)
+                sent, report = body, {"tokens_before": None, "tokens_after": None, "action": "none", "reason": str(exc)}
+            if attempt:
+                report["retried"] = 1
+            if report["action"] != "none":
+                log.info("proxy: %s %s", model, shrink_header(report))
+            content = raw if sent is body else json.dumps(sent, ensure_ascii=False).encode()
+            try:
+                upstream = await open_upstream("POST", url, headers, content)
+            except ContextShrinkError as exc:
+                return failure(502, f"context-shrink proxy: {exc}", "upstream_error")
+            if upstream.status_code < 400 or attempt:
+                break
+            error = await upstream.aread()
+            await upstream.aclose()
+            overflow = parse_overflow(error)
+            if overflow is None:
+                return Response(error, upstream.status_code, headers=_reply_headers(upstream.headers))
+            sent_tokens = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
+            limit = overflow.limit or int(0.75 * sent_tokens)
+            if overflow.prompt_tokens and not overflow.at_least and report["tokens_after"]:  # its count calibrates ours
+                factor = st.factors.get(model, 1.0)
+                raw_sent = round(report["tokens_after"] / factor)
+                st.remember(st.factors, model, calibrated(None, raw_sent, overflow.prompt_tokens))
+            st.remember(st.windows, model, limit)
+            window = limit
+            log.warning(
+                "proxy: %s refused the request for length (window %s); shrinking to it and retrying once",
+                config.base,
+                limit,
+            )
+        if config.archive_dir is not None and sent is not body:  # what was folded away stays on disk
+            conversation = conversation_id(body["messages"])
+            folded = folded_away(body["messages"], sent["messages"])
+            try:
+                async with st.lock:
+                    seen = st.archived.setdefault(conversation, set())
+                    write = functools.partial(archive_messages, config.archive_dir, conversation, folded, seen)
+                    await anyio.to_thread.run_sync(write, report["action"])
+                report["conversation"] = conversation
+            except OSError as exc:
+                log.warning("proxy: archive not written (%s)", exc)
+        estimate = report.get("tokens_after")
+        factor = st.factors.get(model, 1.0)
+        raw_estimate = round(estimate / factor) if estimate else None
+
+        def learn(prompt_tokens: int | None) -> str | None:
+            if prompt_tokens is None or not raw_estimate or upstream.status_code >= 400:
+                return None
+            if silently_truncated(estimate, prompt_tokens):
+                note = (
+                    f"the upstream counted {prompt_tokens} prompt tokens of about {estimate} sent: it may have "
+                    "dropped part of the history silently"
+                )
+                log.warning("proxy: %s", note)
+                return note
+            st.remember(st.factors, model, calibrated(st.factors.get(model), raw_estimate, prompt_tokens))
+            return None
+
+        extra = {"x-context-shrink": shrink_header(report)}
+        if body.get("stream") is True and upstream.status_code < 400:
+            return relay(upstream, extra, lambda tail: learn(usage_in_stream(tail)))
+        reply = await upstream.aread()
+        await upstream.aclose()
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            if note := learn(json.loads(reply).get("usage", {}).get("prompt_tokens")):
+                extra["x-context-shrink-warning"] = note
+        return Response(reply, upstream.status_code, headers={**_reply_headers(upstream.headers), **extra})
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        if body is None:
+            return failure(
+                413,
+                f"context-shrink proxy: the request body is over {config.max_body_bytes} bytes "
+                "(CONTEXT_SHRINK_PROXY_MAX_BODY_BYTES)",
+                "request_too_large",
+            )
+        if request.method == "POST" and request.url.path.endswith("/chat/completions"):
+            return await chat(request, body)
+        return await passthrough(request, body)
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+    return Starlette(routes=[Route("/{path:path}", endpoint, methods=methods)], lifespan=lifespan)
+
+
+def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ProxyConfig:
+    """The proxy's settings from its flags, else ``CONTEXT_SHRINK_PROXY_*`` variables; bad values raise."""
+    env = os.environ if environ is None else environ
+
+    def pick(flag: Any, name: str) -> str | None:
+        value = flag if flag is not None else env.get(f"CONTEXT_SHRINK_PROXY_{name}", "").strip() or None
+        return None if value is None else str(value)
+
+    def number(flag: Any, name: str, low: int, high: int) -> int | None:
+        value = pick(flag, name)
+        if value is None:
+            return None
+        try:
+            return _check_int(name.lower(), int(value), low, high)
+        except ValueError:
+            raise ContextShrinkError(f"{name.lower()} must be an integer, got {value!r}") from None
+
+    upstream = pick(args.upstream, "UPSTREAM")
+    if not upstream or not re.match(r"https?://[^/\s]+", upstream):
+        raise ContextShrinkError(
+            f"--upstream (or CONTEXT_SHRINK_PROXY_UPSTREAM) must be an http(s) URL such as "
+            f"http://127.0.0.1:8080/v1, got {upstream!r}"
+        )
+    window = pick(args.window, "WINDOW")
+    archive = None if args.no_archive else Path(args.archive_dir).expanduser() if args.archive_dir else None
+    return ProxyConfig(
+        upstream=upstream.rstrip("/"),
+        host=pick(args.host, "HOST") or "127.0.0.1",
+        port=number(args.port, "PORT", 0, 65535) or PROXY_PORT,
+        window=None if window in (None, "auto") else number(window, "WINDOW", 256, MAX_CONTEXT_TOKENS_LIMIT),
+        summary_url=pick(args.summary_url, "SUMMARY_URL"),
+        summary_model=pick(args.summary_model, "SUMMARY_MODEL"),
+        api_key=pick(None, "API_KEY"),
+        archive_dir=None if args.no_archive else archive or default_archive_dir(env),
+        max_body_bytes=number(args.max_body_bytes, "MAX_BODY_BYTES", 1024, MAX_FILE_BYTES) or PROXY_MAX_BODY_BYTES,
+    )
+
+
+def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
+    """Serve the proxy with uvicorn until interrupted."""
+    import uvicorn
+
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per shrunk request is enough
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "proxy: listening on %s, reachable from other machines: anyone who can reach it can use "
+            "the upstream with the key it holds",
+            config.host,
+        )
+    log.info(
+        "context-shrink proxy %s: http://%s:%d/v1 -> %s (archive: %s)",
+        __version__,
+        config.host,
+        config.port,
+        config.base,
+        config.archive_dir or "off",
+    )
+    uvicorn.run(build_proxy(config, tokenizer), host=config.host, port=config.port, log_level="warning")
+
+
+# =============================================================================
+# 11. Command line
 # =============================================================================
 
 
@@ -3846,7 +4487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "a subcommand it serves the MCP tools. Configured by CONTEXT_SHRINK_* environment variables (README).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{count,dedupe,extract,pack,check}")
+    commands = parser.add_subparsers(dest="command", metavar="{count,dedupe,extract,pack,check,proxy}")
     for name, purpose in (
         ("count", "count tokens, lines and bytes"),
         ("dedupe", "drop repeated lines and blocks (and 0x-address near-duplicates), verbatim"),
@@ -3869,6 +4510,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             sub.add_argument("--markers", nargs="*", default=[], help="pass markers, e.g. PASSED ok")
             sub.add_argument("--fail-markers", nargs="*", help="fail markers (default FAIL)")
             sub.add_argument("--skipped", nargs="*", default=[], help="items declared skipped")
+    proxy = commands.add_parser(
+        "proxy",
+        help="an OpenAI-compatible HTTP proxy that shrinks every chat request",
+        description="Serve http://HOST:PORT/v1: chat requests are shrunk to fit the upstream's window, "
+        "everything else is relayed unchanged. Flags override CONTEXT_SHRINK_PROXY_* variables.",
+    )
+    proxy.add_argument("--upstream", help="the upstream's base URL, e.g. http://127.0.0.1:8080/v1 (required)")
+    proxy.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    proxy.add_argument("--port", help=f"port to listen on (default {PROXY_PORT})")
+    proxy.add_argument("--window", help="the upstream's context window in tokens, or auto (default: discovered)")
+    proxy.add_argument("--summary-url", help="base URL of the summariser (default: the upstream)")
+    proxy.add_argument("--summary-model", help="summariser model (default: the request's model)")
+    proxy.add_argument("--archive-dir", help="where folded-away messages go (default CONTEXT_SHRINK_ARCHIVE_DIR)")
+    proxy.add_argument("--no-archive", action="store_true", help="keep no archive of folded-away messages")
+    proxy.add_argument("--max-body-bytes", help=f"request body cap (default {PROXY_MAX_BODY_BYTES})")
     args = parser.parse_args(argv)
     config, problems = Config.from_env()
     logging.basicConfig(
@@ -3876,6 +4532,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for problem in problems:
         log.warning("%s", problem)
+    if args.command == "proxy":
+        try:
+            settings = proxy_config(args)
+            tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
+        except ContextShrinkError as exc:
+            print(f"context-shrink proxy: {exc}", file=sys.stderr)
+            return 2
+        run_proxy(settings, tokenizer)
+        return 0
     if args.command:
         try:
             return _cli(args, config)

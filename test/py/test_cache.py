@@ -104,7 +104,8 @@ def test_compaction_cut_holds_when_keep_last_alone_exceeds_the_share(tok: cs.Tok
     """Long messages: the newest keep_last do not fit the kept share, yet the cut must not slide every turn."""
     history = [{"role": "system", "content": "s"}]
     for t in range(20):
-        history += [{"role": "user", "content": f"q{t} " + "word " * 300}, {"role": "assistant", "content": "ok " * 300}]
+        history += [{"role": "user", "content": f"q{t} " + "word " * 300}]
+        history += [{"role": "assistant", "content": "ok " * 300}]
     plans = [
         cs.compact_messages(history[: 2 * k], tok, summary=None, max_context_tokens=5800, threshold=0)
         for k in range(10, 20)

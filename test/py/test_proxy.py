@@ -1,0 +1,296 @@
+"""The proxy: pure helpers, then a real `context-shrink proxy` process in front of a scriptable fake upstream
+(the wire cases a real model cannot be made to produce on demand). The same proxy in front of the real
+llama.cpp server, driven by the official openai client, is in test_proxy_llama.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from fake_openai import FakeOpenAI, serve
+from proxy_helpers import proxy
+from test_core import conversation
+from test_tools import call, ok, run
+from tiny_llama import free_port
+
+import context_shrink as cs
+
+SECRET = "sk-test-0123456789abcdef"
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def test_calibration_is_smoothed_and_bounded() -> None:
+    assert cs.calibrated(None, 1000, 1200) == 1.2
+    assert cs.calibrated(1.2, 1000, 1000) == 1.1
+    assert cs.calibrated(None, 1000, 100_000) == cs.CALIBRATION_LIMITS[1]
+    assert cs.calibrated(None, 0, 10) == cs.CALIBRATION_LIMITS[1]  # no division by zero
+
+
+def test_silent_truncation_is_flagged() -> None:
+    assert cs.silently_truncated(10_000, 4_000)
+    assert not cs.silently_truncated(10_000, 9_000)
+    assert not cs.silently_truncated(100, 10)  # tiny requests say nothing
+
+
+def test_header_is_one_line_and_says_what_was_done() -> None:
+    header = cs.shrink_header(
+        {"tokens_before": 9, "tokens_after": 5, "action": "trim", "window": 8, "reason": "summary failed; x\ny"}
+    )
+    assert header.startswith("tokens_before=9; tokens_after=5; action=trim; window=8; reason=summary failed")
+    assert "\n" not in header and header.count(";") == 4
+
+
+def test_conversation_id_is_stable_as_the_history_grows() -> None:
+    history = conversation(6, size=5)
+    assert cs.conversation_id(history[:8]) == cs.conversation_id(history)
+    assert cs.conversation_id(history) != cs.conversation_id(conversation(6, size=6))
+
+
+def test_folded_away_lists_what_the_request_lost() -> None:
+    history = conversation(2, size=5)
+    shrunk = [history[0], *history[5:]]
+    assert [i for i, _ in cs.folded_away(history, shrunk)] == [1, 2, 3, 4]
+
+
+def test_usage_is_read_from_the_stream_tail() -> None:
+    tail = b'data: {"choices":[{"delta":{}}],"usage":null}\n\ndata: {"choices":[],"usage":{"prompt_tokens":42}}\n\n'
+    assert cs.usage_in_stream(tail + b"data: [DONE]\n\n") == 42
+    assert cs.usage_in_stream(b"data: [DONE]\n\n") is None
+
+
+def test_archive_round_trip_and_search(tmp_path: Path) -> None:
+    history = conversation(2, size=5)
+    seen: set[str] = set()
+    folded = list(enumerate(history[1:5], 1))
+    assert cs.archive_messages(tmp_path, "a" * 16, folded, seen, "trim") == 4
+    assert cs.archive_messages(tmp_path, "a" * 16, folded, set(), "trim") == 0  # each message once, on disk too
+    entries = cs.read_archive(tmp_path)
+    assert [e["message"] for e in entries] == history[1:5]
+    assert cs.search_archive(entries, "file_0.py", 5)[0]["message"] == history[1]
+    assert cs.search_archive(entries, entries[2]["id"], 5)[0]["message"] == history[3]
+    assert cs.search_archive(entries, "no such words", 5) == []
+    with pytest.raises(cs.ContextShrinkError, match="query"):
+        cs.search_archive(entries, "  ", 5)
+    with pytest.raises(cs.ContextShrinkError, match="conversation"):
+        cs.read_archive(tmp_path, "../etc")
+
+
+def args(**given: Any) -> argparse.Namespace:
+    names = ("upstream", "host", "port", "window", "summary_url", "summary_model", "archive_dir", "max_body_bytes")
+    return argparse.Namespace(**{**dict.fromkeys(names), "no_archive": False, **given})
+
+
+def test_proxy_config_flags_environment_and_errors(tmp_path: Path) -> None:
+    env = {"CONTEXT_SHRINK_PROXY_UPSTREAM": "http://127.0.0.1:8080", "CONTEXT_SHRINK_PROXY_PORT": "9000",
+           "CONTEXT_SHRINK_ARCHIVE_DIR": str(tmp_path), "CONTEXT_SHRINK_PROXY_API_KEY": SECRET}  # fmt: skip
+    config = cs.proxy_config(args(), env)
+    assert (config.base, config.port, config.host) == ("http://127.0.0.1:8080/v1", 9000, "127.0.0.1")
+    assert config.window is None
+    assert config.archive_dir == tmp_path and SECRET not in repr(config)
+    assert config.target("/v1/chat/completions", "") == "http://127.0.0.1:8080/v1/chat/completions"
+    assert config.target("/health", "a=1") == "http://127.0.0.1:8080/health?a=1"
+    assert cs.proxy_config(args(port="8000", window="4096", no_archive=True), env).window == 4096
+    assert cs.proxy_config(args(no_archive=True), env).archive_dir is None
+    gateway = cs.proxy_config(args(upstream="https://example.com/api/v1"), {})
+    assert gateway.target("/v1/models", "") == "https://example.com/api/v1/models"
+    with pytest.raises(cs.ContextShrinkError, match="upstream"):
+        cs.proxy_config(args(), {})
+    with pytest.raises(cs.ContextShrinkError, match="upstream"):
+        cs.proxy_config(args(upstream="ftp://x"), {})
+    with pytest.raises(cs.ContextShrinkError, match="port"):
+        cs.proxy_config(args(port="http"), env)
+    with pytest.raises(cs.ContextShrinkError, match="window"):
+        cs.proxy_config(args(window="12"), env)
+
+
+def test_cli_rejects_a_missing_upstream(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONTEXT_SHRINK_PROXY_UPSTREAM", raising=False)
+    assert cs.main(["proxy"]) == 2
+    assert "--upstream" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a real proxy, a fake upstream
+
+
+def chat(url: str, body: dict[str, Any], **headers: str) -> httpx2.Response:
+    return httpx2.post(url + "/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def chat_history(turns: int, size: int) -> list[dict[str, Any]]:
+    """A plain chat (no tool results to clear): only compaction or trimming can shrink it."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    for t in range(turns):
+        messages += [
+            {"role": "user", "content": f"turn {t}: please explain file_{t}.py " + "word " * size},
+            {"role": "assistant", "content": f"answer {t}: " + "because " * size},
+        ]
+    return messages
+
+
+def summary_calls(fake: FakeOpenAI) -> int:
+    prompts = (cs.SUMMARY_PROMPT, cs.MERGE_PROMPT)
+    return sum(1 for r in fake.requests if r["body"]["messages"][0]["content"] in prompts)
+
+
+def test_small_requests_pass_unchanged(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=100_000)
+    with serve(fake) as upstream, proxy(upstream, "--window", "100000", log=tmp_path / "log") as url:
+        body = {"model": "m", "messages": conversation(1, size=5), "max_tokens": 10}
+        reply = chat(url, body)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"].startswith("- summary")
+    assert fake.requests[0]["body"] == body  # byte for byte what the client sent
+    assert "action=none" in reply.headers["x-context-shrink"]
+
+
+def test_over_the_window_compacts_then_reuses_the_summary(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=6000)
+    archive = tmp_path / "archive"
+    history = chat_history(30, size=300)
+    first = history[:25]  # ends on a user message
+    second = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and next?"}]
+    third = history[:33]  # four turns later: the cut has moved on
+    flags = ("--window", "6000", "--archive-dir", str(archive))
+    key = {"Authorization": f"Bearer {SECRET}"}
+    with serve(fake) as upstream, proxy(upstream, *flags, log=tmp_path / "log") as url:
+        replies, calls = [], []
+        for messages in (first, second, third):
+            replies.append(chat(url, {"model": "m", "messages": messages, "max_tokens": 200}, **key))
+            calls.append(summary_calls(fake))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    headers = [r.headers["x-context-shrink"] for r in replies]
+    assert "action=compact" in headers[0] and calls[0] >= 1
+    assert "summary_cached=True" in headers[1] and calls[1] == calls[0]  # the same span: no model call
+    # the moved cut: the new messages summarised and merged with the earlier summary, not all redone
+    assert "action=compact" in headers[2] and calls[2] == calls[1] + 2
+    fold = fake.requests[-2]["body"]["messages"]
+    assert fold[0]["content"] == cs.MERGE_PROMPT and "- summary" in fold[1]["content"]
+    sent = fake.requests[-1]["body"]["messages"]
+    assert sent[1]["content"].startswith(cs.SUMMARY_MARKER) and cs.api_problems(sent) == []
+    assert all(r["auth"] == f"Bearer {SECRET}" for r in fake.requests)  # the client's key reaches the upstream
+    log = (tmp_path / "log").read_text()
+    assert "action=compact" in log and SECRET not in log
+    files = list(archive.glob("*.jsonl"))
+    assert len(files) == 1 and SECRET not in files[0].read_text()
+    entries = cs.read_archive(archive)
+    assert history[1] in [e["message"] for e in entries]  # what was folded away is on disk, verbatim
+    assert len({e["hash"] for e in entries}) == len(entries)
+
+
+def test_recall_context_fetches_archived_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    history = conversation(3, size=5)
+    cs.archive_messages(tmp_path, "b" * 16, list(enumerate(history[1:6], 1)), set(), "compact")
+    monkeypatch.setenv("CONTEXT_SHRINK_ARCHIVE_DIR", str(tmp_path))
+    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken"))
+    result = ok(run(call(server, "recall_context", {"query": "file_0.py"})))
+    assert result["found"] == 1 and result["entries"][0]["message"] == history[1]
+    assert result["entries"][0]["conversation"] == "b" * 16
+    by_id = ok(run(call(server, "recall_context", {"query": result["entries"][0]["id"]})))
+    assert by_id["entries"][0]["message"] == history[1]
+    bad = run(call(server, "recall_context", {"query": "x", "conversation": "../../etc/passwd"}))
+    assert bad.is_error and "conversation" in bad.content[0].text
+
+
+def test_a_dead_summariser_falls_back_to_trimming(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=6000)
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    flags = ("--window", "6000", "--summary-url", dead, "--no-archive")
+    with serve(fake) as upstream, proxy(upstream, *flags, log=tmp_path / "log") as url:
+        reply = chat(url, {"model": "m", "messages": chat_history(14, size=200), "max_tokens": 200})
+    assert reply.status_code == 200, reply.text
+    header = reply.headers["x-context-shrink"]
+    assert "action=trim" in header and "summary failed" in header and dead in header
+    assert not fake.oversized and cs.api_problems(fake.requests[-1]["body"]["messages"]) == []
+    assert "trimming instead" in (tmp_path / "log").read_text()
+
+
+def test_a_refusal_is_learnt_and_retried_once(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=5000)
+    with serve(fake) as upstream, proxy(upstream, "--window", "100000", "--no-archive", log=tmp_path / "log") as url:
+        body = {"model": "m", "messages": conversation(14, size=120), "max_tokens": 100}
+        reply = chat(url, body)
+        again = chat(url, body)  # the learnt window is remembered: no refusal this time
+    assert reply.status_code == 200, reply.text
+    assert "retried=1" in reply.headers["x-context-shrink"] and "window=5000" in reply.headers["x-context-shrink"]
+    assert len(fake.oversized) == 1 and "retried" not in again.headers["x-context-shrink"]
+
+
+def test_a_refusal_after_the_retry_reaches_the_client(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=50)  # nothing fits: the second refusal is the client's answer
+    with serve(fake) as upstream, proxy(upstream, "--window", "100000", "--no-archive", log=tmp_path / "log") as url:
+        reply = chat(url, {"model": "m", "messages": conversation(3, size=60), "max_tokens": 10})
+    assert reply.status_code == 400 and "maximum context length" in reply.text
+    assert len(fake.oversized) == 2  # tried once more, not in a loop
+
+
+def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    with proxy(dead, "--window", "4096", "--no-archive", log=tmp_path / "log") as url:
+        reply = chat(url, {"model": "m", "messages": conversation(1, size=5)})
+        models = httpx2.get(url + "/models", timeout=30)
+    assert reply.status_code == 502 and models.status_code == 502
+    assert dead in reply.json()["error"]["message"] and "unreachable" in reply.json()["error"]["message"]
+
+
+def test_transparent_for_other_paths_and_unknown_bodies(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=100_000)
+    with serve(fake) as upstream, proxy(upstream, "--window", "100000", log=tmp_path / "log") as url:
+        for method, path, content in (
+            ("GET", "/models", None),
+            ("POST", "/chat/completions", b"{not json"),
+            ("POST", "/chat/completions", b'{"messages": "not a list"}'),
+            ("POST", "/embeddings", b'{"input": "x"}'),
+        ):
+            direct = httpx2.request(method, upstream + path, content=content, timeout=30)
+            relayed = httpx2.request(method, url + path, content=content, timeout=30)
+            assert (relayed.status_code, relayed.content) == (direct.status_code, direct.content), path
+            assert relayed.headers.get("content-type") == direct.headers.get("content-type")
+        big = httpx2.post(url + "/chat/completions", content=b"x" * 2048, timeout=30)
+    assert big.status_code == 200 or big.status_code >= 400  # relayed (under the cap)
+
+
+def test_body_size_cap(tmp_path: Path) -> None:
+    fake = FakeOpenAI()
+    with serve(fake) as upstream, proxy(upstream, "--max-body-bytes", "2048", log=tmp_path / "log") as url:
+        reply = httpx2.post(url + "/chat/completions", content=b"x" * 4096, timeout=30)
+    assert reply.status_code == 413 and "2048" in reply.json()["error"]["message"] and not fake.requests
+
+
+def test_a_configured_key_replaces_the_client_one(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=100_000)
+    env = {"CONTEXT_SHRINK_PROXY_API_KEY": SECRET}
+    with serve(fake) as upstream, proxy(upstream, "--window", "100000", env=env, log=tmp_path / "log") as url:
+        chat(url, {"model": "m", "messages": conversation(1, size=5)}, Authorization="Bearer client-key")
+    assert fake.requests[0]["auth"] == f"Bearer {SECRET}"
+    assert SECRET not in (tmp_path / "log").read_text()
+
+
+def test_warns_when_listening_beyond_localhost(tmp_path: Path) -> None:
+    fake = FakeOpenAI()
+    with serve(fake) as upstream, proxy(upstream, "--host", "0.0.0.0", log=tmp_path / "log"):
+        pass
+    assert "reachable from other machines" in (tmp_path / "log").read_text()
+
+
+def test_concurrent_requests_through_the_proxy(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=6000, latency=0.3)
+    with serve(fake) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
+        replies: list[httpx2.Response] = []
+
+        def one(k: int) -> None:
+            replies.append(chat(url, {"model": "m", "messages": conversation(2 + k, size=40), "max_tokens": 50}))
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(replies) == 6 and all(r.status_code == 200 for r in replies)
+    assert fake.max_active > 1  # really at the same time
+    assert all(json.loads(r.text)["choices"] for r in replies)

@@ -1,0 +1,183 @@
+"""The proxy in front of the real llama.cpp server (xllamacpp wheel, tiny generated model, n_ctx 2048),
+driven by the official ``openai`` Python client, as an agent would use it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2
+import pytest
+from proxy_helpers import proxy
+from tiny_llama import free_port
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.llama
+
+WORDS = "the parser reads the file and the tests check every function in src/app.py "
+
+
+@pytest.fixture(scope="module")
+def small_llama(tiny_model: Path) -> Iterator[str]:
+    """A real llama.cpp server with a 2048-token window (the tiny model needs ~2.5x cl100k's tokens)."""
+    import os
+
+    if os.environ.get("CONTEXT_SHRINK_NO_LLAMA"):
+        pytest.skip("CONTEXT_SHRINK_NO_LLAMA is set")
+    pytest.importorskip("xllamacpp", reason="the xllamacpp wheel is not installable here")
+    from tiny_llama import llama_server
+
+    with llama_server(tiny_model, n_ctx=2048, alias="tiny", threads=2) as url:
+        yield url
+
+
+@pytest.fixture
+def shrinking(small_llama: str, tmp_path: Path) -> Iterator[str]:
+    with proxy(small_llama, "--archive-dir", str(tmp_path / "archive"), log=tmp_path / "log") as url:
+        yield url
+
+
+def client(url: str) -> Any:
+    return openai.OpenAI(base_url=url, api_key="sk-local-test", max_retries=0, timeout=120)
+
+
+def test_a_growing_conversation_is_never_refused(shrinking: str, small_llama: str, tmp_path: Path) -> None:
+    llm = client(shrinking)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."}]
+    actions = []
+    for turn in range(12):
+        messages.append({"role": "user", "content": f"turn {turn}: " + WORDS * 12})
+        raw = llm.chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0
+        )
+        completion = raw.parse()  # raises for any refusal
+        actions.append(raw.headers["x-context-shrink"])
+        messages.append({"role": "assistant", "content": completion.choices[0].message.content or "ok"})
+    direct = httpx2.post(small_llama + "/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+    assert direct.status_code == 400 and "exceed_context_size_error" in direct.text  # the history is far too long
+    assert "action=none" in actions[0] and any("action=none" not in a for a in actions[-4:])
+    archived = list((tmp_path / "archive").glob("*.jsonl"))
+    assert len(archived) == 1 and archived[0].read_text()  # what was dropped is on disk
+
+
+def streamed(url: str, messages: list[dict[str, Any]]) -> str:
+    stream = client(url).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=24, temperature=0, seed=7, stream=True
+    )
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def test_streamed_output_equals_the_direct_stream(shrinking: str, small_llama: str) -> None:
+    messages = [{"role": "user", "content": "write a haiku about the parser"}]
+    through, direct = streamed(shrinking, messages), streamed(small_llama, messages)
+    assert through and through == direct
+
+
+def test_a_refusal_is_parsed_and_retried_once(small_llama: str, tmp_path: Path) -> None:
+    messages = [{"role": "system", "content": "You are a coding agent."}]
+    for turn in range(8):
+        messages += [
+            {"role": "user", "content": f"turn {turn}: " + WORDS * 10},
+            {"role": "assistant", "content": "done " * 20},
+        ]
+    messages.append({"role": "user", "content": "and now?"})
+    with proxy(small_llama, "--window", "100000", "--no-archive", log=tmp_path / "log") as url:
+        raw = client(url).chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=8)
+        raw.parse()
+    header = raw.headers["x-context-shrink"]
+    assert "retried=1" in header and "window=2048" in header, header
+    assert "refused the request for length" in (tmp_path / "log").read_text()
+
+
+def test_a_dead_summariser_falls_back_to_trimming(small_llama: str, tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    for turn in range(10):
+        messages += [
+            {"role": "user", "content": f"question {turn}: " + WORDS * 8},
+            {"role": "assistant", "content": f"answer {turn}: " + WORDS * 8},
+        ]
+    messages.append({"role": "user", "content": "summing up?"})
+    with proxy(small_llama, "--summary-url", dead, "--no-archive", log=tmp_path / "log") as url:
+        raw = client(url).chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=8)
+        raw.parse()
+    header = raw.headers["x-context-shrink"]
+    assert "action=trim" in header and "summary failed" in header, header
+
+
+def test_an_unreachable_upstream_is_a_502_naming_it(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    with proxy(dead, "--no-archive", log=tmp_path / "log") as url, pytest.raises(openai.APIStatusError) as caught:
+        client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.status_code == 502 and dead in str(caught.value)
+
+
+def test_other_paths_pass_through_byte_identical(shrinking: str, small_llama: str) -> None:
+    root, front = small_llama.removesuffix("/v1"), shrinking.removesuffix("/v1")
+    for method, path, body in (
+        ("GET", "/health", None),
+        ("GET", "/props", None),
+        ("POST", "/tokenize", {"content": "hello world"}),
+        ("POST", "/detokenize", {"tokens": [1, 2, 3]}),
+        ("POST", "/apply-template", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        direct = httpx2.request(method, root + path, json=body, timeout=30)
+        relayed = httpx2.request(method, front + path, json=body, timeout=30)
+        assert (relayed.status_code, relayed.content) == (direct.status_code, direct.content), path
+    models = [httpx2.get(u + "/models", timeout=30).json() for u in (small_llama, shrinking)]
+    for listing in models:  # llama.cpp stamps the listing with the current time
+        for entry in listing["data"]:
+            entry.pop("created", None)
+    assert models[0] == models[1]
+    unknown = b'{"messages": {"not": "a list"}}'
+    direct = httpx2.post(small_llama + "/chat/completions", content=unknown, timeout=30)
+    relayed = httpx2.post(shrinking + "/chat/completions", content=unknown, timeout=30)
+    assert (relayed.status_code, relayed.content) == (direct.status_code, direct.content)
+
+
+def test_concurrent_streams_complete(shrinking: str) -> None:
+    async def one(llm: Any, k: int) -> tuple[str, str | None]:
+        stream = await llm.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"request {k}"}], max_tokens=16, stream=True
+        )
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main() -> list[tuple[str, str | None]]:
+        llm = openai.AsyncOpenAI(base_url=shrinking, api_key="sk-local-test", max_retries=0, timeout=120)
+        results: list[tuple[str, str | None]] = [("", None)] * 4
+        async with anyio.create_task_group() as group:
+            for k in range(4):
+
+                async def store(k: int = k) -> None:
+                    results[k] = await one(llm, k)
+
+                group.start_soon(store)
+        return results
+
+    results = anyio.run(main)
+    assert all(text and finish in ("length", "stop") for text, finish in results), results
+
+
+def test_a_client_that_leaves_cancels_the_upstream(shrinking: str, small_llama: str) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 1900, "stream": True}
+    with httpx2.stream("POST", shrinking + "/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # one token, then the client goes away
+    root = small_llama.removesuffix("/v1")
+    deadline = time.monotonic() + 30
+    while any(s.get("is_processing") for s in httpx2.get(root + "/slots", timeout=10).json()):
+        assert time.monotonic() < deadline, "the upstream kept generating after the client left"
+        time.sleep(0.1)
+    slot = httpx2.get(root + "/slots", timeout=10).json()[0]
+    decoded = slot.get("next_token", [{}])[0].get("n_decoded") if isinstance(slot.get("next_token"), list) else None
+    assert decoded is None or decoded < 1900, json.dumps(slot)[:500]
