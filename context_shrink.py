@@ -2223,7 +2223,8 @@ def plan_summary(
     Map: the transcript is cut at message boundaries (an over-long message at line boundaries) into
     chunks whose request, with ``max_summary_tokens`` of reply, fits the window. Reduce: partial
     summaries are merged in groups that fit, level after level, until one remains. A ``previous``
-    summary joins as the first partial instead of being summarised again. Pure: it returns the
+    summary is folded into the single request when everything fits one, else it joins as the first
+    partial instead of being summarised again. Pure: it returns the
     requests still missing from ``replies`` (keyed by :func:`request_key`) or the final summary, so
     the caller decides how to send them (a backend, the client's model, several rounds).
     """
@@ -2238,7 +2239,12 @@ def plan_summary(
             "lower max_summary_tokens or give a larger summary_context_tokens"
         )
     names = tool_names(messages)
-    chunks = chunk_transcript([render_message(m, names) for m in messages], budget, count) if messages else []
+    blocks = [render_message(m, names) for m in messages]
+    if previous and blocks:  # when everything fits one request, the earlier summary is folded in that request
+        inline = [f"[summary of the conversation before this part]\n{_defuse(previous)}", *blocks]
+        if len(chunk_transcript(inline, budget, count)) == 1:
+            blocks, previous = inline, None
+    chunks = chunk_transcript(blocks, budget, count) if blocks else []
     prompts = [summary_request(c) for c in chunks]
     keys = [request_key(p, max_summary_tokens) for p in prompts]
     missing = {k: p for k, p in zip(keys, prompts, strict=True) if k not in replies}

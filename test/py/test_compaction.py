@@ -104,10 +104,10 @@ def test_previous_summary_is_folded_not_summarised_again(tmp_path: Path) -> None
     with serve(fake) as url:
         result = compact(tmp_path, url, {"messages": messages, "force": True, "keep_last": 2})
     assert result["compacted"] and result["previous_summary_folded"]
-    map_text = fake.requests[0]["body"]["messages"][1]["content"]
-    assert "the user wants the parser fixed" not in map_text  # not summarised again...
-    merge_text = fake.requests[-1]["body"]["messages"][1]["content"]
-    assert "Part 1:\n- the user wants the parser fixed" in merge_text  # ...but merged, first
+    assert result["model_calls"] == 1  # everything fits one request: the earlier summary is folded in it
+    text = fake.requests[0]["body"]["messages"][1]["content"]
+    assert text.startswith(f"{cs.TRANSCRIPT_BEGIN}\n[summary of the conversation before this part]\n- the user")
+    assert text.count("the user wants the parser fixed") == 1
     out = result["messages"]
     assert sum(str(m.get("content")).startswith(cs.SUMMARY_MARKER) for m in out) == 1
     assert out[1]["content"].startswith(f"{cs.SUMMARY_MARKER} Summary of {40 + result['summarized_messages'] - 1} ")
@@ -118,7 +118,22 @@ def test_previous_summary_argument(tmp_path: Path) -> None:
     with serve(fake) as url:
         arguments = {"messages": conversation(4, size=100), "force": True, "previous_summary": "- PREVIOUS FACTS"}
         result = compact(tmp_path, url, arguments)
-    assert result["compacted"] and "Part 1:\n- PREVIOUS FACTS" in fake.requests[-1]["body"]["messages"][1]["content"]
+    assert (
+        result["compacted"]
+        and "before this part]\n- PREVIOUS FACTS" in fake.requests[-1]["body"]["messages"][1]["content"]
+    )
+
+
+def test_a_previous_summary_is_merged_first_when_the_span_needs_chunks(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=100_000)
+    with serve(fake) as url:
+        arguments = {"messages": conversation(12, size=300), "force": True, "keep_last": 2,
+                     "previous_summary": "- PREVIOUS FACTS", "summary_context_tokens": 4000}  # fmt: skip
+        result = compact(tmp_path, url, arguments)
+    assert result["compacted"] and result["map_chunks"] > 1
+    maps = [r["body"]["messages"][1]["content"] for r in fake.requests[: result["map_chunks"]]]
+    assert not any("PREVIOUS FACTS" in m for m in maps)  # not summarised again...
+    assert "Part 1:\n- PREVIOUS FACTS" in fake.requests[-1]["body"]["messages"][1]["content"]  # ...merged, first
 
 
 @pytest.mark.parametrize(
