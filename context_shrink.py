@@ -3864,6 +3864,13 @@ class ProxyConfig:
 # --- pure helpers -----------------------------------------------------------------------------------
 
 
+def kept_newest(counts: Sequence[int], keep_last: int, room: int) -> int:
+    """``keep_last``, lowered (to 1 at least) until the newest messages it keeps fit in ``room`` tokens:
+    a few huge tool results must not leave nothing for the shrinking to work with."""
+    tail = list(itertools.accumulate(reversed(counts)))
+    return max(1, min(keep_last, next((k for k, size in enumerate(tail) if size > room), len(tail))))
+
+
 def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
     """A stable id for a conversation: a hash of its leading system messages and first two others, which
     an agent resends unchanged on every turn."""
@@ -4113,9 +4120,10 @@ async def shrink_request(
         return {**body, "messages": out}, {**report, "tokens_after": after, "action": action, "ms": took, **extra}
 
     lighter, diet = await anyio.to_thread.run_sync(diet_results, messages, tokenizer)
-    if diet and count_messages(lighter, tokenizer)[1] + tools_tokens <= trigger:
+    counts, total = count_messages(lighter, tokenizer)
+    if diet and total + tools_tokens <= trigger:
         return done(lighter, "diet")
-    options = {"tools": tools, "keep_last": config.keep_last}
+    options = {"tools": tools, "keep_last": kept_newest(counts, config.keep_last, trigger // 2)}
     cleared = await anyio.to_thread.run_sync(  # clearing old tool results alone, to under the trigger
         functools.partial(trim_messages, lighter, tokenizer, trigger, target_ratio=PROXY_TRIM_RATIO, **options)
     )

@@ -47,6 +47,13 @@ def test_header_is_one_line_and_says_what_was_done() -> None:
     assert "\n" not in header and header.count(";") == 4
 
 
+def test_keep_last_gives_way_to_huge_newest_messages() -> None:
+    assert cs.kept_newest([10] * 20, 8, 100) == 8
+    assert cs.kept_newest([10] * 20, 8, 35) == 3  # the newest three fit in the room
+    assert cs.kept_newest([10, 10, 500], 8, 100) == 1  # never below one
+    assert cs.kept_newest([], 8, 100) == 1
+
+
 def test_conversation_id_is_stable_as_the_history_grows() -> None:
     history = conversation(6, size=5)
     assert cs.conversation_id(history[:8]) == cs.conversation_id(history)
@@ -167,10 +174,10 @@ def test_over_the_window_compacts_then_reuses_the_summary(tmp_path: Path) -> Non
     headers = [r.headers["x-context-shrink"] for r in replies]
     assert "action=compact" in headers[0] and calls[0] >= 1
     assert "summary_cached=True" in headers[1] and calls[1] == calls[0]  # the same span: no model call
-    # the moved cut: the new messages summarised and merged with the earlier summary, not all redone
-    assert "action=compact" in headers[2] and calls[2] == calls[1] + 2
+    # the moved cut: the earlier summary and the newly evicted messages in one request, not all redone
+    assert "action=compact" in headers[2] and calls[2] == calls[1] + 1
     fold = fake.requests[-2]["body"]["messages"]
-    assert fold[0]["content"] == cs.MERGE_PROMPT and "- summary" in fold[1]["content"]
+    assert fold[0]["content"] == cs.SUMMARY_PROMPT and "before this part]\n- summary" in fold[1]["content"]
     sent = fake.requests[-1]["body"]["messages"]
     assert sent[1]["content"].startswith(cs.SUMMARY_MARKER) and cs.api_problems(sent) == []
     assert all(r["auth"] == f"Bearer {SECRET}" for r in fake.requests)  # the client's key reaches the upstream
