@@ -4297,7 +4297,8 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
             await upstream.aclose()
             overflow = parse_overflow(error)
             if overflow is None:
-                return Response(error, upstream.status_code, headers=_reply_headers(upstream.headers))
+                headers = {**_reply_headers(upstream.headers), "x-context-shrink": shrink_header(report)}
+                return Response(error, upstream.status_code, headers=headers)
             sent_tokens = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
             limit = overflow.limit or int(0.75 * sent_tokens)
             if overflow.prompt_tokens and not overflow.at_least and report["tokens_after"]:  # its count calibrates ours

@@ -234,6 +234,15 @@ def test_a_refusal_after_the_retry_reaches_the_client(tmp_path: Path) -> None:
         reply = chat(url, {"model": "m", "messages": conversation(3, size=60), "max_tokens": 10})
     assert reply.status_code == 400 and "maximum context length" in reply.text
     assert len(fake.oversized) == 2  # tried once more, not in a loop
+    assert "retried=1" in reply.headers["x-context-shrink"]
+
+
+def test_an_upstream_error_passes_through_with_the_header(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=100_000, script=["500"])
+    with serve(fake) as upstream, proxy(upstream, "--window", "100000", "--no-archive", log=tmp_path / "log") as url:
+        reply = chat(url, {"model": "m", "messages": conversation(1, size=5)})
+    assert reply.status_code == 500 and reply.json() == {"error": {"message": "internal error"}}
+    assert "action=none" in reply.headers["x-context-shrink"] and len(fake.requests) == 1  # not retried
 
 
 def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:

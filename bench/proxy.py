@@ -1,0 +1,171 @@
+"""The proxy: added latency, time to shrink a 100k-token history, summariser calls and prefill over a replay.
+
+    python bench/proxy.py [--requests 200] [--transcript openhands_llama-4-maverick_ponyc-458]
+
+Everything runs against the test suite's real llama.cpp server (xllamacpp, tiny generated model, n_ctx
+32768, one slot; its byte-level tokenizer needs about 3.4 tokens per cl100k token, so that is a window of
+about 9.7k cl100k tokens) with `context-shrink proxy` started as a subprocess in front of it; summaries come from
+the suite's scriptable fake server (instant, deterministic) so the numbers are about the proxy, not a model.
+
+1. Added latency when nothing needs shrinking: the same small request sent directly and through the
+   proxy, alternating, p50/p95 and the ratio, in the same run.
+2. Time to shrink and forward a history of about 100k cl100k tokens: the proxy's own time (the `ms` of
+   its x-context-shrink header) and the client's wall time, cold (summaries written), warm (the same
+   span: the summary is reused) and with the summariser down (trimmed).
+3. A transcript replayed turn by turn (a request before every assistant message, history growing):
+   summariser calls per turn, and the processed prompt tokens llama.cpp reports (`timings.prompt_n`,
+   cache_prompt on), proxy vs a sliding window sized to the same share of the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py"), str(ROOT / "bench")]
+
+import httpx2  # noqa: E402
+from fake_openai import FakeOpenAI, serve  # noqa: E402
+from proxy_helpers import proxy  # noqa: E402
+from replay import sliding  # noqa: E402
+from tiny_llama import free_port, llama_server, write_tiny_gguf  # noqa: E402
+from workloads import generated, load, transcript_paths  # noqa: E402
+
+import context_shrink as cs  # noqa: E402
+
+TOK = cs.resolve_tokenizer("tiktoken:cl100k_base")
+N_CTX = 32768
+Messages = list[dict[str, Any]]
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[httpx2.Response, float]:
+    started = time.perf_counter()
+    reply = httpx2.post(url + "/chat/completions", json=body, timeout=600)
+    return reply, time.perf_counter() - started
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def latency(direct: str, front: str, requests: int) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there " * 40}], "max_tokens": 1}
+    for _ in range(5):  # warm both paths
+        post(direct, body), post(front, body)
+    times: dict[str, list[float]] = {"direct": [], "proxy": []}
+    for _ in range(requests):
+        times["direct"].append(post(direct, body)[1])
+        times["proxy"].append(post(front, body)[1])
+    print(f"\n1. Added latency, nothing to shrink ({requests} requests each, alternating):\n")
+    print("| path | p50 ms | p95 ms |")
+    print("|---|---:|---:|")
+    for name, values in times.items():
+        print(f"| {name} | {1000 * percentile(values, 0.5):.1f} | {1000 * percentile(values, 0.95):.1f} |")
+    p50 = [percentile(times[k], 0.5) for k in ("proxy", "direct")]
+    p95 = [percentile(times[k], 0.95) for k in ("proxy", "direct")]
+    print(f"| proxy ÷ direct | {p50[0] / p50[1]:.2f} | {p95[0] / p95[1]:.2f} |")
+    print(f"| added (proxy - direct) | {1000 * (p50[0] - p50[1]):.1f} | {1000 * (p95[0] - p95[1]):.1f} |")
+
+
+def big_history(target: int) -> Messages:
+    """About ``target`` cl100k tokens: a generated coding session, or the transcripts one after another."""
+    for n in (400, 800, 1600, 3200):
+        messages = generated(n, end="user")
+        if messages is None:
+            break
+        if cs.count_messages(messages, TOK)[1] >= target:  # the tiny model has no vision: images become text
+            return [cs.without_images(m)[0] for m in messages]
+    messages = [{"role": "system", "content": "You are a coding agent."}]
+    while cs.count_messages(messages, TOK)[1] < target:
+        for path in transcript_paths():
+            messages += [m for m in load(path) if m["role"] not in cs.SYSTEM_ROLES]
+    return messages
+
+
+def shrink_big(front: str, front_down: str) -> None:
+    messages = big_history(100_000)
+    tokens = cs.count_messages(messages, TOK)[1]
+    print(f"\n2. Shrink and forward {len(messages)} messages, {tokens:,} cl100k tokens (window {N_CTX}):\n")
+    print("| case | status | action | summary cached | proxy ms (header) | client wall ms | tokens after | why |")
+    print("|---|---:|---|---|---:|---:|---:|---|")
+    body = {"model": "tiny", "messages": messages, "max_tokens": 1}
+    cases = [("first", front), ("again (calibrated now)", front), ("again", front), ("summariser down", front_down)]
+    for case, url in cases:
+        reply, wall = post(url, body)
+        header = dict(
+            part.split("=", 1) for part in reply.headers.get("x-context-shrink", "").split("; ") if "=" in part
+        )
+        print(
+            f"| {case} | {reply.status_code} | {header.get('action')} | {header.get('summary_cached', '—')} | "
+            f"{header.get('ms')} | {1000 * wall:.0f} | "
+            f"{header.get('tokens_after')} | {header.get('reason', '')[:80]} |"
+        )
+
+
+def replay(direct: str, front: str, fake: FakeOpenAI, messages: Messages, name: str) -> None:
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+    first = messages[: turns[0]]
+    reply, _ = post(direct, {"messages": first, "max_tokens": 1})
+    ratio = reply.json()["usage"]["prompt_tokens"] / cs.count_messages(first, TOK)[1]  # its tokens per cl100k
+    budget = int(cs.PROXY_TRIGGER * (N_CTX - min(cs.PROXY_MAX_RESERVE, N_CTX // 8)) / ratio)
+    totals = {"proxy": 0, "sliding window": 0}
+    actions: dict[str, int] = {}
+    calls_before = len(fake.requests)
+    refused = 0
+    for strategy, url in (("sliding window", direct), ("proxy", front)):
+        for i in turns:
+            history = messages[:i]
+            request = sliding(history, budget) if strategy == "sliding window" else history
+            reply, _ = post(url, {"model": "tiny", "messages": request, "max_tokens": 1, "cache_prompt": True})
+            if reply.status_code != 200:
+                refused += strategy == "proxy"
+                continue
+            totals[strategy] += reply.json()["timings"]["prompt_n"]
+            if strategy == "proxy":
+                action = reply.headers["x-context-shrink"].split("action=")[1].split(";")[0]
+                actions[action] = actions.get(action, 0) + 1
+    calls = len(fake.requests) - calls_before
+    print(
+        f"\n3. Replay of {name} ({len(turns)} requests), llama.cpp n_ctx {N_CTX}, its tokens ≈ {ratio:.2f} x cl100k:\n"
+    )
+    print("| strategy | llama.cpp prompt_n | ÷ sliding | summariser calls | calls per turn | refused |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| sliding window ({budget:,} cl100k) | {totals['sliding window']:,} | 1.00 | — | — | — |")
+    print(
+        f"| proxy | {totals['proxy']:,} | {totals['proxy'] / totals['sliding window']:.2f} | {calls} | "
+        f"{calls / len(turns):.2f} | {refused} |"
+    )
+    print("\nProxy actions: " + ", ".join(f"{k} {v}" for k, v in sorted(actions.items())))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--transcript", default="openhands_llama-4-maverick_ponyc-458")
+    args = parser.parse_args()
+    chosen = next((p for p in transcript_paths() if p.stem.startswith(args.transcript)), transcript_paths()[0])
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "proxy.log"
+        model = write_tiny_gguf(Path(folder) / "tiny.gguf", n_ctx_train=32768)
+        fake = FakeOpenAI(window=1_000_000)
+        dead = f"http://127.0.0.1:{free_port()}/v1"
+        with (
+            llama_server(model, n_ctx=N_CTX, threads=2) as direct,
+            serve(fake) as summariser,
+            proxy(direct, "--summary-url", summariser, "--no-archive", log=log) as front,
+            proxy(direct, "--summary-url", dead, "--no-archive", log=log) as front_down,
+        ):
+            latency(direct, front, args.requests)
+            shrink_big(front, front_down)
+            replay(direct, front, fake, load(chosen), chosen.stem)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
