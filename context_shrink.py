@@ -4006,7 +4006,7 @@ class ProxyState:
     http: httpx2.AsyncClient
     tokenizer: Tokenizer
     server: ServerState  # the summary caches, shared with the MCP tools' code
-    windows: dict[str | None, int] = dataclasses.field(default_factory=dict)  # model -> window from a refusal
+    windows: dict[str | None, int | None] = dataclasses.field(default_factory=dict)  # model -> learnt window
     factors: dict[str | None, float] = dataclasses.field(default_factory=dict)  # model -> calibration
     archived: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # conversation -> hashes
     summariser_failed: dict[str | None, tuple[float, str]] = dataclasses.field(default_factory=dict)  # when, why
@@ -4043,14 +4043,25 @@ async def proxy_summary(
     model: str | None,
     window: int,
     authorization: str | None,
+    tokenizer: Tokenizer,
 ) -> tuple[str, bool]:
     """The summary of the plan's span, by the configured summariser or the upstream's model, reusing
-    the span-summary cache (a repeated span costs no call; a longer one folds the earlier summary)."""
+    the span-summary cache (a repeated span costs no call; a longer one folds the earlier summary).
+    ``tokenizer`` is calibrated to the upstream; a separate summariser is measured uncalibrated, in its
+    own window (discovered, else the upstream's)."""
     config = state.config
     model = config.summary_model or model
     if not model:
         raise ContextShrinkError("no model to summarise with: the request names none and no summary model is set")
     url = config.summary_url or config.base
+    if config.summary_url:
+        tokenizer, key = state.tokenizer, f"summariser {url} {model}"
+        if key not in state.windows:  # probed once, whatever the answer
+            found = None
+            with contextlib.suppress(ContextShrinkError):
+                found = (await state.backend(url, authorization).context_window(model))[0]
+            state.remember(state.windows, key, found)
+        window = state.windows[key] or window
     start, end, pinned = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_user_index"]
     items = [(i, m) for i, m in enumerate(messages[start:end], start) if i != pinned]
     found, _, positions = previous_summary_in([m for _, m in items])
@@ -4072,14 +4083,14 @@ async def proxy_summary(
         raise ContextShrinkError(f"{failed[1]} (not asked again for {SUMMARY_BACKOFF:g} s)")
     try:
         text, _, _ = await summarise_messages(
-            span[done:], state.tokenizer, window, config.max_summary_tokens, call, previous=previous, replies=replies
+            span[done:], tokenizer, window, config.max_summary_tokens, call, previous=previous, replies=replies
         )
     except ContextShrinkError as exc:
         state.remember(state.summariser_failed, filed, (time.monotonic(), str(exc)))
         raise
     state.summariser_failed.pop(filed, None)
     _bound(state.server.summaries)
-    identifiers = extract_identifiers(span, state.tokenizer.count, ANCHOR_TOKENS)
+    identifiers = extract_identifiers(span, tokenizer.count, ANCHOR_TOKENS)
     text = anchor_summary(text, list(dict.fromkeys([*identifiers, *anchored_in(previous)])))
     state.server.file_summary(filed, chain, text, None if pinned is None else sum(1 for i, _ in items if i < pinned))
     return text, False
@@ -4144,7 +4155,7 @@ async def shrink_request(
     )
     if plan["needs_summary"]:
         try:
-            text, cached = await proxy_summary(state, lighter, plan, model, window, authorization)
+            text, cached = await proxy_summary(state, lighter, plan, model, window, authorization, tokenizer)
         except ContextShrinkError as exc:
             reason = f"summary failed: {exc}"
             log.warning("proxy: %s; trimming instead", reason)
