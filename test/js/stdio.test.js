@@ -41,7 +41,12 @@ before(async () => {
   const transport = new StdioClientTransport({
     command: PYTHON,
     args: [path.join(ROOT, "context_shrink.py")],
-    env: { ...process.env, CONTEXT_SHRINK_ROOT: work, CONTEXT_SHRINK_LOG_LEVEL: "WARNING" },
+    env: {
+      ...process.env,
+      CONTEXT_SHRINK_ROOT: work,
+      CONTEXT_SHRINK_ARCHIVE_DIR: path.join(work, "archive"),
+      CONTEXT_SHRINK_LOG_LEVEL: "WARNING",
+    },
     stderr: "pipe",
   });
   client = new Client({ name: "context-shrink-js-tests", version: "1.0.0" });
@@ -63,6 +68,7 @@ test("lists the three tools with their parameters", async () => {
     "compact_context",
     "estimate_context",
     "prune_context",
+    "recall_context",
     "shrink_text",
     "trim_context",
   ]);
@@ -76,6 +82,18 @@ test("lists the three tools with their parameters", async () => {
     "reserve_tokens",
   ]);
   assert.equal(byName.compact_context.inputSchema.properties.summary_role.default, "system");
+});
+
+test("recall_context returns an archived message verbatim", async () => {
+  const message = { role: "tool", tool_call_id: "c1", content: "Traceback: KeyError 'timeout' in config.py" };
+  fs.mkdirSync(path.join(work, "archive"), { recursive: true });
+  const entry = { id: "0123456789ab", hash: "0123456789ab".padEnd(64, "0"), index: 3, action: "compact", time: 0, message };
+  fs.writeFileSync(path.join(work, "archive", "00112233445566aa.jsonl"), JSON.stringify(entry) + "\n");
+  const result = await client.callTool({ name: "recall_context", arguments: { query: "KeyError timeout" } });
+  assert.equal(result.isError, false);
+  assert.equal(result.structuredContent.found, 1);
+  assert.deepEqual(result.structuredContent.entries[0].message, message);
+  assert.equal(result.structuredContent.entries[0].conversation, "00112233445566aa");
 });
 
 test("estimate_context", async () => {
