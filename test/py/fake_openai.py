@@ -41,6 +41,7 @@ class FakeOpenAI:
         self.active = 0
         self.max_active = 0
         self.tokenizer = cs.resolve_tokenizer("tiktoken:cl100k_base")
+        self.usage_ratio: float | None = None  # when set, replies report usage.prompt_tokens = ratio x our count
         self.app = Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"])])
 
     async def chat(self, request: Request) -> Response:
@@ -62,6 +63,7 @@ class FakeOpenAI:
             behaviour = self.script.pop(0) if self.script else self.default
             self.max_tokens = int(body.get("max_tokens") or 0)
             self.last_user = str(body["messages"][-1].get("content"))
+            self.prompt_tokens = cs.count_messages(body["messages"], self.tokenizer)[1]
             return await self.reply(behaviour, len(self.requests))
         finally:
             self.active -= 1
@@ -101,7 +103,10 @@ class FakeOpenAI:
             message["content"], finish = "- The user wants the parser fixed and the tests to", "length"
         if behaviour == "tool_call":
             message = {"role": "assistant", "content": None, "tool_calls": [{"id": "x", "function": {"name": "f"}}]}
-        return JSONResponse({"choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+        reply: dict[str, Any] = {"choices": [{"index": 0, "message": message, "finish_reason": finish}]}
+        if self.usage_ratio is not None:
+            reply["usage"] = {"prompt_tokens": round(self.usage_ratio * self.prompt_tokens), "completion_tokens": 9}
+        return JSONResponse(reply)
 
 
 @contextlib.contextmanager

@@ -245,6 +245,21 @@ def test_an_upstream_error_passes_through_with_the_header(tmp_path: Path) -> Non
     assert "action=none" in reply.headers["x-context-shrink"] and len(fake.requests) == 1  # not retried
 
 
+def test_usage_calibrates_the_estimate_and_a_silent_cut_is_flagged(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=1_000_000)
+    body = {"model": "m", "messages": conversation(3, size=60), "max_tokens": 10}
+    with serve(fake) as upstream, proxy(upstream, "--window", "100000", log=tmp_path / "log") as url:
+        fake.usage_ratio = 1.5  # the server's tokenizer needs half as many tokens again
+        first = chat(url, body).headers["x-context-shrink"]
+        second = chat(url, body).headers["x-context-shrink"]
+        fake.usage_ratio = 0.3  # the server kept less than a third of what was sent
+        cut = chat(url, body)
+    before = [int(h.split("tokens_before=")[1].split(";")[0]) for h in (first, second)]
+    assert 1.4 < before[1] / before[0] < 1.6  # the estimate now speaks the server's tokens
+    assert "dropped part of the history" in cut.headers["x-context-shrink-warning"]
+    assert "may have dropped part of the history" in (tmp_path / "log").read_text()
+
+
 def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with proxy(dead, "--window", "4096", "--no-archive", log=tmp_path / "log") as url:
