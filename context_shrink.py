@@ -3811,6 +3811,7 @@ PROXY_PORT = 8787
 PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
 PROXY_TRIGGER = 0.9  # shrink above this share of the budget (window minus the reply's reserve)
 PROXY_TRIM_RATIO = 0.6  # stable cuts: the kept part is about this share of the budget after a cut moves
+PROXY_COMPACT_RATIO = 0.7  # compaction's kept share (bench/replay.py: less prefill and more budget use than 0.5)
 PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 PROXY_TIMEOUT = 600.0
 SUMMARY_BACKOFF = 120.0  # seconds before a summariser that failed is asked again
@@ -4150,6 +4151,7 @@ async def shrink_request(
             max_context_tokens=budget,
             threshold=0,
             max_summary_tokens=config.max_summary_tokens,
+            target_ratio=PROXY_COMPACT_RATIO,
             **options,
         )
     )
@@ -4167,6 +4169,7 @@ async def shrink_request(
                 max_context_tokens=budget,
                 threshold=0,
                 max_summary_tokens=config.max_summary_tokens,
+                target_ratio=PROXY_COMPACT_RATIO,
                 **options,
             )
             if compacted["fits"] and not api_problems(compacted["messages"]):

@@ -5,8 +5,9 @@
 Every transcript of ../shared/data/sessions is replayed with a request before every assistant message
 (the history so far), shrunk by: a sliding window (the newest whole units that fit: what LangChain's
 trim_messages does), trim_context with target_ratio 1.0 and 0.6, and compact_context with a given
-summary. For each request, prefill = its tokens minus the longest common token prefix with the
-previous request (a server's prompt cache reuses that prefix). The floor is what is new since the
+summary (target_ratio 0.5, the tool's default, and 0.7, the proxy's). For each request, prefill = its
+tokens minus the longest common token prefix with the previous request (a server's prompt cache reuses
+that prefix). The floor is what is new since the
 previous request. Reported per transcript and budget: total prefill, the floor, the excess over the
 floor relative to the sliding window's excess (target at 32k: 0.3 or less), mean budget use of the
 requests that needed shrinking (keep it at 0.5 or more), and how often the prefix changed. Then one
@@ -74,23 +75,26 @@ def trim(ratio: float) -> Callable[[Messages, int], Messages]:
     return lambda messages, budget: cs.trim_messages(messages, TOK, budget, target_ratio=ratio)["messages"]
 
 
-def compact(messages: Messages, budget: int) -> Messages:
-    plan = cs.compact_messages(messages, TOK, summary=None, max_context_tokens=budget, max_summary_tokens=512)
-    if not plan["needs_summary"]:
-        return plan["messages"] or messages
-    start, end = plan["summarize_from_index"], plan["kept_from_index"]
-    digest = hashlib.sha256(json.dumps(messages[start:end], sort_keys=True).encode()).hexdigest()[:12]
-    summary = f"- the work so far, summarised (span {digest}): goals, files, commands, errors and next steps"
-    return cs.compact_messages(messages, TOK, summary=summary, max_context_tokens=budget, max_summary_tokens=512)[
-        "messages"
-    ]
+def compact(ratio: float) -> Callable[[Messages, int], Messages]:
+    def shrink(messages: Messages, budget: int) -> Messages:
+        options = {"max_context_tokens": budget, "max_summary_tokens": 512, "target_ratio": ratio}
+        plan = cs.compact_messages(messages, TOK, summary=None, **options)
+        if not plan["needs_summary"]:
+            return plan["messages"] or messages
+        start, end = plan["summarize_from_index"], plan["kept_from_index"]
+        digest = hashlib.sha256(json.dumps(messages[start:end], sort_keys=True).encode()).hexdigest()[:12]
+        summary = f"- the work so far, summarised (span {digest}): goals, files, commands, errors and next steps"
+        return cs.compact_messages(messages, TOK, summary=summary, **options)["messages"]
+
+    return shrink
 
 
 STRATEGIES: dict[str, Callable[[Messages, int], Messages]] = {
     "sliding window": sliding,
     "trim 1.0": trim(1.0),
     "trim 0.6": trim(0.6),
-    "compact (summary given)": compact,
+    "compact 0.5 (summary given)": compact(0.5),
+    "compact 0.7 (the proxy's)": compact(0.7),
 }
 
 
