@@ -1314,7 +1314,8 @@ def trim_messages(
         inner = [s for s, _ in group_units(messages) if cut < s <= protected]
         grid = stable_grid(inner, lambda s: suffix[lead] - suffix[s], step)
         fits = [s for s in inner if fixed + counts[cut] + suffix[s] <= budget]
-        resume = next((s for s in grid if s in fits), fits[0] if fits else inner[-1] if inner else cut)
+        fitting = set(fits)
+        resume = next((s for s in grid if s in fitting), fits[0] if fits else inner[-1] if inner else cut)
         if fits and fixed + counts[cut] + suffix[resume] < budget // 2:  # a huge step: not worth the cache
             resume = fits[0]
         if resume > cut + 1:
@@ -4310,9 +4311,9 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
             error = await upstream.aread()
             await upstream.aclose()
             overflow = parse_overflow(error)
-            if overflow is None:
-                headers = {**_reply_headers(upstream.headers), "x-context-shrink": shrink_header(report)}
-                return Response(error, upstream.status_code, headers=headers)
+            if overflow is None:  # not about length: the client gets the upstream's answer
+                said = {**_reply_headers(upstream.headers), "x-context-shrink": shrink_header(report)}
+                return Response(error, upstream.status_code, headers=said)
             sent_tokens = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
             limit = overflow.limit or int(0.75 * sent_tokens)
             if overflow.prompt_tokens and not overflow.at_least and report["tokens_after"]:  # its count calibrates ours
@@ -4408,7 +4409,7 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
             f"http://127.0.0.1:8080/v1, got {upstream!r}"
         )
     window = pick(args.window, "WINDOW")
-    archive = None if args.no_archive else Path(args.archive_dir).expanduser() if args.archive_dir else None
+    archive = Path(args.archive_dir).expanduser() if args.archive_dir else default_archive_dir(env)
     return ProxyConfig(
         upstream=upstream.rstrip("/"),
         host=pick(args.host, "HOST") or "127.0.0.1",
@@ -4417,7 +4418,7 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         summary_url=pick(args.summary_url, "SUMMARY_URL"),
         summary_model=pick(args.summary_model, "SUMMARY_MODEL"),
         api_key=pick(None, "API_KEY"),
-        archive_dir=None if args.no_archive else archive or default_archive_dir(env),
+        archive_dir=None if args.no_archive else archive,
         max_body_bytes=number(args.max_body_bytes, "MAX_BODY_BYTES", 1024, MAX_FILE_BYTES) or PROXY_MAX_BODY_BYTES,
     )
 
