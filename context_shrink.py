@@ -2683,6 +2683,7 @@ class Backend:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.retry_base_delay = retry_base_delay
         self.caches = caches or BackendCaches()
+        self.setting = "CONTEXT_SHRINK_BASE_URL"  # what to check when it cannot be reached
 
     def _redact(self, text: str) -> str:
         return text.replace(self.api_key, "***") if self.api_key else text
@@ -2705,7 +2706,7 @@ class Backend:
                     await _sleep(delay)
                     continue
                 raise ContextShrinkError(
-                    self._redact(f"backend unreachable: {url} ({exc}); check CONTEXT_SHRINK_BASE_URL")
+                    self._redact(f"backend unreachable: {url} ({exc}); check {self.setting}")
                 ) from None
             except httpx2.TimeoutException as exc:
                 raise ContextShrinkError(
@@ -4021,8 +4022,15 @@ class ProxyState:
             table.pop(next(iter(table)))
 
     def backend(self, url: str, authorization: str | None) -> Backend:
-        headers = {"Authorization": authorization} if authorization and not self.config.api_key else {}
-        return Backend(self.http, url, self.config.api_key, headers, caches=self.server.caches)
+        key, headers = self.config.api_key, {}
+        if authorization and not key:  # the client's key, sent on and redacted from every error like ours
+            scheme, _, token = authorization.partition(" ")
+            key, headers = (
+                (token, {}) if scheme.lower() == "bearer" and token else (None, {"Authorization": authorization})
+            )
+        backend = Backend(self.http, url, key, headers, caches=self.server.caches)
+        backend.setting = "--upstream" if url == self.config.base else "--summary-url"
+        return backend
 
 
 async def proxy_window(state: ProxyState, model: str | None, authorization: str | None) -> int | None:

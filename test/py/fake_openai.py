@@ -4,8 +4,9 @@ Each request is checked against the server's window (cl100k count of the message
 an oversized one is refused with a vLLM-style 400 and recorded. Replies follow a script of behaviours,
 then the default: ``ok`` (a short summary), ``429`` (with Retry-After), ``500``, ``garbage`` (not JSON),
 ``hang`` (no reply for 30 s), ``empty``, ``tool_call`` (no text), ``overflow_openai`` (an OpenAI-style
-context_length_exceeded body), ``repeat`` (one sentence looped), ``copy`` (the transcript handed back) and
-``cut`` (stopped by max_tokens mid-sentence). Every request also waits ``latency`` seconds.
+context_length_exceeded body), ``repeat`` (one sentence looped), ``copy`` (the transcript handed back),
+``cut`` (stopped by max_tokens mid-sentence) and ``echo_key`` (a 401 quoting the Authorization header).
+Every request also waits ``latency`` seconds.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class FakeOpenAI:
                 )
                 return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": 400}}, 400)
             behaviour = self.script.pop(0) if self.script else self.default
+            if behaviour == "echo_key":  # a server that quotes the key it refused
+                message = f"Incorrect API key provided: {request.headers.get('authorization')}"
+                return JSONResponse({"error": {"message": message}}, 401)
             self.max_tokens = int(body.get("max_tokens") or 0)
             self.last_user = str(body["messages"][-1].get("content"))
             self.prompt_tokens = cs.count_messages(body["messages"], self.tokenizer)[1]

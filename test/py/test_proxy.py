@@ -217,6 +217,18 @@ def test_a_dead_summariser_falls_back_to_trimming(tmp_path: Path) -> None:
     assert "trimming instead" in (tmp_path / "log").read_text()
 
 
+def test_a_key_quoted_by_the_summariser_is_redacted(tmp_path: Path) -> None:
+    upstream_fake, summariser = FakeOpenAI(window=6000), FakeOpenAI(window=100_000, script=["echo_key"])
+    with serve(upstream_fake) as upstream, serve(summariser) as summary_url:
+        flags = ("--window", "6000", "--summary-url", summary_url, "--no-archive")
+        with proxy(upstream, *flags, log=tmp_path / "log") as url:
+            body = {"model": "m", "messages": chat_history(14, size=200), "max_tokens": 200}
+            reply = chat(url, body, Authorization=f"Bearer {SECRET}")
+    assert reply.status_code == 200 and "summary failed: backend 401" in reply.headers["x-context-shrink"]
+    assert SECRET not in reply.headers["x-context-shrink"] and SECRET not in (tmp_path / "log").read_text()
+    assert summariser.requests[0]["auth"] == f"Bearer {SECRET}"  # it was sent, only never repeated
+
+
 def test_a_refusal_is_learnt_and_retried_once(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=5000)
     with serve(fake) as upstream, proxy(upstream, "--window", "100000", "--no-archive", log=tmp_path / "log") as url:
