@@ -1313,11 +1313,9 @@ def trim_messages(
     if strategy == "auto" and stable and after > budget and pinned is None and users and cut == users[-1]:
         inner = [s for s, _ in group_units(messages) if cut < s <= protected]
         grid = stable_grid(inner, lambda s: suffix[lead] - suffix[s], step)
-        fits = [s for s in inner if fixed + counts[cut] + suffix[s] <= budget]
-        fitting = set(fits)
-        resume = next((s for s in grid if s in fitting), fits[0] if fits else inner[-1] if inner else cut)
-        if fits and fixed + counts[cut] + suffix[resume] < budget // 2:  # a huge step: not worth the cache
-            resume = fits[0]
+        room = budget - fixed - counts[cut]  # for the steps kept after the user message
+        closest = next((s for s in inner if suffix[s] <= room), inner[-1] if inner else cut)
+        resume = next((s for s in grid if suffix[s] <= room), closest)
         if resume > cut + 1:
             pinned, cut = cut, resume
             fixed += counts[pinned]
