@@ -2359,9 +2359,13 @@ def span_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """Chained content hashes: entry ``k`` identifies ``messages[:k]`` (entry 0 the empty span)."""
     chain = [hashlib.sha256(b"context-shrink span").hexdigest()]
     for m in messages:
-        body = json.dumps(m, sort_keys=True, ensure_ascii=False, default=str)
-        chain.append(hashlib.sha256((chain[-1] + body).encode()).hexdigest())
+        chain.append(hashlib.sha256((chain[-1] + canonical_json(m)).encode()).hexdigest())
     return chain
+
+
+def canonical_json(message: Mapping[str, Any]) -> str:
+    """One message as JSON with sorted keys: equal messages give equal text (for hashing)."""
+    return json.dumps(message, sort_keys=True, ensure_ascii=False, default=str)
 
 
 def previous_summary_in(messages: Sequence[Mapping[str, Any]]) -> tuple[str | None, int, list[int]]:
@@ -3881,7 +3885,7 @@ def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
 
 
 def message_hash(message: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
+    return hashlib.sha256(canonical_json(message).encode()).hexdigest()
 
 
 def folded_away(
@@ -4143,25 +4147,24 @@ async def shrink_request(
     if diet and total + tools_tokens <= trigger:
         return done(lighter, "diet")
     options = {"tools": tools, "keep_last": kept_newest(counts, config.keep_last, trigger // 2)}
-    cleared = await anyio.to_thread.run_sync(  # clearing old tool results alone, to under the trigger
-        functools.partial(trim_messages, lighter, tokenizer, trigger, target_ratio=PROXY_TRIM_RATIO, **options)
+    # Trimming (stable cuts, to under the trigger so the next turns fit too) and compaction, as configured.
+    trim = functools.partial(
+        trim_messages, tokenizer=tokenizer, max_context_tokens=trigger, target_ratio=PROXY_TRIM_RATIO, **options
     )
+    compact = functools.partial(
+        compact_messages,
+        tokenizer=tokenizer,
+        max_context_tokens=budget,
+        threshold=0,
+        max_summary_tokens=config.max_summary_tokens,
+        target_ratio=PROXY_COMPACT_RATIO,
+        **options,
+    )
+    cleared = await anyio.to_thread.run_sync(trim, lighter)  # done here if clearing old results was enough
     if cleared["fits"] and [t["tier"] for t in cleared["tiers"]] == ["clear_tool_results"]:
         return done(cleared["messages"], "diet+clear" if diet else "clear")
     reason = None
-    plan = await anyio.to_thread.run_sync(
-        functools.partial(
-            compact_messages,
-            lighter,
-            tokenizer,
-            summary=None,
-            max_context_tokens=budget,
-            threshold=0,
-            max_summary_tokens=config.max_summary_tokens,
-            target_ratio=PROXY_COMPACT_RATIO,
-            **options,
-        )
-    )
+    plan = await anyio.to_thread.run_sync(functools.partial(compact, lighter, summary=None))
     if plan["needs_summary"]:
         try:
             text, cached = await proxy_summary(state, lighter, plan, model, window, authorization, tokenizer)
@@ -4169,26 +4172,15 @@ async def shrink_request(
             reason = f"summary failed: {exc}"
             log.warning("proxy: %s; trimming instead", reason)
         else:
-            compacted = compact_messages(
-                lighter,
-                tokenizer,
-                summary=text,
-                max_context_tokens=budget,
-                threshold=0,
-                max_summary_tokens=config.max_summary_tokens,
-                target_ratio=PROXY_COMPACT_RATIO,
-                **options,
-            )
+            compacted = compact(lighter, summary=text)
             if compacted["fits"] and not api_problems(compacted["messages"]):
                 return done(compacted["messages"], "compact", summary_cached=cached)
             lighter, reason = compacted["messages"], "the compacted request still did not fit"
     else:
         reason = plan["reason"]
-    trimmed = await anyio.to_thread.run_sync(  # stable cuts, to under the trigger so the next turns fit too
-        functools.partial(trim_messages, lighter, tokenizer, trigger, target_ratio=PROXY_TRIM_RATIO, **options)
-    )
-    fits = count_messages(trimmed["messages"], tokenizer)[1] + tools_tokens <= budget
-    return done(trimmed["messages"], "trim" if fits else "trim (still too long)", reason=reason)
+    trimmed = await anyio.to_thread.run_sync(trim, lighter)
+    action = "trim" if trimmed["tokens_after"] <= budget else "trim (still too long)"
+    return done(trimmed["messages"], action, reason=reason)
 
 
 # --- the HTTP front ----------------------------------------------------------------------------------------
@@ -4404,9 +4396,10 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         if value is None:
             return None
         try:
-            return _check_int(name.lower(), int(value), low, high)
+            parsed = int(value)
         except ValueError:
             raise ContextShrinkError(f"{name.lower()} must be an integer, got {value!r}") from None
+        return _check_int(name.lower(), parsed, low, high)  # out of range: its own message says the range
 
     upstream = pick(args.upstream, "UPSTREAM")
     if not upstream or not re.match(r"https?://[^/\s]+", upstream):
