@@ -17,14 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import context_shrink as cs  # noqa: E402
 
-SHARED_SESSIONS = ROOT.parent / "shared" / "data" / "sessions"
 LOCAL_SESSIONS = ROOT / "test" / "data"
 
 
 def session_files() -> list[Path]:
-    """Every shared transcript when ``../shared`` is there, else the two copied into ``test/data``."""
-    folder = SHARED_SESSIONS if SHARED_SESSIONS.is_dir() else LOCAL_SESSIONS
-    return sorted(folder.glob("*.json"))
+    """The real transcripts copied into ``test/data`` (never ``../shared``: a fresh clone has none beside it, and
+    the suite must check the same things there; the generator in agent_shapes.py covers the other shapes)."""
+    return sorted(LOCAL_SESSIONS.glob("*.json"))
 
 
 def load_session(path: Path) -> list[dict[str, Any]]:
