@@ -37,6 +37,7 @@ __all__ = [
 import argparse
 import base64
 import binascii
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -945,13 +946,14 @@ def group_units(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
     return units
 
 
-def api_problems(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+def api_problems(messages: Sequence[Mapping[str, Any]], units: Sequence[tuple[int, int]] | None = None) -> list[str]:
     """What the OpenAI chat API would reject: orphan tool results and tool calls left unanswered.
 
-    Tool calls in the very last unit may still lack results: the agent is about to run them.
+    Tool calls in the very last unit may still lack results: the agent is about to run them. ``units`` are
+    the messages' :func:`group_units`, when already known.
     """
     problems = []
-    units = group_units(messages)
+    units = group_units(messages) if units is None else units
     for k, (start, end) in enumerate(units):
         first = messages[start]
         if first["role"] in RESULT_ROLES:
@@ -973,43 +975,6 @@ def _leading_system(messages: Sequence[Mapping[str, Any]]) -> int:
 def _unit_start(units: Sequence[tuple[int, int]], index: int) -> int:
     """The start of the unit holding ``index`` (``index`` itself when it is past the end)."""
     return next((start for start, end in units if start <= index < end), index)
-
-
-def _cut_points(
-    messages: Sequence[Mapping[str, Any]], keep_last: int, start_on_user: bool = True
-) -> tuple[int, list[int], int]:
-    """Where the kept history may start: ``(lead, candidates, protected)``, candidates oldest first.
-
-    ``lead`` counts the leading system messages (always kept); ``lead`` itself (keep everything) is
-    always a candidate. The other candidates are unit starts up to the newest user message (so it is
-    always kept) and, with ``start_on_user``, only user messages, so the kept history starts on a user
-    turn. Without user messages they are the unit starts up to ``protected``, the start of the unit
-    holding the newest ``keep_last`` messages.
-    """
-    lead, n = _leading_system(messages), len(messages)
-    units = group_units(messages)
-    protected = _unit_start(units, max(lead, n - keep_last))
-    users = [i for i in range(lead, n) if messages[i]["role"] == "user"]
-    limit = users[-1] if users else protected
-    starts = [s for s, _ in units if lead < s <= limit]
-    if users and start_on_user:
-        starts = [s for s in starts if messages[s]["role"] == "user"]
-    return lead, [lead, *starts], protected
-
-
-def stable_grid(candidates: Sequence[int], cumulative: Callable[[int], int], step: int) -> list[int]:
-    """The cut points of a coarse grid: for every multiple of ``step`` tokens counted from the start of the
-    conversation, the first candidate at or past it. Earlier messages never change their counts, so the
-    grid stays where it is as the history grows: a cut chosen on it moves rarely, and by a large step."""
-    if step <= 0:
-        return list(candidates)
-    grid, last = [], -1
-    for c in candidates:
-        k = cumulative(c) // step
-        if k > last or c == candidates[0]:
-            grid.append(c)
-            last = k
-    return grid
 
 
 def message_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -1082,8 +1047,19 @@ def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
     return {**message, "content": f"[tool result cleared: {tool}, {_lines_and_tokens(text)}]"}
 
 
-# Characters kept at the head and tail of an elided text, from gentle to strong.
+# Characters kept at the head and tail of an elided text, from gentle to strong; an old text's least form.
 ELISION_LEVELS = ((6400, 3200), (3200, 1600), (1600, 800), (800, 400), (400, 200))
+LEAST_TEXT = (160, 80)
+
+
+def _elide(text: str, head: int, tail: int) -> str:
+    """``text`` with its middle replaced by ``[… N tokens elided …]``, keeping about ``head`` and ``tail``
+    characters (the head ends at a line end, the tail starts at a line start, when one is near)."""
+    cut = text.rfind("\n", head // 2, head) + 1 or head
+    end = len(text) - tail
+    newline = text.find("\n", end, end + tail // 2)
+    end = newline + 1 if newline >= 0 else end
+    return f"{text[:cut]}[… {heuristic_tokens(text[cut:end]):,} tokens elided …]\n{text[end:]}"
 
 
 def elide_text(text: str, level: int = 0) -> str | None:
@@ -1092,19 +1068,73 @@ def elide_text(text: str, level: int = 0) -> str | None:
     The cut depends only on the text and the level, so the same message is elided to the same bytes.
     """
     head, tail = ELISION_LEVELS[level]
-    if len(text) <= 2 * (head + tail):
-        return None
-    cut = text.rfind("\n", head // 2, head) + 1 or head  # end the head at a line end when one is near
-    end = len(text) - tail
-    newline = text.find("\n", end, end + tail // 2)  # start the tail at a line start when one is near
-    end = newline + 1 if newline >= 0 else end
-    return f"{text[:cut]}[… {heuristic_tokens(text[cut:end]):,} tokens elided …]\n{text[end:]}"
+    return None if len(text) <= 2 * (head + tail) else _elide(text, head, tail)
 
 
 def elided_result(message: Mapping[str, Any], level: int = 0) -> dict[str, Any] | None:
     """A tool result whose text is elided in the middle, or None when it is too short to elide."""
     shorter = elide_text(_plain_content(message.get("content")), level)
     return None if shorter is None else {**message, "content": shorter}
+
+
+def text_and_images(content: Any) -> tuple[str, str]:
+    """A message content's text (its text parts joined) and a description of its images, one per line."""
+    if isinstance(content, str):
+        return content, ""
+    parts = content if isinstance(content, list) else []
+    text = "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str) and p.get("type") == "text")
+    return text, "\n".join(_image_description(p) for p in parts if p.get("type") in IMAGE_PART_TYPES)
+
+
+def with_text(message: Mapping[str, Any], text: str, images: str) -> dict[str, Any]:
+    """The message with its content replaced by ``text`` (and the description of its removed images)."""
+    return {**message, "content": f"{text}\n{images}" if images else text}
+
+
+def _elided_field(
+    text: str, build: Callable[[str], dict[str, Any]], tokens: int, size: Callable[[Mapping[str, Any]], int]
+) -> dict[str, Any] | None:
+    """``build(text elided in the middle)`` at most ``tokens`` tokens (by ``size``), keeping as much of the head
+    and tail as fits; None when not even a short head and tail fit."""
+    overhead, full = size(build("")) + 12, size(build(text))  # the message without the text, and the marker
+    keep = int(len(text) * (tokens - overhead) / max(1, full - overhead) * 0.97)
+    for _ in range(4):  # the density of the kept parts differs from the whole: re-measure and adjust
+        if keep < 120 or keep >= len(text):
+            return None
+        shorter = build(_elide(text, keep * 2 // 3, keep - keep * 2 // 3))
+        got = size(shorter)
+        if got <= tokens:
+            return shorter
+        keep = int(keep * (tokens - overhead) / max(1, got - overhead) * 0.97)
+    return None
+
+
+def elided_to(
+    message: Mapping[str, Any], tokens: int, size: Callable[[Mapping[str, Any]], int]
+) -> dict[str, Any] | None:
+    """The longest form of a message within ``tokens`` tokens (by ``size``): images described, then its text
+    elided in the middle, or, when the whole text fits, its reasoning elided (or replaced by its marker).
+    None when not even a short head and tail of the text fit."""
+    reasoning = [k for k in REASONING_KEYS if isinstance(message.get(k), str) and message[k]]
+    text, images = text_and_images(message.get("content"))
+    plain = with_text(message, text, images) if images else dict(message)
+    bare = without_reasoning(plain) if reasoning else plain
+    if size(bare) > tokens:
+        return _elided_field(text, lambda t: with_text(bare, t, images), tokens, size)
+    if not reasoning or size(plain) <= tokens:
+        return plain if size(plain) <= tokens else bare
+    key = reasoning[0]
+    longer = _elided_field(plain[key], lambda t: {**bare, key: t}, tokens, size)
+    return longer or bare
+
+
+def without_reasoning(message: Mapping[str, Any]) -> dict[str, Any]:
+    """An assistant message whose reasoning text is replaced by a marker saying how much was removed."""
+    out = dict(message)
+    for key in REASONING_KEYS:
+        if isinstance(message.get(key), str) and message[key]:
+            out[key] = f"[reasoning removed: ~{heuristic_tokens(message[key]):,} tokens]"
+    return out
 
 
 def _image_description(part: Mapping[str, Any]) -> str:
@@ -1205,7 +1235,581 @@ def estimate_messages(
     }
 
 
+# --- the cut planner -------------------------------------------------------------------------------------
+# One rule decides what a shrunk history keeps (docs/trimming.md states it with its guarantees):
+#   * the leading system messages; when the cut falls inside a turn, that turn's opening user message(s)
+#     (pinned); then every message from the cut on, each as it is or reduced, with a visible marker;
+#   * the ladder, each rung only as far as needed: reduce old messages, oldest first (a tool result to a
+#     placeholder, reasoning to a marker, images to a description, a long text to its head and tail); drop
+#     the oldest whole units; reduce the protected tail (the newest ``keep_last`` messages, given up when they
+#     alone do not fit, and never allowed more than half the room when history could use it);
+#   * the newest request (the newest turn's opening user messages) is never reduced or dropped;
+#   * the cut never moves back as a history grows: it is the furthest cut any prefix of the history needed
+#     (a prefix where nothing can fit needs none). In stable mode (``target_ratio`` < 1) the previous request
+#     is kept, grown by the new messages, until it overflows; then it is planned again down to
+#     ``target_ratio`` of the budget (:class:`StableReplay`).
+
+MIN_SAVING = 20  # a reduction that saves fewer tokens is not made: it loses content and buys nothing
+FILL_TRIES = 8  # longer elisions tried when giving back the room a plan leaves
+ZONE_LEVELS = 1 + len(ELISION_LEVELS) + 1  # the protected tail's reductions: reasoning, elisions, clearing
+ESTIMATED_MARKER = 12  # tokens allowed for a marker or a placeholder's words (stable mode's estimates)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Where a history may be cut, from its roles and tool-call pairing alone (pairing is by adjacency)."""
+
+    lead: int  # leading system/developer messages: always kept
+    units: tuple[tuple[int, int], ...]  # the atomic units ``[start, end)``: a tool call with the results after it
+    unit_starts: tuple[int, ...]
+    turn_of: tuple[int, ...]  # per message: the start of its turn (-1 before the first user message)
+    opening_end: Mapping[int, int]  # per turn start: the end of the turn's opening run of user messages
+    candidates: tuple[int, ...]  # where the kept history may begin, oldest first (``lead``: keep it all)
+    names: Mapping[int, str]  # per tool result: the name of the call it answers
+    start_on_user: bool
+
+
+def history_shape(messages: Sequence[Mapping[str, Any]], start_on_user: bool = True) -> Shape:
+    """The :class:`Shape` of a validated history. A turn starts at a user message that does not follow
+    another one; its opening run is that message and the user messages right after it."""
+    lead, n = _leading_system(messages), len(messages)
+    units = group_units(messages)
+    names: dict[int, str] = {}
+    for start, end in units:
+        head = messages[start]
+        calls = {c["id"]: c["function"]["name"] for c in head.get("tool_calls") or []}
+        fallback = (head.get("function_call") or {}).get("name", "tool")
+        for j in range(start, end):
+            if messages[j]["role"] in RESULT_ROLES:
+                names[j] = calls.get(messages[j].get("tool_call_id"), messages[j].get("name") or fallback)
+    turn_of, opening_end, current = [-1] * n, {}, -1
+    for i in range(lead, n):
+        if messages[i]["role"] == "user" and (i == lead or messages[i - 1]["role"] != "user"):
+            current, end = i, i
+            while end < n and messages[end]["role"] == "user":
+                end += 1
+            opening_end[i] = end
+        turn_of[i] = current
+    has_user = bool(opening_end)
+    candidates = [lead] + [
+        s
+        for s, _ in units
+        if s > lead
+        and messages[s]["role"] not in RESULT_ROLES  # an orphan result cannot open the kept history
+        and not (turn_of[s] >= 0 and turn_of[s] < s < opening_end[turn_of[s]])  # not inside an opening run
+        and not (start_on_user and has_user and turn_of[s] < 0)  # not before the first user message
+    ]
+    starts = tuple(s for s, _ in units)
+    return Shape(lead, tuple(units), starts, tuple(turn_of), opening_end, tuple(candidates), names, start_on_user)
+
+
+def least_form(message: Mapping[str, Any], tool: str, light: bool = False) -> dict[str, Any] | None:
+    """The smallest form of an old message, or None when it has none: a tool result cleared to a placeholder;
+    otherwise reasoning replaced by a marker, images by a description of them and (unless ``light``) a long
+    text by its head and tail. Depends only on the message, so the same old message is reduced to the same
+    bytes every time. The light form loses what matters least (tool output, reasoning, pixels) and goes first."""
+    if message["role"] in RESULT_ROLES:
+        return cleared_result(message, tool)
+    out = dict(message)
+    if message["role"] == "assistant" and any(isinstance(message.get(k), str) and message[k] for k in REASONING_KEYS):
+        out = without_reasoning(out)
+    text, images = text_and_images(message.get("content"))
+    shorter = _elide(text, *LEAST_TEXT) if len(text) > 2 * sum(LEAST_TEXT) and not light else None
+    if shorter is not None or images:
+        out = with_text(out, shorter or text, images)
+    return out if out != message else None
+
+
+def zone_form(message: Mapping[str, Any], tool: str, level: int) -> dict[str, Any] | None:
+    """A protected message reduced at ``level``: 0 drops reasoning, 1-5 also elide a tool result from gentle to
+    strong, 6 clears it. None when the level changes nothing. Depends only on the message and the level."""
+    if message["role"] == "assistant":
+        return without_reasoning(message) if any(message.get(k) for k in REASONING_KEYS) else None
+    if message["role"] not in RESULT_ROLES or level == 0:
+        return None
+    if level > len(ELISION_LEVELS):
+        return cleared_result(message, tool)
+    return elided_result(message, level - 1)
+
+
+class Sizes:
+    """Token sizes of a history's messages, as they are and reduced. Reduced forms are built lazily and only
+    for the messages a plan looks at, which on a long history are the newest few hundred of thousands."""
+
+    def __init__(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tokenizer: Tokenizer,
+        shape: Shape,
+        reduce: bool,
+        full: Sequence[int] | None = None,
+    ) -> None:
+        self.messages, self.tokenizer, self.shape, self.reduce = messages, tokenizer, shape, reduce
+        self.full = list(full) if full is not None else count_messages(messages, tokenizer)[0]
+        self.prefix = list(itertools.accumulate(self.full, initial=0))
+        self.n = len(self.full)
+        self._least: dict[tuple[int, bool], tuple[dict[str, Any] | None, int]] = {}
+        self._zone: dict[tuple[int, int], tuple[dict[str, Any] | None, int]] = {}
+        self._tail = [0]  # _tail[j] = least sizes of the newest j messages, summed
+        self._estimates: dict[tuple[int, Any], int] = {}
+        self._estimated: dict[Any, list[int]] = {}  # running sums of estimates, per reduction
+
+    def size(self, message: Mapping[str, Any]) -> int:
+        return count_messages([message], self.tokenizer)[0][0]
+
+    def _form(self, i: int, form: dict[str, Any] | None, saving: int) -> tuple[dict[str, Any] | None, int]:
+        size = self.size(form) if form is not None else self.full[i]
+        return (form, size) if self.full[i] - size >= saving else (None, self.full[i])
+
+    def least(self, i: int, light: bool = False) -> tuple[dict[str, Any] | None, int]:
+        """Message ``i``'s least (or light) form (None: kept as it is) and its size."""
+        if (i, light) not in self._least:
+            tool = self.shape.names.get(i, "tool")
+            form = least_form(self.messages[i], tool, light) if self.reduce else None
+            self._least[i, light] = self._form(i, form, MIN_SAVING)
+        return self._least[i, light]
+
+    def zone(self, i: int, level: int) -> tuple[dict[str, Any] | None, int]:
+        """Message ``i`` reduced at a protected-tail ``level`` (see :func:`zone_form`) and its size."""
+        if level == ZONE_LEVELS - 1 and self.messages[i]["role"] in RESULT_ROLES and self.least(i)[0] is not None:
+            return self.least(i)  # the same placeholder
+        if (i, level) not in self._zone:
+            form = zone_form(self.messages[i], self.shape.names.get(i, "tool"), level) if self.reduce else None
+            self._zone[i, level] = self._form(i, form, 1)
+        return self._zone[i, level]
+
+    def full_sum(self, a: int, b: int) -> int:
+        return self.prefix[b] - self.prefix[a] if b > a else 0
+
+    def least_sum(self, a: int, b: int) -> int:
+        """The least sizes of messages ``a`` to ``b - 1``, summed (built from the newest message back)."""
+        return self._summed(self._tail, lambda i: self.least(i)[1], a, b)
+
+    def zone_sum(self, a: int, b: int, level: int) -> int:
+        """The sizes of messages ``a`` to ``b - 1`` reduced at a protected-tail ``level``, summed (exactly)."""
+        return sum(self.zone(i, level)[1] for i in range(a, b))
+
+    def estimate(self, i: int, how: Any) -> int:
+        """Message ``i``'s size reduced by ``how`` ("light", "least" or a protected-tail level), from the counts of its
+        parts (in the tokenizer's cache already), the kept share of its text at the text's own density (plus a
+        margin) and allowances for placeholders and markers: never less than the exact size, as a rule."""
+        if (i, how) not in self._estimates:
+            self._estimates[i, how] = self._estimate(i, how)
+        return self._estimates[i, how]
+
+    def estimate_sum(self, a: int, b: int, how: Any) -> int:
+        """The estimated sizes of messages ``a`` to ``b - 1`` reduced by ``how``, summed."""
+        return self._summed(self._estimated.setdefault(how, [0]), lambda i: self.estimate(i, how), a, b)
+
+    def _estimate(self, i: int, how: Any) -> int:
+        m, full, count = self.messages[i], self.full[i], self.tokenizer.count
+        if not self.reduce:
+            return full
+        text, images = text_and_images(m.get("content"))
+
+        def kept(chars: int) -> int:  # a head and tail of ``chars`` characters, and the elision marker
+            return math.ceil(count(text) * chars / max(1, len(text)) * 1.15) + ESTIMATED_MARKER
+
+        images_saved = (
+            sum(image_tokens(p) - ESTIMATED_MARKER for p in m["content"] if p.get("type") in IMAGE_PART_TYPES)
+            if images
+            else 0
+        )
+        if how == "plain":  # reasoning replaced, images described, the text whole: the most a fill gives back
+            saved = images_saved + sum(
+                count(m[k]) - ESTIMATED_MARKER for k in REASONING_KEYS if isinstance(m.get(k), str) and m[k]
+            )
+        elif m["role"] in RESULT_ROLES:
+            content = _content_tokens(m.get("content"), count)
+            if how in ("least", "light", ZONE_LEVELS - 1):
+                saved = content - ESTIMATED_MARKER - count(self.shape.names.get(i, "tool")) - 16
+            elif how and len(text) > 2 * sum(ELISION_LEVELS[how - 1]):
+                saved = content - kept(sum(ELISION_LEVELS[how - 1]))
+            else:
+                saved = 0
+        else:
+            saved = sum(count(m[k]) - ESTIMATED_MARKER for k in REASONING_KEYS if isinstance(m.get(k), str) and m[k])
+            if how == "least" and len(text) > 2 * sum(LEAST_TEXT):
+                saved += count(text) - kept(sum(LEAST_TEXT))
+            if how in ("least", "light"):
+                saved += images_saved
+        scaled = math.ceil(max(0, saved) * self.tokenizer.scale)
+        return full - scaled if scaled >= MIN_SAVING else full
+
+    def _summed(self, tail: list[int], size: Callable[[int], int], a: int, b: int) -> int:
+        """``size(a) + ... + size(b - 1)`` from ``tail``, the running sums from the newest message back, which is
+        extended only as far back as ``a``."""
+        if b <= a:
+            return 0
+        while len(tail) <= self.n - a:
+            tail.append(tail[-1] + size(self.n - len(tail)))
+        return tail[self.n - a] - tail[self.n - b]
+
+
+@dataclasses.dataclass(frozen=True)
+class CutPlan:
+    """Where one shrink cuts and what it reduces (indices into the history)."""
+
+    cut: int  # the kept history starts here (after the leading system messages and the pins)
+    pins: range  # the opening user messages kept ahead of a cut inside their turn
+    zone: int  # the protected tail starts here
+    forms: dict[int, tuple[dict[str, Any], int]]  # the reduced messages: index -> (reduced message, its size)
+
+
+class CutPlanner:
+    """Plans the shrink of one history to ``budget`` tokens by the rule at the top of this part. Pure: it reads
+    the history's shape and sizes and answers questions about prefixes of it (``k`` is a prefix's length).
+
+    The cut is the maximum, over every prefix, of the first candidate from which that prefix fits with its old
+    messages reduced; only prefixes longer than the answer can raise it, and costs are evaluated from the
+    newest message back, so a long history costs little more than its newest part.
+    """
+
+    def __init__(self, shape: Shape, sizes: Sizes, fixed: int, budget: int, keep_last: int) -> None:
+        self.shape, self.sizes, self.fixed, self.budget, self.keep_last = shape, sizes, fixed, budget, keep_last
+        self.n, self.candidates = sizes.n, list(shape.candidates)
+        self._protected: dict[int, tuple[int, int, int | None]] = {}
+
+    def last(self, k: int) -> int:
+        """The newest candidate of prefix ``k``: the cut can go no further."""
+        return self.candidates[bisect.bisect_left(self.candidates, k) - 1]
+
+    def pins(self, c: int, k: int) -> range:
+        """The opening user messages kept ahead of cut ``c`` at prefix ``k`` (none at a turn start). Without
+        ``start_on_user`` only the newest turn's are kept."""
+        t = self.shape.turn_of[c] if c < self.n else -1
+        if t < 0 or t >= c or (not self.shape.start_on_user and t != self.shape.turn_of[k - 1]):
+            return range(0)
+        return range(t, self.shape.opening_end[t])
+
+    def request(self, k: int) -> range:
+        """The newest turn's opening user messages at prefix ``k``: never reduced."""
+        t = self.shape.turn_of[k - 1]
+        return range(t, min(k, self.shape.opening_end[t])) if t >= 0 else range(0)
+
+    def least_sum(self, a: int, b: int, k: int) -> int:
+        """Messages ``a`` to ``b - 1`` at prefix ``k``, reduced (the newest request as it is)."""
+        fix = sum(self.sizes.full[i] - self.sizes.least(i)[1] for i in self.request(k) if a <= i < b)
+        return self.sizes.least_sum(a, b) + fix
+
+    def pin_size(self, c: int, k: int, reduced: bool = True) -> int:
+        """The size of cut ``c``'s pins at prefix ``k``; an older turn's are old messages, counted reduced."""
+        pins = self.pins(c, k)
+        if not reduced or pins == self.request(k):
+            return self.sizes.full_sum(pins.start, pins.stop)
+        return sum(self.sizes.least(i)[1] for i in pins)
+
+    def protected(self, k: int) -> tuple[int, int, int | None]:
+        """``(start, counted, level)`` of the protected tail at prefix ``k``: the newest ``keep_last`` messages
+        (whole units, at least the newest unit), given up from the oldest while they do not fit the budget by
+        themselves. ``counted`` is what the cut allows for them: their size, or when that is over half the room
+        left by the leading messages, their size at the gentlest reduction ``level`` that is not (else the
+        smallest; None: as they are). A large newest result is then elided rather than made the reason to drop,
+        for good, history that a later request would want back."""
+        if k in self._protected:
+            return self._protected[k]
+        last, lead = self.last(k), self.shape.lead
+        keep = min(self.candidates[bisect.bisect_right(self.candidates, max(lead, k - self.keep_last)) - 1], last)
+        room = self.budget - self.fixed
+        lo, hi = bisect.bisect_left(self.candidates, keep), bisect.bisect_left(self.candidates, last)
+        while lo < hi:  # the first candidate from the keep_last boundary on whose tail fits as it is
+            mid = (lo + hi) // 2
+            if self.pin_size(self.candidates[mid], k) + self.sizes.full_sum(self.candidates[mid], k) <= room:
+                hi = mid
+            else:
+                lo = mid + 1
+        start = self.candidates[lo]
+        counted, level = self.sizes.full_sum(start, k), None
+        half = (room - self.pin_size(last, k)) // 2
+        if counted > half:  # the gentlest level that fits in half the room, else the strongest (estimated)
+            sizes = self.sizes
+            level = next(
+                (lv for lv in range(ZONE_LEVELS - 1) if sizes.estimate_sum(start, k, lv) <= half), ZONE_LEVELS - 1
+            )
+            counted = sizes.estimate_sum(start, k, level)
+        self._protected[k] = (start, counted, level)
+        return start, counted, level
+
+    def cost(self, c: int, k: int) -> int:
+        """The request's size at prefix ``k`` with the cut at ``c``, every old message reduced and the protected
+        tail as :meth:`protected` counts it (from the cut on, when the cut is inside it)."""
+        start, counted, level = self.protected(k)
+        if c > start:
+            counted = self.sizes.full_sum(c, k) if level is None else self.sizes.estimate_sum(c, k, level)
+        return self.fixed + self.pin_size(c, k) + self.least_sum(c, max(c, start), k) + counted
+
+    def feasible(self, k: int) -> bool:
+        """Whether anything can fit at prefix ``k``: the leading messages, the newest request and the newest unit
+        fully reduced. A prefix where nothing can moves no cut (dropping history cannot make it fit)."""
+        last = self.last(k)
+        return self.fixed + self.pin_size(last, k) + self.sizes.zone_sum(last, k, ZONE_LEVELS - 1) <= self.budget
+
+    def fits(self, c: int, k: int) -> bool:
+        return self.cost(c, k) <= self.budget
+
+    def raw(self, k: int) -> int:
+        """The first candidate from which prefix ``k`` fits (the newest when none does), scanning from the newest
+        back: costs only grow as the cut moves back, and only the newest messages' sizes are looked at."""
+        j = bisect.bisect_left(self.candidates, k)
+        while j > 1 and self.fits(self.candidates[j - 2], k):
+            j -= 1
+        return self.candidates[j - 1]
+
+    def raised(self, k: int, cut: int) -> int | None:
+        """:meth:`raw` at prefix ``k`` when it is later than ``cut``, else None (looks only forward of ``cut``)."""
+        if cut >= self.last(k) or self.fits(cut, k):
+            return None
+        j = bisect.bisect_right(self.candidates, cut)
+        while self.candidates[j] < self.last(k) and not self.fits(self.candidates[j], k):
+            j += 1
+        return self.candidates[j]
+
+    def cut(self) -> int:
+        """The furthest raw cut of every prefix where something can fit."""
+        cut = self.raw(self.n) if self.feasible(self.n) else self.shape.lead
+        for k in range(cut + 1, self.n):  # a prefix no longer than the cut cannot need a later one
+            if self.feasible(k) and (later := self.raised(k, cut)) is not None:
+                cut = later
+        return cut
+
+    def plan(self) -> CutPlan:
+        """The default mode's request: the cut; old messages reduced oldest first as far as needed (an older
+        turn's pins after them; light forms before long texts); the protected tail reduced at the gentlest level
+        that fits; then the room left given back (whole where a message fits again, else a longer elision)."""
+        cut, n, sizes = self.cut(), self.n, self.sizes
+        start, pins = max(cut, self.protected(n)[0]), self.pins(cut, n)
+        forms: dict[int, tuple[dict[str, Any], int]] = {}
+        total = self.fixed + self.pin_size(cut, n, reduced=False) + sizes.full_sum(cut, n)
+        order = [i for i in range(cut, start) if i not in self.request(n)]
+        order += pins if pins != self.request(n) else []
+        for light in (True, False):  # tool output, reasoning and images first, then long texts; oldest first
+            for i in order:
+                form, size = sizes.least(i, light)
+                now = forms[i][1] if i in forms else sizes.full[i]
+                if total > self.budget and form is not None and size < now:
+                    forms[i], total = (form, size), total - now + size
+        if total > self.budget and start < n:
+            tail = sizes.full_sum(start, n)
+            level = next(
+                (lv for lv in range(ZONE_LEVELS) if total - tail + self.sizes.zone_sum(start, n, lv) <= self.budget),
+                ZONE_LEVELS - 1,
+            )
+            for i in range(start, n):
+                form, size = sizes.zone(i, level)
+                if form is not None:
+                    forms[i], total = (form, size), total - sizes.full[i] + size
+        if total < self.budget:  # the newest first
+            give_back(sizes, forms, self.budget - total, [*range(n - 1, cut - 1, -1), *reversed(pins)])
+        return CutPlan(cut, pins, start, forms)
+
+
+def give_back(sizes: Sizes, forms: dict[int, tuple[dict[str, Any], int]], room: int, order: Sequence[int]) -> None:
+    """Give ``room`` tokens back to reduced messages, in ``order``: whole where they fit again, else (up to
+    :data:`FILL_TRIES` of them) as a longer elision that fills the room. Changes ``forms`` in place."""
+    tries = FILL_TRIES
+    for i in order:
+        if room < MIN_SAVING or tries == 0:
+            return
+        if i not in forms:
+            continue
+        reduced = forms[i][1]
+        if sizes.full[i] <= reduced + room:  # it fits whole again
+            del forms[i]
+            room -= sizes.full[i] - reduced
+            continue
+        tries -= 1
+        longer = elided_to(sizes.messages[i], reduced + room, sizes.size)
+        size = sizes.size(longer) if longer is not None else 0
+        if reduced < size <= reduced + room:
+            forms[i], room = (longer, size), room - size + reduced
+
+
+class StableReplay:
+    """Stable mode (``target_ratio`` < 1): the request sent for the previous prefix of the history, grown by the
+    new messages, is kept as it is while it fits; when it no longer does, it is planned again by the same
+    ladder down to ``target`` tokens, so the next steps of growth fit again and the bytes of a request change
+    about once per ``budget - target`` tokens of growth. Nothing is stored between calls: the earlier requests
+    are replayed from the history itself, on size estimates that never understate a reduced form (building
+    every reduced form of a long history costs more than all the rest); only the final request is built and
+    counted exactly. The cut and the reduced part only move forward between replans.
+    """
+
+    def __init__(self, planner: CutPlanner, target: int, floor: int | None = None) -> None:
+        self.planner, self.target = planner, target
+        self.floor = planner.budget // 2 if floor is None else floor  # a replan stops short of leaving less
+        self.sizes, self.full = planner.sizes, planner.sizes.full
+        self.cut = planner.shape.lead
+        self.old = {True: self.cut, False: self.cut}  # light (True) / least: old messages looked at so far
+        self.skipped: dict[bool, set[int]] = {True: set(), False: set()}  # passed while they were the request
+        self.reduced: dict[
+            int, tuple[Any, int]
+        ] = {}  # index -> (how: "light", "least", a level or ("tokens", n), size)
+        self.total = planner.fixed
+
+    def size(self, i: int) -> int:
+        return self.reduced[i][1] if i in self.reduced else self.full[i]
+
+    def reduce(self, i: int, how: Any) -> None:
+        """Reduce message ``i`` by ``how`` when that makes it smaller than it is now."""
+        smaller = self.sizes.estimate(i, how)
+        if smaller < self.size(i):
+            self.total -= self.size(i) - smaller
+            self.reduced[i] = (how, smaller)
+
+    def run(self) -> CutPlan:
+        """Replay the request of every prefix of the history; the last one is the answer, built exactly."""
+        for k in range(self.cut + 1, self.planner.n + 1):
+            self.total += self.full[k - 1]
+            if self.total > self.planner.budget:
+                self.replan(k)
+        return self.final()
+
+    def replan(self, k: int) -> None:
+        """Plan the request at prefix ``k`` again, down to the target: old messages reduced oldest first (an
+        older turn's pins after them), the protected tail reduced if it takes over half the room, the oldest
+        units dropped, the newest reduced, and room left beyond the target given back. A prefix where nothing
+        can fit moves no cut: it is reduced as far as it goes."""
+        pl = self.planner
+        feasible = pl.feasible(k)
+        goal = self.target if feasible else pl.budget
+        start, _, level = pl.protected(k)
+        request = pl.request(k)
+        pins = pl.pins(self.cut, k)
+        for light in (True, False):  # tool output, reasoning and images first, then long texts; oldest first
+            how = "light" if light else "least"
+            for i in sorted(self.skipped[light] - set(request)) if self.total > goal else ():
+                self.skipped[light].discard(i)
+                if i >= self.cut:
+                    self.reduce(i, how)
+            while self.total > goal and self.old[light] < start:
+                if self.old[light] in request:
+                    self.skipped[light].add(self.old[light])
+                elif self.old[light] >= self.cut:
+                    self.reduce(self.old[light], how)
+                self.old[light] += 1
+            for i in pins if self.total > goal and pins != request else ():
+                self.reduce(i, how)
+        for i in range(max(start, self.cut), k) if self.total > goal and level is not None else ():
+            self.reduce(i, level)
+        while self.total > goal and feasible and self.cut < pl.last(k):
+            cut = pl.candidates[bisect.bisect_right(pl.candidates, self.cut)]
+            if self.total <= pl.budget and self.total - self.dropping(cut, k) < self.floor:
+                break  # it fits; dropping one more unit would leave less than the floor (half the budget) used
+            self.drop_to(cut, k)
+        for lv in range(ZONE_LEVELS):  # the newest last, at the gentlest level that reaches the goal
+            for i in range(max(start, self.cut), k) if self.total > goal else ():
+                self.reduce(i, lv)
+        if feasible and self.total < self.target:
+            self.give_back(self.target - self.total, k)
+        if feasible and self.total < self.floor:  # using half the budget comes before leaving slack
+            self.give_back(pl.budget - self.total, k)
+
+    def leaving(self, cut: int, k: int) -> list[int]:
+        """The messages that go when the cut moves to ``cut``: the units before it, except its pins."""
+        keep = set(self.planner.pins(cut, k))
+        return [i for i in [*self.planner.pins(self.cut, k), *range(self.cut, cut)] if i not in keep]
+
+    def dropping(self, cut: int, k: int) -> int:
+        return sum(self.size(i) for i in self.leaving(cut, k))
+
+    def drop_to(self, cut: int, k: int) -> None:
+        for i in self.leaving(cut, k):
+            self.total -= self.size(i)
+            self.reduced.pop(i, None)
+        self.cut = cut
+        self.old = {light: max(looked, cut) for light, looked in self.old.items()}
+
+    def give_back(self, room: int, k: int) -> None:
+        """Restore reduced messages, newest first: whole while they fit, then one as a longer elision."""
+        kept = {*self.planner.pins(self.cut, k), *range(self.cut, k)}
+        for i in sorted((i for i in self.reduced if i in kept), reverse=True):
+            if room < MIN_SAVING:
+                return
+            reduced = self.reduced[i][1]
+            if self.full[i] - reduced <= room:
+                del self.reduced[i]
+                self.total, room = self.total + self.full[i] - reduced, room - self.full[i] + reduced
+                continue
+            size = min(self.sizes.estimate(i, "plain"), reduced + room)  # a longer elision, at most the plain form
+            if size - reduced >= MIN_SAVING and not isinstance(self.reduced[i][0], tuple):
+                self.reduced[i] = (("tokens", size), size)
+                self.total, room = self.total + size - reduced, room - size + reduced
+
+    def final(self) -> CutPlan:
+        """The final request built and counted exactly. In the rare case that the estimates fell short, old
+        messages are reduced further, oldest first; where they were so generous that less than half the budget
+        is used, reduced messages are given back up to the target."""
+        pl, sizes, n = self.planner, self.sizes, self.planner.n
+        forms: dict[int, tuple[dict[str, Any], int]] = {}
+        for i, (how, _) in self.reduced.items():
+            if isinstance(how, tuple):
+                longer = elided_to(sizes.messages[i], how[1], sizes.size)
+                form, size = (longer, sizes.size(longer)) if longer is not None else sizes.least(i)
+            else:
+                form, size = sizes.least(i, how == "light") if how in ("least", "light") else sizes.zone(i, how)
+            if form is not None:
+                forms[i] = (form, size)
+        pins, request = pl.pins(self.cut, n), pl.request(n)
+        indices = [*pins, *range(self.cut, n)]
+
+        def now(i: int) -> int:
+            return forms[i][1] if i in forms else self.full[i]
+
+        total = pl.fixed + sum(now(i) for i in indices)
+        for i in indices:
+            form, size = sizes.least(i)
+            if total > pl.budget and form is not None and i not in request and size < now(i):
+                total -= now(i) - size
+                forms[i] = (form, size)
+        if total < self.floor and pl.feasible(n):  # the estimates were generous: back up to the target
+            give_back(sizes, forms, self.target - total, indices[::-1])
+        return CutPlan(self.cut, pins, max(self.cut, pl.protected(n)[0]), forms)
+
+
+def change_kind(original: Mapping[str, Any], reduced: Mapping[str, Any]) -> str:
+    """What a reduction did to a message (its marker says so too): ``cleared`` (a tool result's placeholder),
+    ``elided`` (a head and tail kept), ``image`` (images described) or ``reasoning`` (reasoning replaced)."""
+    content = str(reduced.get("content"))
+    if content == str(original.get("content")):
+        return "reasoning"
+    if content.startswith("[tool result cleared:"):
+        return "cleared"
+    return "elided" if "tokens elided …]" in content else "image"
+
+
 TRIM_STRATEGIES = ("auto", "drop")
+LIGHT_CHANGES = ("cleared", "reasoning", "image", "diet")  # what losing costs least: tool output, reasoning, pixels
+TIERS = (
+    ("clear_tool_results", "cleared"),
+    ("drop_reasoning", "reasoning"),
+    ("remove_images", "image"),
+    ("drop_turns", "dropped"),
+    ("elide", "elided"),
+)  # the ladder's rungs as the report names them; fmt: skip
+
+
+def plan_trim(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    budget: int,
+    fixed: int,
+    keep_last: int,
+    *,
+    start_on_user: bool = True,
+    reduce: bool = True,
+    target_ratio: float = 1.0,
+) -> tuple[CutPlan, Sizes]:
+    """The plan that makes ``messages`` (validated) fit ``budget`` with ``fixed`` tokens already taken (leading
+    messages excepted): unchanged when they fit, else by :class:`CutPlanner` or :class:`StableReplay`."""
+    shape = history_shape(messages, start_on_user)
+    sizes = Sizes(messages, tokenizer, shape, reduce)
+    fixed += sizes.prefix[shape.lead]
+    if fixed + sizes.full_sum(shape.lead, sizes.n) <= budget or sizes.n == shape.lead:
+        return CutPlan(shape.lead, range(0), sizes.n, {}), sizes
+    planner = CutPlanner(shape, sizes, fixed, budget, keep_last)
+    if target_ratio < 1:
+        return StableReplay(planner, int(target_ratio * budget)).run(), sizes
+    return planner.plan(), sizes
 
 
 def trim_messages(
@@ -1222,23 +1826,16 @@ def trim_messages(
     diet_tool_results: bool = False,
     target_ratio: float = 1.0,
 ) -> dict[str, Any]:
-    """Make the history fit by tiers, cheapest first, never splitting a tool call from its results.
+    """Make the history fit by the rule of the cut planner: reduce old messages (tool results to placeholders,
+    reasoning to markers, long texts to a head and tail), then drop the oldest whole units, then reduce the
+    newest only as far as needed; never split a tool call from its results, never touch the newest request.
 
-    1. clear old tool results (placeholders keep the tool name and size), as few and as old as needed;
-    2. drop whole oldest turns, as few as needed (combined with 1 inside what is kept); when a whole
-       turn had to go, its user message and its newest units that fit are kept instead;
-    3. when the newest turn alone is too big, drop the reasoning text of past assistant messages and
-       elide the middle of its largest tool results, in gentle steps.
-    ``strategy="drop"`` runs tier 2 only. With ``target_ratio`` below 1 the cut is stable across turns
-    (cache-friendly): it is chosen on a grid of ``(1 - target_ratio) x budget`` tokens counted from the
-    start, so it moves only when the kept part outgrows the budget, and then leaves it about
-    ``target_ratio`` full; old results are cleared all at once rather than one more each turn; and when
-    the newest turn alone is too big (a long agent loop), its user message is kept and its oldest steps
-    are dropped at grid points before tier 3.
-    Leading system messages, the newest user message and the
-    newest ``keep_last`` messages (whole units) are kept; with ``start_on_user`` the kept history
-    starts on a user message. Kept messages are the input's own objects unless a tier replaced their
-    content. ``fits`` is re-counted; one linear pass plus the elision of a few messages.
+    Leading system messages are kept, and so are the opening user message(s) of the turn the cut falls in.
+    The newest ``keep_last`` messages are reduced last and give way when they alone do not fit.
+    ``strategy="drop"`` only drops units. With ``target_ratio`` below 1 the result is cache-friendly: the
+    previous request (replayed from the history) is kept and grown while it fits, and planned again to
+    ``target_ratio`` of the budget when it does not. Kept messages are the input's own objects unless reduced
+    (``changes`` lists every reduced index and how); ``fits`` is re-counted; the work is linear in the history.
     """
     messages = validate_messages(messages)
     _check_int("keep_last", keep_last, 0, 1_000_000)
@@ -1247,178 +1844,64 @@ def trim_messages(
     budget = _budget(max_context_tokens, reserve_tokens)
     if isinstance(target_ratio, bool) or not isinstance(target_ratio, int | float) or not 0 < target_ratio <= 1:
         raise ContextShrinkError(f"target_ratio must be a number above 0 and at most 1, got {target_ratio!r}")
-    stable = target_ratio < 1
-    step = int((1 - target_ratio) * budget) if stable else 0
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
-    diet, before = None, None
+    original, diet = messages, None
     if diet_tool_results:  # before anything is dropped: remove only redundant lines, verbatim
-        before = count_messages(messages, tokenizer)[1]
         messages, diet = diet_results(messages, tokenizer)
-    counts, total = count_messages(messages, tokenizer)
-    before = total if before is None else before
-    n = len(messages)
-    lead, starts, protected = _cut_points(messages, keep_last, start_on_user)
-    fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens
-    suffix = list(itertools.accumulate(reversed(counts), initial=0))[::-1]  # suffix[i] = sum(counts[i:])
-    starts = stable_grid(starts, lambda c: suffix[lead] - suffix[c], step)
-    users = [i for i in range(lead, n) if messages[i]["role"] == "user"]
-    shield = min(protected, users[-1]) if users else protected  # the newest turn and keep_last: never cleared
-    names = tool_names(messages)
-
-    # Tier 1 candidates: what clearing each old tool result would save. With stable cuts only results
-    # before a grid point are cleared, so the cleared region also grows rarely and in big steps.
-    if stable:
-        units = [u for u, _ in group_units(messages) if lead < u <= shield]
-        shield = max(stable_grid(units, lambda u: suffix[lead] - suffix[u], step), default=lead)
-    replaced: dict[int, dict[str, Any]] = {}
-    saving = [0] * (n + 1)
-    if strategy == "auto" and total + tools_tokens > budget:
-        for i in range(lead, shield):
-            if messages[i]["role"] in RESULT_ROLES:
-                tool = names.get(messages[i].get("tool_call_id", ""), messages[i].get("name", "tool"))
-                placeholder = cleared_result(messages[i], tool)
-                saved = counts[i] - count_messages([placeholder], tokenizer)[0][0]
-                if saved >= 20:  # clearing a short result buys nothing and loses it
-                    replaced[i], saving[i] = placeholder, saved
-    clearable = list(itertools.accumulate(reversed(saving), initial=0))[::-1]  # clearable[i] = sum(saving[i:])
-
-    # Tier 2: the earliest cut (fewest dropped) that fits, clearing old results inside it if needed.
-    cut = next((s for s in starts if fixed + suffix[s] - clearable[s] <= budget), starts[-1])
-    # Budget use: when a whole turn had to go, keep that turn's user message and its newest units
-    # that still fit (dropping its oldest units), instead of leaving the room empty.
-    pinned, resume = None, cut
-    if strategy == "auto" and not stable and cut > lead and fixed + suffix[cut] - clearable[cut] <= budget:
-        previous = starts[starts.index(cut) - 1]
-        if messages[previous]["role"] == "user":
-            room = budget - fixed - counts[previous]
-            resume = next(
-                (u for u, _ in group_units(messages) if previous < u < cut and suffix[u] - clearable[u] <= room), cut
-            )
-            if resume < cut:
-                pinned, cut = previous, resume
-    fixed += counts[pinned] if pinned is not None else 0
-    over = fixed + suffix[cut] - budget
-    cleared = []
-    for i in range(cut, shield):
-        if over <= 0 and not (stable and cleared):  # stable cuts clear all old results at once
-            break
-        if i in replaced:
-            cleared.append(i)
-            over -= saving[i]
-    current = {i: replaced[i] for i in cleared}
-    sizes = {i: counts[i] - saving[i] for i in cleared}
-    after = fixed + suffix[cut] - sum(saving[i] for i in cleared)
-    # Stable cuts inside the newest turn (a long agent loop): keep its user message and drop its oldest
-    # steps at grid points, so the cut moves rarely here too, before anything budget-dependent runs.
-    if strategy == "auto" and stable and after > budget and pinned is None and users and cut == users[-1]:
-        inner = [s for s, _ in group_units(messages) if cut < s <= protected]
-        grid = stable_grid(inner, lambda s: suffix[lead] - suffix[s], step)
-        room = budget - fixed - counts[cut]  # for the steps kept after the user message
-        closest = next((s for s in inner if suffix[s] <= room), inner[-1] if inner else cut)
-        resume = next((s for s in grid if suffix[s] <= room), closest)
-        if resume > cut + 1:
-            pinned, cut = cut, resume
-            fixed += counts[pinned]
-            after = fixed + suffix[cut]
-    tiers = []
-    if cleared:
-        tiers.append(
-            {"tier": "clear_tool_results", "messages": len(cleared), "tokens": sum(saving[i] for i in cleared)}
-        )
-    dropped = cut - lead - (pinned is not None)
-    if dropped:
-        kept_tokens = suffix[cut] + (counts[pinned] if pinned is not None else 0)
-        tiers.append({"tier": "drop_turns", "messages": dropped, "tokens": suffix[lead] - kept_tokens})
-
-    # Reasoning text of past assistant turns (most servers drop it from the prompt anyway), oldest first.
-    if strategy == "auto" and after > budget:
-        thoughts = [i for i in range(cut, n - 1) if any(isinstance(messages[i].get(k), str) for k in REASONING_KEYS)]
-        dropped_reasoning = 0
-        for i in thoughts:
-            if after <= budget:
-                break
-            base = current.get(i, messages[i])
-            lighter = {k: v for k, v in base.items() if k not in REASONING_KEYS}
-            size = count_messages([lighter], tokenizer)[0][0]
-            after -= sizes.get(i, counts[i]) - size
-            dropped_reasoning += sizes.get(i, counts[i]) - size
-            current[i], sizes[i] = lighter, size
-        if dropped_reasoning:
-            tiers.append(
-                {
-                    "tier": "drop_reasoning",
-                    "messages": len([i for i in thoughts if i in current]),
-                    "tokens": dropped_reasoning,
-                }
-            )
-
-    # Tier 3: elide the middle of tool results that must stay, one gentle step at a time: largest saving
-    # first, and the smallest step that is enough at the end, so little of the budget is left unused.
-    if strategy == "auto" and after > budget:
-        levels: dict[int, int] = {}
-        elided: dict[int, int] = {}
-        step_cache: dict[tuple[int, int], tuple[dict[str, Any], int] | None] = {}
-
-        def next_step(i: int) -> tuple[int, dict[str, Any], int] | None:
-            level = levels.get(i, -1) + 1
-            if level >= len(ELISION_LEVELS):
-                return None
-            if (i, level) not in step_cache:
-                shorter = elided_result(messages[i], level)
-                step_cache[i, level] = (
-                    None if shorter is None else (shorter, count_messages([shorter], tokenizer)[0][0])
-                )
-            found = step_cache[i, level]
-            if found is None:
-                levels[i] = level  # too short for this level: try the next one
-                return next_step(i)
-            return sizes.get(i, counts[i]) - found[1], found[0], found[1]
-
-        candidates = [i for i in range(max(cut, shield), n) if messages[i]["role"] in RESULT_ROLES]
-        while after > budget:
-            options = [(o[0], i, o) for i in candidates if (o := next_step(i)) is not None and o[0] > 0]
-            if not options:
-                break
-            enough = [o for o in options if o[0] >= after - budget]
-            saved, i, (_, shorter, size) = min(enough) if enough else max(options, key=lambda o: (o[0], -o[1]))
-            levels[i] = levels.get(i, -1) + 1
-            current[i], sizes[i], after = shorter, size, after - saved
-            elided[i] = elided.get(i, 0) + saved
-        if elided:
-            tiers.append({"tier": "elide", "messages": len(elided), "tokens": sum(elided.values())})
-    head = [*messages[:lead], *([messages[pinned]] if pinned is not None else [])]
-    kept = head + [current.get(i, messages[i]) for i in range(cut, n)]
+    fixed = tokenizer.format.priming + tools_tokens
+    options = {"start_on_user": start_on_user, "reduce": strategy == "auto", "target_ratio": target_ratio}
+    plan, sizes = plan_trim(messages, tokenizer, budget, fixed, keep_last, **options)
+    lead, n = sizes.shape.lead, sizes.n
+    indices = [*plan.pins, *range(plan.cut, n)]
+    kept = [*messages[:lead], *(plan.forms[i][0] if i in plan.forms else messages[i] for i in indices)]
+    after = fixed + sizes.prefix[lead] + sum(plan.forms[i][1] if i in plan.forms else sizes.full[i] for i in indices)
+    diets = {i: {"index": i, "change": "diet", "tokens": 0} for i in range(n) if messages[i] is not original[i]}
+    reductions = {
+        i: {"index": i, "change": change_kind(messages[i], form), "tokens": sizes.full[i] - size}
+        for i, (form, size) in plan.forms.items()
+    }
+    changes = [{**diets, **reductions}[i] for i in sorted({*diets, *reductions})]
+    dropped = plan.cut - lead - len(plan.pins)
+    gone = sizes.full_sum(lead, plan.cut) - sizes.full_sum(plan.pins.start, plan.pins.stop)
+    tiers = [{"tier": "diet", "messages": diet["messages"], "tokens": diet["tokens_saved"]}] if diet else []
+    for tier, kind in TIERS:
+        found = [c for c in changes if c["change"] == kind]
+        if kind == "dropped" and dropped:
+            tiers.append({"tier": tier, "messages": dropped, "tokens": gone})
+        elif found:
+            tiers.append({"tier": tier, "messages": len(found), "tokens": sum(c["tokens"] for c in found)})
     if alternate_roles:
         merged = merge_same_roles(kept)
         if len(merged) < len(kept):
             tiers.append({"tier": "merge_roles", "messages": len(kept) - len(merged), "tokens": 0})
             kept, after = merged, count_messages(merged, tokenizer)[1] + tools_tokens
-    warnings = [f"input {p}" for p in api_problems(messages)]
-    if cut > protected:
+    warnings = [f"input {p}" for p in api_problems(original, sizes.shape.units)]
+    starts = sizes.shape.unit_starts
+    if keep_last and n > lead and plan.cut > starts[bisect.bisect_right(starts, max(lead, n - keep_last)) - 1]:
         warnings.append(
-            f"kept only the newest {n - cut} messages of keep_last={keep_last}: the history must start on a user "
-            "message and an earlier start would not fit"
+            f"kept only the newest {n - plan.cut} messages of keep_last={keep_last}: more would not fit the budget"
         )
     if after > budget:
         warnings.append(
-            f"the newest turn alone (from messages[{cut}]) is {after} tokens after every tier, over the budget "
-            f"of {budget}: compact_context can summarise inside it"
+            f"the leading messages, the newest request and its newest step are {after} tokens even reduced, over "
+            f"the budget of {budget}: compact_context can summarise inside the turn"
         )
+    before = sizes.prefix[n] if diet is None else count_messages(original, tokenizer)[1] - tokenizer.format.priming
     return {
         "messages": kept,
-        "tokens_before": before + tools_tokens,
+        "tokens_before": before + fixed,
         "tokens_after": after,
         "fits": after <= budget,
         "tokens_over": max(0, after - budget),
         "budget_use": round(after / budget, 4),
         "dropped": dropped,
         "kept": len(kept),
-        "kept_from_index": cut,
-        "prefix_stable_from": cut,
-        "grid_step": step or None,
-        "pinned_user_index": pinned,
-        "tiers": ([{"tier": "diet", "messages": diet["messages"], "tokens": diet["tokens_saved"]}] if diet else [])
-        + tiers,
+        "kept_from_index": plan.cut,
+        "protected_from_index": plan.zone,
+        "pinned_user_index": plan.pins.start if plan.pins else None,
+        "pinned_indices": list(plan.pins),
+        "changes": changes,
+        "tiers": tiers,
         "diet": diet,
         "warnings": warnings,
         **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
@@ -2381,42 +2864,38 @@ def previous_summary_in(messages: Sequence[Mapping[str, Any]]) -> tuple[str | No
 
 def plan_compaction(
     messages: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
     keep_last: int,
-    counts: Sequence[int] | None = None,
     room: int | None = None,
-    step: int = 0,
-) -> tuple[int, int, int | None]:
-    """``(start, end, pinned)``: summarise ``messages[start:end]`` except ``pinned``, keep the rest.
+    counts: Sequence[int] | None = None,
+) -> tuple[int, int, range]:
+    """``(start, end, pins)``: summarise ``messages[start:end]`` except ``pins``, keep the rest verbatim.
 
-    ``start`` follows the leading system messages (an earlier summary among them is part of the span,
-    to be folded into the new one). ``end`` starts the kept tail: the earliest unit (on the stable grid
-    of ``step`` tokens, see :func:`stable_grid`)
-    whose tail fits in ``room`` tokens (given ``counts``), but never later than the unit holding the
-    newest ``keep_last`` messages. When the tail does not start on a user message, the newest user
-    message before it is kept too (``pinned``) and placed right after the summary, so the history
-    still starts on a user turn and an open agent loop can be compacted; with no user message before
-    the tail, the tail starts at the next user message instead.
+    ``start`` follows the leading system messages (an earlier summary among them is part of the span, to be
+    folded into the new one). ``end`` starts the kept tail, chosen by the trimming rule with nothing reduced
+    (:class:`StableReplay`): the tail always fits ``room`` tokens; the tail a previous compaction of the same
+    history kept stays while it fits, and is cut again to half the room when it does not, so repeated calls
+    pick the same span (and summary) until the tail has grown by half the room. The cut never moves back,
+    and the newest ``keep_last`` messages stay unless they alone do not fit. With ``room=None`` (``force``)
+    the tail is exactly the newest ``keep_last`` messages (whole units). ``pins`` are the opening user
+    messages of the turn the tail starts in: they are kept right after the summary, so the history still
+    starts on a user turn and an open agent loop can be compacted.
     """
-    lead, n = _leading_system(messages), len(messages)
-    units = group_units(messages)
-    end = max(lead, _unit_start(units, max(lead, n - keep_last)))
+    shape = history_shape(messages)
+    lead, n = shape.lead, len(messages)
     # An earlier summary sits among the leading system messages: it is folded into the new one.
-    lead = next((i for i in range(lead) if str(messages[i].get("content") or "").startswith(SUMMARY_MARKER)), lead)
-    if counts is not None and room is not None:
-        suffix = list(itertools.accumulate(reversed(counts), initial=0))[::-1]
-        grid = stable_grid([u for u, _ in units if lead < u <= end], lambda u: suffix[lead] - suffix[u], step)
-        # When even the newest keep_last do not fit the room, the last grid point before them is the cut:
-        # it holds still for a few turns, where the keep_last boundary would move on every turn.
-        end = next((u for u in grid if suffix[u] <= room), grid[-1] if grid else end)
-    if end < n and messages[end]["role"] == "user":
-        return lead, end, None
-    users = [i for i in range(lead, end) if messages[i]["role"] == "user"]
-    if users and users[-1] == end - 1:  # the tail simply starts one message earlier
-        return lead, end - 1, None
-    if users:
-        return lead, end, users[-1]
-    # No user message before the tail: start the tail at the next one (if any) instead.
-    return lead, next((i for i in range(end, n) if messages[i]["role"] == "user"), end), None
+    start = next((i for i in range(lead) if str(messages[i].get("content") or "").startswith(SUMMARY_MARKER)), lead)
+    if n == lead:
+        return start, n, range(0)
+    sizes = Sizes(messages, tokenizer, shape, reduce=False, full=counts)
+    planner = CutPlanner(shape, sizes, 0, max(1, room or 1), keep_last)
+    if room is None:
+        end = shape.candidates[bisect.bisect_right(shape.candidates, max(lead, n - keep_last)) - 1]
+    elif planner.feasible(n):
+        end = StableReplay(planner, max(1, room // 2), floor=0).run().cut
+    else:  # not even the newest unit fits the room: a summary can still stand for everything before it
+        end = planner.last(n)
+    return start, end, planner.pins(end, n)
 
 
 def compact_messages(
@@ -2465,14 +2944,12 @@ def compact_messages(
     total += tools_tokens
     lead = _leading_system(messages)
     fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens + tokenizer.format.per_message
-    # The kept tail fits target_ratio x the budget with the summary, so the next turns need no compaction;
-    # it is chosen on a stable grid (half that target per step), so later calls with a longer history pick
-    # the same cut, and the same summary, until the tail outgrows the target.
+    # The kept tail, with the summary, fits target_ratio x the budget, so the next turns need no compaction; it
+    # moves in steps of half that room, so later calls pick the same span (and summary) meanwhile.
     room = None if force else int(target_ratio * budget) - fixed - max_summary_tokens  # force: exactly keep_last
-    step = int(target_ratio * budget / 2)
-    start, end, pinned = plan_compaction(messages, keep_last, counts, room, step)
-    replaced = end - start - (pinned is not None)
-    span = [m for i, m in enumerate(messages[start:end], start) if i != pinned]
+    start, end, pins = plan_compaction(messages, tokenizer, keep_last, room, counts)
+    replaced = end - start - len(pins)
+    span = [m for i, m in enumerate(messages[start:end], start) if i not in pins]
     _, earlier, found = previous_summary_in(span)
     stands_for = replaced - len(found) + earlier
     trigger = int(threshold * budget)
@@ -2488,9 +2965,8 @@ def compact_messages(
         "fits": total <= budget,
         "summarize_from_index": start,
         "kept_from_index": end,
-        "prefix_stable_from": end,
-        "grid_step": step or None,
-        "pinned_user_index": pinned,
+        "pinned_user_index": pins.start if pins else None,
+        "pinned_indices": list(pins),
         "summarized_messages": replaced,
         "summary_tokens": 0,
         "summary_prompt": None,
@@ -2511,21 +2987,20 @@ def compact_messages(
             "reason": "nothing to summarise: every message is a leading system message or in the kept tail "
             "(lower keep_last)",
         }
-    rest = total - sum(counts[start:end]) + (counts[pinned] if pinned is not None else 0)
+    rest = total - sum(counts[start:end]) + sum(counts[i] for i in pins)
     if summary is None:
         return {
             **result,
             "needs_summary": True,
             "reason": f"summarise messages[{start}:{end}]"
-            + (f" (all but the user message {pinned}, which is kept)" if pinned is not None else "")
+            + (f" (all but the user messages {pins.start}-{pins.stop - 1}, which are kept)" if pins else "")
             + (" and fold in the earlier summary there" if found else "")
             + " following summary_prompt, then call again with summary=<your summary>",
             "tokens_after": rest + tokenizer.format.per_message + max_summary_tokens,
             "summary_prompt": SUMMARY_PROMPT,
         }
     message = summary_message(summary, summary_role, stands_for)
-    kept = [messages[pinned]] if pinned is not None else []
-    compacted = [*messages[:start], message, *kept, *messages[end:]]
+    compacted = [*messages[:start], message, *(messages[i] for i in pins), *messages[end:]]
     summary_tokens = count_messages([message], tokenizer)[0][0]
     after = rest + summary_tokens
     return {
@@ -3695,8 +4170,8 @@ def build_server(config: Config | None = None) -> MCPServer:
             }
             if mode in ("summary", "plan") or not plan["needs_summary"]:
                 return deliver(await recount(req, result, reserve_tokens), output_path, req)
-            start, end, pinned = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_user_index"]
-            items = [(i, m) for i, m in enumerate(req.messages[start:end], start) if i != pinned]
+            start, end, pins = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_indices"]
+            items = [(i, m) for i, m in enumerate(req.messages[start:end], start) if i not in pins]
             found, _, positions = previous_summary_in([m for _, m in items])
             items = [item for k, item in enumerate(items) if k not in positions]
             span = [m for _, m in items]
@@ -3766,7 +4241,7 @@ def build_server(config: Config | None = None) -> MCPServer:
                 text = anchored
             if result["fallback"] is None:  # extracted notes are not filed: the model may do better next time
                 # a later span will also hold a pinned message: file the summary under the part before it too
-                before_pin = None if pinned is None else sum(1 for i, _ in items if i < pinned)
+                before_pin = None if not pins else sum(1 for i, _ in items if i < pins[0])
                 state.file_summary(filed, chain, text, before_pin)
             done = {**result, **await anyio.to_thread.run_sync(compact, text), **stats}
             if result["fallback"]:
@@ -3867,13 +4342,6 @@ class ProxyConfig:
 
 
 # --- pure helpers -----------------------------------------------------------------------------------
-
-
-def kept_newest(counts: Sequence[int], keep_last: int, room: int) -> int:
-    """``keep_last``, lowered (to 1 at least) until the newest messages it keeps fit in ``room`` tokens:
-    a few huge tool results must not leave nothing for the shrinking to work with."""
-    tail = list(itertools.accumulate(reversed(counts)))
-    return max(1, min(keep_last, next((k for k, size in enumerate(tail) if size > room), len(tail))))
 
 
 def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
@@ -4074,8 +4542,8 @@ async def proxy_summary(
                 found = (await state.backend(url, authorization).context_window(model))[0]
             state.remember(state.windows, key, found)
         window = state.windows[key] or window
-    start, end, pinned = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_user_index"]
-    items = [(i, m) for i, m in enumerate(messages[start:end], start) if i != pinned]
+    start, end, pins = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_indices"]
+    items = [(i, m) for i, m in enumerate(messages[start:end], start) if i not in pins]
     found, _, positions = previous_summary_in([m for _, m in items])
     items = [item for k, item in enumerate(items) if k not in positions]
     span = [m for _, m in items]
@@ -4104,7 +4572,7 @@ async def proxy_summary(
     _bound(state.server.summaries)
     identifiers = extract_identifiers(span, tokenizer.count, ANCHOR_TOKENS)
     text = anchor_summary(text, list(dict.fromkeys([*identifiers, *anchored_in(previous)])))
-    state.server.file_summary(filed, chain, text, None if pinned is None else sum(1 for i, _ in items if i < pinned))
+    state.server.file_summary(filed, chain, text, None if not pins else sum(1 for i, _ in items if i < pins[0]))
     return text, False
 
 
@@ -4143,10 +4611,10 @@ async def shrink_request(
         return {**body, "messages": out}, {**report, "tokens_after": after, "action": action, "ms": took, **extra}
 
     lighter, diet = await anyio.to_thread.run_sync(diet_results, messages, tokenizer)
-    counts, total = count_messages(lighter, tokenizer)
+    total = count_messages(lighter, tokenizer)[1]
     if diet and total + tools_tokens <= trigger:
         return done(lighter, "diet")
-    options = {"tools": tools, "keep_last": kept_newest(counts, config.keep_last, trigger // 2)}
+    options = {"tools": tools, "keep_last": config.keep_last}  # it gives way by itself when it does not fit
     # Trimming (stable cuts, to under the trigger so the next turns fit too) and compaction, as configured.
     trim = functools.partial(
         trim_messages, tokenizer=tokenizer, max_context_tokens=trigger, target_ratio=PROXY_TRIM_RATIO, **options
@@ -4160,8 +4628,8 @@ async def shrink_request(
         target_ratio=PROXY_COMPACT_RATIO,
         **options,
     )
-    cleared = await anyio.to_thread.run_sync(trim, lighter)  # done here if clearing old results was enough
-    if cleared["fits"] and [t["tier"] for t in cleared["tiers"]] == ["clear_tool_results"]:
+    cleared = await anyio.to_thread.run_sync(trim, lighter)  # done here if clearing old tool output was enough
+    if cleared["fits"] and not cleared["dropped"] and all(c["change"] in LIGHT_CHANGES for c in cleared["changes"]):
         return done(cleared["messages"], "diet+clear" if diet else "clear")
     reason = None
     plan = await anyio.to_thread.run_sync(functools.partial(compact, lighter, summary=None))
@@ -4288,15 +4756,16 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
         url = config.target(request.url.path, request.url.query)
         headers = _forward_headers(request.headers, config, chat=True)
         st = state()
-        window = None
-        for attempt in range(2):
+
+        async def shrunk(window: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
             try:
-                sent, report = await shrink_request(st, body, authorization, window)
+                return await shrink_request(st, body, authorization, window)
             except ContextShrinkError as exc:  # fail open: the original goes out, and the log says why
                 log.warning("proxy: not shrunk, forwarded as is: %s", exc)
-                sent, report = body, {"tokens_before": None, "tokens_after": None, "action": "none", "reason": str(exc)}
-            if attempt:
-                report["retried"] = 1
+                return body, {"tokens_before": None, "tokens_after": None, "action": "none", "reason": str(exc)}
+
+        sent, report = await shrunk(None)
+        for attempt in range(2):
             if report["action"] != "none":
                 log.info("proxy: %s %s", model, shrink_header(report))
             content = raw if sent is body else json.dumps(sent, ensure_ascii=False).encode()
@@ -4309,22 +4778,33 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
             error = await upstream.aread()
             await upstream.aclose()
             overflow = parse_overflow(error)
+            said = {**_reply_headers(upstream.headers), "x-context-shrink": shrink_header(report)}
             if overflow is None:  # not about length: the client gets the upstream's answer
-                said = {**_reply_headers(upstream.headers), "x-context-shrink": shrink_header(report)}
                 return Response(error, upstream.status_code, headers=said)
-            sent_tokens = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
-            limit = overflow.limit or int(0.75 * sent_tokens)
+            estimate = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
+            refused = overflow.prompt_tokens if overflow.prompt_tokens and not overflow.at_least else estimate
+            limit = overflow.limit or int(0.75 * estimate)
             if overflow.prompt_tokens and not overflow.at_least and report["tokens_after"]:  # its count calibrates ours
-                factor = st.factors.get(model, 1.0)
-                raw_sent = round(report["tokens_after"] / factor)
+                raw_sent = round(report["tokens_after"] / st.factors.get(model, 1.0))
                 st.remember(st.factors, model, calibrated(None, raw_sent, overflow.prompt_tokens))
             st.remember(st.windows, model, limit)
-            window = limit
+            retry, retry_report = await shrunk(limit)
+            smaller = retry is not sent and (retry_report["tokens_after"] or refused) < refused
+            if not smaller:  # the same or a larger request would be refused again: the client gets the refusal
+                log.warning(
+                    "proxy: %s refused the request for length (window %s); nothing smaller to send", config.base, limit
+                )
+                reason = f"refused for length; a retry would not be smaller than the {refused} tokens refused"
+                said["x-context-shrink"] = shrink_header({**report, "reason": reason})
+                return Response(error, upstream.status_code, headers=said)
             log.warning(
-                "proxy: %s refused the request for length (window %s); shrinking to it and retrying once",
+                "proxy: %s refused the request for length (window %s); retrying once with %s tokens instead of %s",
                 config.base,
                 limit,
+                retry_report["tokens_after"],
+                refused,
             )
+            sent, report = retry, {**retry_report, "retried": 1}
         if config.archive_dir is not None and sent is not body:  # what was folded away stays on disk
             conversation = conversation_id(body["messages"])
             folded = folded_away(body["messages"], sent["messages"])

@@ -8,9 +8,10 @@ from typing import Any
 
 import anyio
 import pytest
+from checks import check_trim
 from fake_openai import FakeOpenAI, serve
 from mcp import Client
-from test_core import check_trim, conversation
+from test_core import conversation
 from test_tools import ok
 
 import context_shrink as cs
@@ -34,8 +35,9 @@ def test_stable_cuts_move_rarely_and_in_big_steps(tok: cs.Tokenizer) -> None:
     moves = lambda xs: sum(1 for a, b in itertools.pairwise(xs) if a != b)  # noqa: E731
     assert moves(plain) >= 20  # a sliding window moves on almost every turn once over the budget
     assert 0 < moves(stable) <= moves(plain) // 3
-    steps = [b - a for a, b in itertools.pairwise(stable) if b != a]
-    assert min(steps) >= 10  # two turns or more at once
+    sizes = [cs.count_messages(h, tok)[1] for h in histories]
+    moved = [k for k in range(1, len(stable)) if stable[k] != stable[k - 1]]
+    assert all(sizes[b] - sizes[a] >= 0.4 * budget for a, b in itertools.pairwise(moved))  # a step of growth apart
 
 
 def test_same_prefix_while_the_tail_fits(tok: cs.Tokenizer) -> None:
@@ -63,8 +65,7 @@ def test_stable_mode_keeps_every_invariant(tok: cs.Tokenizer) -> None:
     for history in grow(30)[::3]:
         for ratio in (0.3, 0.6, 0.9):
             result = check_trim(history, tok, 2500, target_ratio=ratio, keep_last=2)
-            assert result["grid_step"] == int((1 - ratio) * 2500)
-            assert result["prefix_stable_from"] == result["kept_from_index"]
+            assert result["fits"] and "grid_step" not in result
 
 
 def test_cleared_results_are_byte_identical_across_turns(tok: cs.Tokenizer) -> None:
@@ -91,13 +92,12 @@ def test_a_long_single_turn_agent_loop_is_cut_stably(tok: cs.Tokenizer) -> None:
     same = 0
     for before, after in itertools.pairwise(outputs):
         assert after["fits"] and after["messages"][1]["content"] == "fix src/app.py"  # the request stays
-        if before["kept_from_index"] == after["kept_from_index"]:
-            same += 1
-            assert after["messages"][: len(before["messages"])] == before["messages"]
+        same += after["messages"][: len(before["messages"])] == before["messages"]  # the earlier request extended
     assert same >= 0.7 * (len(outputs) - 1)
     over = [r for r in outputs if r["tokens_before"] > 3000]
-    assert over and all(r["pinned_user_index"] == 1 and r["budget_use"] >= 0.5 for r in over)
-    assert all(t["tier"] == "drop_turns" for r in over for t in r["tiers"])  # no budget-dependent elision
+    assert over and all(r["budget_use"] >= 0.5 for r in over)
+    assert all(r["pinned_user_index"] == 1 for r in over if r["dropped"])  # old steps go, the request stays
+    assert all(r["tiers"][0]["tier"] == "clear_tool_results" for r in over)  # old results go before old steps
 
 
 def test_compaction_cut_holds_when_keep_last_alone_exceeds_the_share(tok: cs.Tokenizer) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checks import check_trim
 from conftest import load_session, session_files
 
 import context_shrink as cs
@@ -53,61 +54,6 @@ def conversation(turns: int, size: int = 400) -> list[dict[str, Any]]:
 
 def first_non_system(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((m for m in messages if m["role"] not in cs.SYSTEM_ROLES), None)
-
-
-def source_positions(messages: list[dict[str, Any]], out: list[dict[str, Any]]) -> list[int]:
-    """Where each output message came from: the same object, an assistant message without its reasoning, or
-    a tool result (same call id) whose content is a documented placeholder or elision. Raises if a message
-    cannot be traced, in order."""
-    positions, at = [], 0
-    for m in out:
-        while at < len(messages) and messages[at] is not m:
-            original = messages[at]
-            if m["role"] == "assistant" and m == {k: v for k, v in original.items() if k not in cs.REASONING_KEYS}:
-                break  # past reasoning dropped
-            if (
-                m["role"] == original["role"] in cs.RESULT_ROLES
-                and m.get("tool_call_id") == original.get("tool_call_id")
-                and {k: v for k, v in m.items() if k != "content"}
-                == {k: v for k, v in original.items() if k != "content"}
-                and (
-                    str(m["content"]).startswith("[tool result cleared: ")
-                    or "tokens elided …]" in str(m["content"])
-                    or " cut …]" in str(m["content"])  # the verbatim diet
-                )
-            ):
-                break
-            at += 1
-        assert at < len(messages), f"output message not traceable to the input, in order: {str(m)[:120]}"
-        positions.append(at)
-        at += 1
-    return positions
-
-
-def check_trim(messages: list[dict[str, Any]], tok: cs.Tokenizer, budget: int, **kwargs: Any) -> dict[str, Any]:
-    """Trim and check every invariant of trimming; return the result."""
-    before = copy.deepcopy(messages)
-    result = cs.trim_messages(messages, tok, budget, **kwargs)
-    out = result["messages"]
-    assert messages == before, "the input was mutated"
-    if not cs.api_problems(messages):
-        assert cs.api_problems(out) == []
-    positions = source_positions(messages, out)
-    lead = cs._leading_system(messages)
-    assert positions[:lead] == list(range(lead)) and all(out[i] is messages[i] for i in range(lead))
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if users:
-        assert users[-1] in positions, "the newest user message was dropped"
-        first = first_non_system(out)
-        if kwargs.get("start_on_user", True):
-            assert first["role"] == "user" or positions[lead] == lead
-    if out:
-        assert out[-1]["role"] != "assistant" or messages[-1]["role"] == "assistant"
-    recount = cs.count_messages(out, tok)[1] + result["tools_tokens"]
-    assert recount == result["tokens_after"], "tokens_after is not the re-counted size"
-    assert result["fits"] == (recount <= budget - result["reserve_tokens"])
-    assert cs.trim_messages(messages, tok, budget, **kwargs) == result, "not deterministic"
-    return result
 
 
 # --------------------------------------------------------------------------- configuration
@@ -416,10 +362,18 @@ def test_trim_drops_whole_oldest_turns(tok: cs.Tokenizer) -> None:
 
 def test_keep_last_widens_to_the_whole_unit(tok: cs.Tokenizer) -> None:
     messages = conversation(3, size=50)
-    # keep_last=2 lands on the second tool result of the last turn's unit: the whole turn is kept.
-    result = cs.trim_messages(messages, tok, 10, keep_last=2, strategy="drop")
-    assert not result["fits"] and result["tokens_over"] > 0
-    assert result["messages"][1] is messages[-5]
+    # keep_last=2 lands on the second tool result of the last turn's unit: the whole unit is protected.
+    result = check_trim(messages, tok, cs.count_messages(messages, tok)[1] - 100, keep_last=2)
+    assert result["fits"] and result["protected_from_index"] == len(messages) - 4
+
+
+def test_nothing_is_dropped_for_a_request_that_cannot_fit(tok: cs.Tokenizer) -> None:
+    """When even the leading messages, the newest request and its newest step cannot fit, dropping history does
+    not help: the request is reduced as far as it goes, nothing is dropped, and the result says why."""
+    messages = conversation(3, size=50)
+    result = check_trim(messages, tok, 10, keep_last=2)
+    assert not result["fits"] and result["tokens_over"] > 0 and result["dropped"] == 0
+    assert "even reduced, over the budget" in result["warnings"][-1]
 
 
 def test_trim_reports_honestly_when_newest_turn_is_too_big(tok: cs.Tokenizer) -> None:
@@ -446,9 +400,11 @@ def test_trim_real_transcripts(tok: cs.Tokenizer, path: Path, budget: int) -> No
 def test_keep_last_yields_to_the_newest_turn(tok: cs.Tokenizer) -> None:
     # keep_last=8 reaches into the previous turn's big agent loop; the newest turn alone fits.
     messages = [user("old question"), *conversation(1, size=2000)[2:], user("new question"), assistant("ok")]
-    result = cs.trim_messages(messages, tok, 500, keep_last=8, strategy="drop")
-    assert result["fits"] and result["messages"] == messages[-2:]
-    assert any("kept only the newest 2 messages of keep_last=8" in w for w in result["warnings"])
+    result = check_trim(messages, tok, 500, keep_last=8, strategy="drop")
+    assert result["fits"] and result["messages"][-2:] == messages[-2:]
+    assert result["kept_from_index"] == len(messages) - 3  # the old turn's answer, after its pinned question
+    assert result["pinned_indices"] == [0]
+    assert any("kept only the newest 3 messages of keep_last=8" in w for w in result["warnings"])
 
 
 def test_trim_is_linear_on_a_huge_history(tok: cs.Tokenizer) -> None:
@@ -477,11 +433,11 @@ def test_compact_with_summary(tok: cs.Tokenizer) -> None:
     assert out[0] is messages[0]
     assert out[1]["role"] == "system" and out[1]["content"].startswith(cs.SUMMARY_MARKER)
     assert "The user fixed five files." in out[1]["content"]
-    assert out[2]["role"] == "user" and out[2] is messages[result["kept_from_index"]]
-    assert out[3:] == messages[result["kept_from_index"] + 1 :]
+    kept = [*result["pinned_indices"], *range(result["kept_from_index"], len(messages))]
+    assert out[2]["role"] == "user" and all(a is messages[i] for a, i in zip(out[2:], kept, strict=True))
     assert cs.api_problems(out) == []
     assert result["tokens_after"] == cs.count_messages(out, tok)[1]
-    assert result["summarized_messages"] == result["kept_from_index"] - 1
+    assert result["summarized_messages"] == result["kept_from_index"] - 1 - len(result["pinned_indices"])
 
 
 def test_compact_plan_echoes_no_content(tok: cs.Tokenizer) -> None:

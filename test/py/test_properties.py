@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from checks import check_trim
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_core import check_trim
 
 import context_shrink as cs
 

@@ -48,10 +48,14 @@ def test_header_is_one_line_and_says_what_was_done() -> None:
 
 
 def test_keep_last_gives_way_to_huge_newest_messages() -> None:
-    assert cs.kept_newest([10] * 20, 8, 100) == 8
-    assert cs.kept_newest([10] * 20, 8, 35) == 3  # the newest three fit in the room
-    assert cs.kept_newest([10, 10, 500], 8, 100) == 1  # never below one
-    assert cs.kept_newest([], 8, 100) == 1
+    """The proxy passes its keep_last on; the planner gives it up where the newest messages alone do not fit."""
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "go"}]
+    for k in range(6):
+        call = {"id": f"c{k}", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]}]
+        messages += [{"role": "tool", "tool_call_id": f"c{k}", "content": "line\n" * 400}]
+    result = cs.trim_messages(messages, cs.HEURISTIC, 1500, keep_last=8)
+    assert result["fits"] and result["protected_from_index"] > len(messages) - 8
 
 
 def test_conversation_id_is_stable_as_the_history_grows() -> None:

@@ -1,0 +1,133 @@
+"""The cut planner's promises (docs/trimming.md), checked as properties over generated agent-shaped histories
+(test/py/agent_shapes.py) x budgets 1k-128k x keep_last 0-20 x both modes, 1,000 examples each, seeded
+(``derandomize``) so that a failure reproduces with the same example on every machine.
+
+P1 fits when it can · P2 uses the room · P3 monotone · P4 stable · P5 honest · P6 valid (and pure).
+P4 counts the changes between consecutive requests that both fit (one that cannot fit is refused whatever its
+bytes). Linear time is measured in bench/speed.py, not asserted here.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from typing import Any
+
+import checks
+import pytest
+from agent_shapes import Case, agent_history, cases
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import context_shrink as cs
+
+TOK = cs.resolve_tokenizer("heuristic")  # deterministic and fast (cached); the rule does not depend on the counter
+STABLE_RATIO = 0.6
+PROPERTY = settings(
+    max_examples=1000,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+REPLAY = settings(
+    max_examples=1000,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+REPLAY_LENGTH = 100  # messages replayed one at a time (each prefix shrunk: quadratic, so kept short)
+modes = st.sampled_from([1.0, STABLE_RATIO])
+keep_lasts = st.integers(0, 20)
+
+
+def size(message: dict[str, Any]) -> int:
+    return checks.size(message, TOK)
+
+
+def core(messages: list[dict[str, Any]]) -> int:
+    return checks.core(messages, TOK)
+
+
+def check_honest(messages: list[dict[str, Any]], result: dict[str, Any]) -> None:
+    checks.check_honest(messages, result, TOK)
+
+
+def trim(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: float) -> dict[str, Any]:
+    return cs.trim_messages(messages, TOK, budget, keep_last, target_ratio=ratio)
+
+
+@PROPERTY
+@given(cases(), keep_lasts, modes)
+def test_p1_p2_p5_p6_fits_uses_the_room_honestly(case: Case, keep_last: int, ratio: float) -> None:
+    messages, budget = case.build(), case.budget
+    before = copy.deepcopy(messages)
+    result = trim(messages, budget, keep_last, ratio)
+    assert messages == before, "the input was mutated"
+    check_honest(messages, result)
+    floor = core(messages)
+    total = cs.count_messages(messages, TOK)[1]
+    if floor <= budget:
+        assert result["fits"], f"P1: the core ({floor}) fits {budget} but the result is {result['tokens_after']}"
+        if total > budget:
+            need = 0.85 if ratio == 1.0 else 0.5
+            assert result["tokens_after"] >= need * budget, (
+                f"P2: {result['tokens_after']} of {budget} ({result['tokens_after'] / budget:.2f})"
+            )
+    else:
+        assert result["warnings"], "a result that cannot fit says why"
+
+
+def replay(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: float) -> list[dict[str, Any]]:
+    """Shrink every prefix of a growing history, as an agent resends it."""
+    lead = cs._leading_system(messages)
+    return [trim(messages[:k], budget, keep_last, ratio) for k in range(lead + 1, len(messages) + 1)]
+
+
+@REPLAY
+@given(cases(max_budget=8192), keep_lasts, modes)
+def test_p3_the_cut_never_moves_back(case: Case, keep_last: int, ratio: float) -> None:
+    messages, budget = case.build()[:REPLAY_LENGTH], case.budget
+    lead = cs._leading_system(messages)
+    previous_cut, dropped = lead, set()
+    for k, result in enumerate(replay(messages, budget, keep_last, ratio), lead + 1):
+        cut = result["kept_from_index"]
+        assert cut >= previous_cut, f"P3: at {k} messages the cut moved back from {previous_cut} to {cut}"
+        kept = set(checks.sources(messages[:k], result))
+        assert not dropped & kept, f"P3: messages {sorted(dropped & kept)} came back at {k} messages"
+        dropped |= set(range(lead, cut)) - kept
+        previous_cut = cut
+
+
+def prefix_changed(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> bool:
+    """True when the earlier request is not a prefix of the later one (a server's prompt cache is lost there)."""
+    if len(after) < len(before):
+        return True
+    return any(
+        json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True) for a, b in zip(before, after, strict=False)
+    )
+
+
+@REPLAY
+@given(cases(max_budget=8192), keep_lasts)
+def test_p4_stable_requests_change_once_per_grid_step(case: Case, keep_last: int) -> None:
+    messages, budget = case.build()[:REPLAY_LENGTH], case.budget
+    results = replay(messages, budget, keep_last, STABLE_RATIO)
+    step = int((1 - STABLE_RATIO) * budget)
+    changes, growth, over = 0, 0, False
+    for k, (a, b) in enumerate(itertools.pairwise(results), 1):
+        over = over or b["tokens_before"] > budget
+        if over:
+            growth += size(messages[cs._leading_system(messages) + k])
+            # a request that cannot fit is refused whatever its bytes: only changes between sendable ones count
+            changes += a["fits"] and b["fits"] and prefix_changed(a["messages"], b["messages"])
+    assert changes <= growth // step + 2, f"P4: {changes} prefix changes over {growth} tokens of growth (step {step})"
+
+
+@pytest.mark.parametrize("shape", ["codex", "claude", "tau", "giant_before_question", "mixed"])
+def test_every_shape_is_generated_and_shrinks(shape: str) -> None:
+    for seed in range(5):
+        messages = agent_history(seed, 8192, shape)
+        assert cs.validate_messages(messages) and not cs.api_problems(messages)
+        result = trim(messages, 8192, 8, 1.0)
+        check_honest(messages, result)
