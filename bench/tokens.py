@@ -64,7 +64,7 @@ def speed(name: str, messages: list[dict[str, Any]], runs: int) -> str:
     raw = median_time(lambda: [encoding.encode_ordinary(t) for t in texts], runs)
 
     def fresh() -> cs.Tokenizer:
-        return cs.Tokenizer("tiktoken:cl100k_base", cs._CachedCount(lambda t: len(encoding.encode_ordinary(t))))
+        return cs.Tokenizer("tiktoken:cl100k_base", cs.cached_count(lambda t: len(encoding.encode_ordinary(t))))
 
     colds, warms = [], []
     for _ in range(runs):
@@ -79,7 +79,7 @@ def speed(name: str, messages: list[dict[str, Any]], runs: int) -> str:
     cold, warm = statistics.median(colds), statistics.median(warms)
     h_cold, h_warm = [], []
     for _ in range(runs):
-        tok = cs.Tokenizer("heuristic", cs._CachedCount(cs.heuristic_tokens))
+        tok = cs.Tokenizer("heuristic", cs.cached_count(cs.heuristic_tokens))
         started = time.perf_counter()
         cs.estimate_messages(messages, tok, cs.MAX_CONTEXT_TOKENS_LIMIT)
         h_cold.append(time.perf_counter() - started)

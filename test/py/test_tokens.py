@@ -133,7 +133,7 @@ def test_heuristic_features_and_sum_agree() -> None:
 
 def test_cache_counts_each_text_once() -> None:
     calls: list[str] = []
-    cached = cs._CachedCount(lambda t: calls.append(t) or len(t), max_chars=100)
+    cached = cs.cached_count(lambda t: calls.append(t) or len(t), max_chars=100)
     assert [cached("x" * 40), cached("x" * 40), cached("y" * 40)] == [40, 40, 40]
     assert len(calls) == 2
     cached("z" * 40)  # 120 chars > 100: the oldest entry goes
