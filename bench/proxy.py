@@ -13,8 +13,9 @@ the suite's scriptable fake server (instant, deterministic) so the numbers are a
    its x-context-shrink header) and the client's wall time, cold (summaries written), warm (the same
    span: the summary is reused) and with the summariser down (trimmed).
 3. A transcript replayed turn by turn (a request before every assistant message, history growing):
-   summariser calls per turn, and the processed prompt tokens llama.cpp reports (`timings.prompt_n`,
-   cache_prompt on), proxy vs a sliding window sized to the same share of the window.
+   summariser calls per turn, the processed prompt tokens llama.cpp reports (`timings.prompt_n`,
+   cache_prompt on), proxy vs a sliding window sized to the same share of the window, and the share of
+   the window llama.cpp counted (`usage.prompt_tokens`) on the requests the proxy shrank.
 """
 
 from __future__ import annotations
@@ -116,12 +117,13 @@ def replay(direct: str, front: str, fake: FakeOpenAI, messages: Messages, name: 
     budget = int(cs.PROXY_TRIGGER * (N_CTX - min(cs.PROXY_MAX_RESERVE, N_CTX // 8)) / ratio)
     totals = {"proxy": 0, "sliding window": 0}
     actions: dict[str, int] = {}
+    uses: list[float] = []  # the window share llama.cpp counted, on the requests the proxy shrank
     calls_before = len(fake.requests)
     refused = 0
     for strategy, url in (("sliding window", direct), ("proxy", front)):
         for i in turns:
             history = messages[:i]
-            request = sliding(history, budget) if strategy == "sliding window" else history
+            request = sliding(history, budget)[0] if strategy == "sliding window" else history
             reply, _ = post(url, {"model": "tiny", "messages": request, "max_tokens": 1, "cache_prompt": True})
             if reply.status_code != 200:
                 refused += strategy == "proxy"
@@ -130,16 +132,20 @@ def replay(direct: str, front: str, fake: FakeOpenAI, messages: Messages, name: 
             if strategy == "proxy":
                 action = reply.headers["x-context-shrink"].split("action=")[1].split(";")[0]
                 actions[action] = actions.get(action, 0) + 1
+                if action != "none":
+                    uses.append(reply.json()["usage"]["prompt_tokens"] / N_CTX)
     calls = len(fake.requests) - calls_before
     print(
         f"\n3. Replay of {name} ({len(turns)} requests), llama.cpp n_ctx {N_CTX}, its tokens ≈ {ratio:.2f} x cl100k:\n"
     )
-    print("| strategy | llama.cpp prompt_n | ÷ sliding | summariser calls | calls per turn | refused |")
-    print("|---|---:|---:|---:|---:|---:|")
-    print(f"| sliding window ({budget:,} cl100k) | {totals['sliding window']:,} | 1.00 | — | — | — |")
+    print("| strategy | llama.cpp prompt_n | ÷ sliding | summariser calls | calls per turn | refused | window use "
+          "when shrunk: mean (min) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| sliding window ({budget:,} cl100k) | {totals['sliding window']:,} | 1.00 | — | — | — | — |")
+    use = f"{sum(uses) / len(uses):.2f} ({min(uses):.2f})" if uses else "—"
     print(
         f"| proxy | {totals['proxy']:,} | {totals['proxy'] / totals['sliding window']:.2f} | {calls} | "
-        f"{calls / len(turns):.2f} | {refused} |"
+        f"{calls / len(turns):.2f} | {refused} | {use} |"
     )
     print("\nProxy actions: " + ", ".join(f"{k} {v}" for k, v in sorted(actions.items())))
 

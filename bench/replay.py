@@ -1,18 +1,21 @@
-"""Cache-friendly shrinking: replay transcripts turn by turn and count the prompt tokens a server must prefill.
+"""Cache-friendly shrinking: replay histories turn by turn and count the prompt tokens a server must prefill.
 
     python bench/replay.py [--budgets 8192 16384 32768] [--no-server]
 
-Every transcript of ../shared/data/sessions is replayed with a request before every assistant message
-(the history so far), shrunk by: a sliding window (the newest whole units that fit: what LangChain's
-trim_messages does), trim_context with target_ratio 1.0 and 0.6, and compact_context with a given
-summary (target_ratio 0.5, the tool's default, and 0.7, the proxy's). For each request, prefill = its
-tokens minus the longest common token prefix with the previous request (a server's prompt cache reuses
-that prefix). The floor is what is new since the
-previous request. Reported per transcript and budget: total prefill, the floor, the excess over the
-floor relative to the sliding window's excess (target at 32k: 0.3 or less), mean budget use of the
-requests that needed shrinking (keep it at 0.5 or more), and how often the prefix changed. Then one
-transcript is replayed against the real llama.cpp server (cache_prompt on) and its own count of
-processed prompt tokens (timings.prompt_n) is summed, to check the simulation against a real cache.
+Replayed: every transcript of ../shared/data/sessions, and generated agent shapes (test/py/agent_shapes.py,
+seed 1, sized for each budget): a Codex-style single-turn loop of 50-300 steps, a giant read just before a
+short question, Claude-Code-style turns, tau-bench turns that reuse call ids, and everything mixed. A request
+is made before every assistant message and at the end (the history so far), shrunk by: a sliding window (the
+newest whole units that fit: what LangChain's trim_messages does), trim_context with target_ratio 1.0 and 0.6, and
+compact_context with a given summary (target_ratio 0.5, the tool's default, and the proxy's). For each
+request, prefill = its tokens minus the longest common token prefix with the previous request (a server's
+prompt cache reuses that prefix). The floor is what is new since the previous request. Reported per history
+and budget: total prefill, the floor, the excess over the floor relative to the sliding window's excess
+(target at 32k: 0.3 or less), the mean and the minimum budget use of the requests that needed shrinking
+(mean 0.5 or more), how often the prefix changed, and backward moves: requests that bring back a message an
+earlier request had dropped (target 0). Then one transcript is replayed against the real llama.cpp server
+(cache_prompt on) and its own count of processed prompt tokens (timings.prompt_n) is summed, to check the
+simulation against a real cache.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 
+from agent_shapes import agent_history  # noqa: E402
 from workloads import load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
@@ -55,7 +59,10 @@ def request_ids(messages: Messages) -> list[int]:
     return [t for m in messages for t in message_ids(m)]
 
 
-def sliding(messages: Messages, budget: int) -> Messages:
+Shrunk = tuple[Messages, list[int]]  # the request, and the indices of the history it still carries
+
+
+def sliding(messages: Messages, budget: int) -> Shrunk:
     """Keep the leading system messages and the newest whole units that fit."""
     lead = cs._leading_system(messages)
     counts, _ = cs.count_messages(messages, TOK)
@@ -68,46 +75,59 @@ def sliding(messages: Messages, budget: int) -> Messages:
             break
         room -= size
         keep = start
-    return messages[:lead] + messages[keep:]
+    return messages[:lead] + messages[keep:], [*range(lead), *range(keep, len(messages))]
 
 
-def trim(ratio: float) -> Callable[[Messages, int], Messages]:
-    return lambda messages, budget: cs.trim_messages(messages, TOK, budget, target_ratio=ratio)["messages"]
-
-
-def compact(ratio: float) -> Callable[[Messages, int], Messages]:
-    def shrink(messages: Messages, budget: int) -> Messages:
-        options = {"max_context_tokens": budget, "max_summary_tokens": 512, "target_ratio": ratio}
-        plan = cs.compact_messages(messages, TOK, summary=None, **options)
-        if not plan["needs_summary"]:
-            return plan["messages"] or messages
-        start, end = plan["summarize_from_index"], plan["kept_from_index"]
-        digest = hashlib.sha256(json.dumps(messages[start:end], sort_keys=True).encode()).hexdigest()[:12]
-        summary = f"- the work so far, summarised (span {digest}): goals, files, commands, errors and next steps"
-        return cs.compact_messages(messages, TOK, summary=summary, **options)["messages"]
+def trim(ratio: float) -> Callable[[Messages, int], Shrunk]:
+    def shrink(messages: Messages, budget: int) -> Shrunk:
+        result = cs.trim_messages(messages, TOK, budget, target_ratio=ratio)
+        lead, cut = cs._leading_system(messages), result["kept_from_index"]
+        return result["messages"], [*range(lead), *result["pinned_indices"], *range(cut, len(messages))]
 
     return shrink
 
 
-STRATEGIES: dict[str, Callable[[Messages, int], Messages]] = {
+def compact(ratio: float) -> Callable[[Messages, int], Shrunk]:
+    def shrink(messages: Messages, budget: int) -> Shrunk:
+        options = {"max_context_tokens": budget, "max_summary_tokens": 512, "target_ratio": ratio}
+        plan = cs.compact_messages(messages, TOK, summary=None, **options)
+        if not plan["needs_summary"]:
+            return plan["messages"] or messages, list(range(len(messages)))
+        start, end = plan["summarize_from_index"], plan["kept_from_index"]
+        digest = hashlib.sha256(json.dumps(messages[start:end], sort_keys=True).encode()).hexdigest()[:12]
+        summary = f"- the work so far, summarised (span {digest}): goals, files, commands, errors and next steps"
+        done = cs.compact_messages(messages, TOK, summary=summary, **options)
+        return done["messages"], [*range(start), *done["pinned_indices"], *range(end, len(messages))]
+
+    return shrink
+
+
+STRATEGIES: dict[str, Callable[[Messages, int], Shrunk]] = {
     "sliding window": sliding,
     "trim 1.0": trim(1.0),
     "trim 0.6": trim(0.6),
     "compact 0.5 (summary given)": compact(0.5),
-    "compact 0.7 (the proxy's)": compact(0.7),
+    f"compact {cs.PROXY_COMPACT_RATIO} (the proxy's)": compact(cs.PROXY_COMPACT_RATIO),
 }
+GENERATED = ("codex", "giant_before_question", "claude", "tau", "mixed")
 
 
-def replay(messages: Messages, budget: int, shrink: Callable[[Messages, int], Messages]) -> dict[str, float]:
-    prefill = floor = changes = 0
+def request_points(messages: Messages) -> list[int]:
+    """Where an agent sends a request: before every assistant message, and at the end of the history."""
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and i] + [len(messages)]
+
+
+def replay(messages: Messages, budget: int, shrink: Callable[[Messages, int], Shrunk]) -> dict[str, Any]:
+    prefill = floor = changes = backward = 0
     uses: list[float] = []
     previous: list[int] = []
     previous_full = 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or i == 0:
-            continue
+    dropped: set[int] = set()
+    for i in request_points(messages):
         history = messages[:i]
-        request = shrink(history, budget)
+        request, kept = shrink(history, budget)
+        backward += bool(dropped & set(kept))
+        dropped |= set(range(i)) - set(kept)
         ids = request_ids(request)
         common = 0
         for a, b in zip(previous, ids, strict=False):
@@ -123,7 +143,14 @@ def replay(messages: Messages, budget: int, shrink: Callable[[Messages, int], Me
         if cs.count_messages(history, TOK)[1] > budget:
             uses.append(cs.count_messages(request, TOK)[1] / budget)
         previous = ids
-    return {"prefill": prefill, "floor": floor, "changes": changes, "use": statistics.mean(uses) if uses else None}
+    return {
+        "prefill": prefill,
+        "floor": floor,
+        "changes": changes,
+        "backward": backward,
+        "use": statistics.mean(uses) if uses else None,
+        "min_use": min(uses) if uses else None,
+    }
 
 
 def server_replay(messages: Messages, budget: int) -> dict[str, int]:
@@ -137,10 +164,8 @@ def server_replay(messages: Messages, budget: int) -> dict[str, int]:
         with llama_server(model, n_ctx=32768) as url:
             for name, shrink in STRATEGIES.items():
                 total = 0
-                for i, m in enumerate(messages):
-                    if m["role"] != "assistant" or i == 0:
-                        continue
-                    request = shrink(messages[:i], budget)
+                for i in request_points(messages):
+                    request, _ = shrink(messages[:i], budget)
                     body = {"messages": request, "max_tokens": 1, "cache_prompt": True, "temperature": 0}
                     reply = httpx2.post(f"{url}/chat/completions", json=body, timeout=300)
                     if reply.status_code != 200:
@@ -150,19 +175,26 @@ def server_replay(messages: Messages, budget: int) -> dict[str, int]:
     return totals
 
 
+def histories(budget: int) -> dict[str, Messages]:
+    """The shared transcripts and the generated shapes for ``budget``, by name."""
+    out = {p.stem[:36]: load(p) for p in transcript_paths()}
+    out.update({f"generated {shape}": agent_history(1, budget, shape) for shape in GENERATED})
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--no-server", action="store_true")
     args = parser.parse_args()
-    sessions = {p.stem[:36]: load(p) for p in transcript_paths()}
-    print("| transcript | budget | strategy | requests | prefill | floor | excess ÷ sliding's | mean budget use "
-          "| prefix changed |")  # fmt: skip
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| history | budget | strategy | requests | prefill | floor | excess ÷ sliding's | budget use: mean "
+          "| min | prefix changed | backward moves |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary: dict[tuple[str, int], list[float]] = {}
-    for name, messages in sessions.items():
-        requests = sum(1 for i, m in enumerate(messages) if m["role"] == "assistant" and i)
-        for budget in args.budgets:
+    worst: dict[tuple[str, int], float] = {}
+    for budget in args.budgets:
+        for name, messages in histories(budget).items():
+            requests = len(request_points(messages))
             if cs.count_messages(messages, TOK)[1] <= budget:
                 continue  # never needs shrinking at this budget
             results = {s: replay(messages, budget, fn) for s, fn in STRATEGIES.items()}
@@ -170,21 +202,23 @@ def main() -> int:
             for s, r in results.items():
                 excess = (r["prefill"] - r["floor"]) / base if base > 0 else 0.0
                 summary.setdefault((s, budget), []).append(excess)
-                use = f"{r['use']:.2f}" if r["use"] is not None else "—"
+                worst[s, budget] = max(worst.get((s, budget), 0.0), excess)
+                use = f"{r['use']:.2f} | {r['min_use']:.2f}" if r["use"] is not None else "— | —"
                 print(
                     f"| {name} | {budget // 1024}k | {s} | {requests} | {r['prefill']:,} | {r['floor']:,} | "
-                    f"{excess:.2f} | {use} | {r['changes']} |",
+                    f"{excess:.2f} | {use} | {r['changes']} | {r['backward']} |",
                     flush=True,
                 )
-    print("\nMedian excess over the floor, relative to the sliding window:\n")
+    print("\nExcess over the floor, relative to the sliding window: median (worst) over the histories:\n")
     print("| strategy | " + " | ".join(f"{b // 1024}k" for b in args.budgets) + " |")
     print("|---|" + "---:|" * len(args.budgets))
     for s in STRATEGIES:
-        cells = [summary.get((s, b)) for b in args.budgets]
-        print(f"| {s} | " + " | ".join(f"{statistics.median(c):.2f}" if c else "—" for c in cells) + " |")
+        cells = [(summary.get((s, b)), worst.get((s, b))) for b in args.budgets]
+        print(f"| {s} | " + " | ".join(f"{statistics.median(c):.2f} ({w:.2f})" if c else "—" for c, w in cells) + " |")
     if args.no_server:
         return 0
     name = "openhands_llama-4-maverick_ponyc-45"
+    sessions = {p.stem[:36]: load(p) for p in transcript_paths()}
     chosen = next((m for n, m in sessions.items() if n.startswith(name)), next(iter(sessions.values())))
     budget = 8192
     simulated = {s: replay(chosen, budget, fn)["prefill"] for s, fn in STRATEGIES.items()}
