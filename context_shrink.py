@@ -1304,9 +1304,10 @@ def estimate_messages(
 #   * the leading system messages; when the cut falls inside a turn, that turn's opening user message(s)
 #     (pinned); then every message from the cut on, each as it is or reduced, with a visible marker;
 #   * the ladder, each rung only as far as needed: reduce old messages, oldest first (a tool result to a
-#     placeholder, reasoning to a marker, images to a description, a long text to its head and tail); drop
-#     the oldest whole units; reduce the protected tail (the newest ``keep_last`` messages, given up when they
-#     alone do not fit, and never allowed more than half the room when history could use it);
+#     placeholder, reasoning to a marker, images to a description; then long texts and long tool-call
+#     arguments to a head and tail); drop the oldest whole units; reduce the protected tail (the newest
+#     ``keep_last`` messages, given up when they alone do not fit, and never allowed more than half the room
+#     when history could use it);
 #   * the newest request (the newest turn's opening user messages) is never reduced or dropped;
 #   * the cut never moves back as a history grows: it is the furthest cut any prefix of the history needed
 #     (a prefix where nothing can fit needs none). In stable mode (``target_ratio`` < 1) the previous request
@@ -1333,7 +1334,28 @@ def least_form(message: Mapping[str, Any], tool: str, light: bool = False) -> di
     shorter = _elide(text, *LEAST_TEXT) if len(text) > 2 * sum(LEAST_TEXT) and not light else None
     if shorter is not None or images:
         out = with_text(out, shorter or text, images)
+    if message.get("tool_calls") and not light:
+        out["tool_calls"] = [_shorter_call(call) for call in message["tool_calls"]]
     return out if out != message else None
+
+
+def _shorter_call(call: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A tool call whose long string arguments (a file written, a patch) keep a head and a tail; the arguments
+    stay valid JSON. A call with short or non-JSON arguments is returned as it is."""
+    arguments = call["function"].get("arguments")
+    if not isinstance(arguments, str) or len(arguments) <= 2 * sum(LEAST_TEXT):
+        return call
+    try:
+        values = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(values, dict):
+        return call
+    shorter = {k: _elide(v, *LEAST_TEXT) if isinstance(v, str) and len(v) > 2 * sum(LEAST_TEXT) else v
+               for k, v in values.items()}  # fmt: skip
+    if shorter == values:
+        return call
+    return {**call, "function": {**call["function"], "arguments": json.dumps(shorter, ensure_ascii=False)}}
 
 
 def zone_form(message: Mapping[str, Any], tool: str, level: int) -> dict[str, Any] | None:
@@ -1428,6 +1450,7 @@ class Sizes:
         text: str  # the content's text
         reasoning: int  # tokens a reasoning marker saves
         images: int  # tokens describing the images saves
+        arguments: int  # tokens eliding long tool-call arguments saves (estimated)
 
     def parts(self, i: int) -> Sizes.Parts:
         if i not in self._parts:
@@ -1443,8 +1466,17 @@ class Sizes:
                 text,
                 reasoning,
                 sum(image_tokens(p) - ESTIMATED_MARKER for p in pictures),
+                sum(self._arguments_saved(c["function"].get("arguments")) for c in m.get("tool_calls") or []),
             )
         return self._parts[i]
+
+    def _arguments_saved(self, arguments: Any) -> int:
+        """What :func:`_shorter_call` saves on ``arguments``, estimated at their own density (with a margin)."""
+        shorter = _shorter_call({"function": {"arguments": arguments}})["function"]["arguments"]
+        if shorter == arguments:
+            return 0
+        count = self.tokenizer.count
+        return count(arguments) - math.ceil(count(arguments) * len(shorter) / len(arguments) * 1.15) - ESTIMATED_MARKER
 
     def _estimate(self, i: int, how: Any) -> int:
         full, count = self.full[i], self.tokenizer.count
@@ -1466,6 +1498,8 @@ class Sizes:
             saved = part.reasoning + (part.images if how in ("least", "light") else 0)
             if how == "least" and len(part.text) > 2 * sum(LEAST_TEXT):
                 saved += count(part.text) - kept(sum(LEAST_TEXT))
+            if how == "least":
+                saved += part.arguments
         scaled = math.ceil(max(0, saved) * self.tokenizer.scale)
         return full - scaled if scaled >= MIN_SAVING else full
 
@@ -1815,7 +1849,7 @@ def change_kind(original: Mapping[str, Any], reduced: Mapping[str, Any]) -> str:
     ``elided`` (a head and tail kept), ``image`` (images described) or ``reasoning`` (reasoning replaced)."""
     content = str(reduced.get("content"))
     if content == str(original.get("content")):
-        return "reasoning"
+        return "reasoning" if reduced.get("tool_calls") == original.get("tool_calls") else "elided"
     if content.startswith("[tool result cleared:"):
         return "cleared"
     return "elided" if "tokens elided …]" in content else "image"
@@ -1830,6 +1864,34 @@ TIERS = (
     ("drop_turns", "dropped"),
     ("elide", "elided"),
 )  # the ladder's rungs as the report names them; fmt: skip
+
+
+def trim_changes(original: Sequence[Mapping[str, Any]], plan: CutPlan, sizes: Sizes) -> list[dict[str, Any]]:
+    """One ``{index, change, tokens}`` per changed message of the plan (``sizes`` are of the messages the plan
+    was made for: ``original`` after the diet, if any)."""
+    messages, count = sizes.messages, sizes.tokenizer
+    changed = {
+        i: {"index": i, "change": "diet", "tokens": count_messages([original[i]], count)[0][0] - sizes.full[i]}
+        for i in range(sizes.n)
+        if messages[i] is not original[i]
+    }
+    for i, (form, size) in plan.forms.items():
+        changed[i] = {"index": i, "change": change_kind(messages[i], form), "tokens": sizes.full[i] - size}
+    return [changed[i] for i in sorted(changed)]
+
+
+def trim_tiers(
+    changes: Sequence[Mapping[str, Any]], dropped: int, gone: int, diet: Mapping[str, int] | None
+) -> list[dict[str, Any]]:
+    """The ``tiers`` of a trim report: per rung of the ladder, the messages it touched and the tokens it saved."""
+    tiers = [{"tier": "diet", "messages": diet["messages"], "tokens": diet["tokens_saved"]}] if diet else []
+    for tier, kind in TIERS:
+        found = [c for c in changes if c["change"] == kind]
+        if kind == "dropped" and dropped:
+            tiers.append({"tier": tier, "messages": dropped, "tokens": gone})
+        elif found:
+            tiers.append({"tier": tier, "messages": len(found), "tokens": sum(c["tokens"] for c in found)})
+    return tiers
 
 
 def plan_trim(
@@ -1899,21 +1961,10 @@ def trim_messages(
     indices = [*plan.pins, *range(plan.cut, n)]
     kept = [*messages[:lead], *(plan.forms[i][0] if i in plan.forms else messages[i] for i in indices)]
     after = fixed + sizes.prefix[lead] + sum(plan.forms[i][1] if i in plan.forms else sizes.full[i] for i in indices)
-    diets = {i: {"index": i, "change": "diet", "tokens": 0} for i in range(n) if messages[i] is not original[i]}
-    reductions = {
-        i: {"index": i, "change": change_kind(messages[i], form), "tokens": sizes.full[i] - size}
-        for i, (form, size) in plan.forms.items()
-    }
-    changes = [{**diets, **reductions}[i] for i in sorted({*diets, *reductions})]
+    changes = trim_changes(original, plan, sizes)
     dropped = plan.cut - lead - len(plan.pins)
     gone = sizes.full_sum(lead, plan.cut) - sizes.full_sum(plan.pins.start, plan.pins.stop)
-    tiers = [{"tier": "diet", "messages": diet["messages"], "tokens": diet["tokens_saved"]}] if diet else []
-    for tier, kind in TIERS:
-        found = [c for c in changes if c["change"] == kind]
-        if kind == "dropped" and dropped:
-            tiers.append({"tier": tier, "messages": dropped, "tokens": gone})
-        elif found:
-            tiers.append({"tier": tier, "messages": len(found), "tokens": sum(c["tokens"] for c in found)})
+    tiers = trim_tiers(changes, dropped, gone, diet)
     if alternate_roles:
         merged = merge_same_roles(kept)
         if len(merged) < len(kept):
@@ -2918,12 +2969,12 @@ def plan_compaction(
     ``start`` follows the leading system messages (an earlier summary among them is part of the span, to be
     folded into the new one). ``end`` starts the kept tail, chosen by the trimming rule with nothing reduced
     (:class:`StableReplay`): the tail always fits ``room`` tokens; the tail a previous compaction of the same
-    history kept stays while it fits, and is cut again to half the room when it does not, so repeated calls
-    pick the same span (and summary) until the tail has grown by half the room. The cut never moves back,
-    and the newest ``keep_last`` messages stay unless they alone do not fit. With ``room=None`` (``force``)
-    the tail is exactly the newest ``keep_last`` messages (whole units). ``pins`` are the opening user
-    messages of the turn the tail starts in: they are kept right after the summary, so the history still
-    starts on a user turn and an open agent loop can be compacted.
+    history kept stays while it fits, and is cut again to three quarters of the room when it does not, so
+    repeated calls pick the same span (and summary) until the tail has grown by a quarter of the room. The cut
+    never moves back, and the newest ``keep_last`` messages stay unless they alone do not fit. With
+    ``room=None`` (``force``) the tail is exactly the newest ``keep_last`` messages (whole units). ``pins`` are
+    the opening user messages of the turn the tail starts in: they are kept right after the summary, so the
+    history still starts on a user turn and an open agent loop can be compacted.
     """
     shape = history_shape(messages)
     lead, n = shape.lead, len(messages)
@@ -2936,7 +2987,7 @@ def plan_compaction(
     if room is None:
         end = shape.candidates[bisect.bisect_right(shape.candidates, max(lead, n - keep_last)) - 1]
     elif planner.feasible(n):
-        end = StableReplay(planner, max(1, room // 2), floor=0).run().cut
+        end = StableReplay(planner, max(1, room * 3 // 4), floor=0).run().cut
     else:  # not even the newest unit fits the room: a summary can still stand for everything before it
         end = planner.last(n)
     return start, end, planner.pins(end, n)
@@ -2989,7 +3040,7 @@ def compact_messages(
     lead = _leading_system(messages)
     fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens + tokenizer.format.per_message
     # The kept tail, with the summary, fits target_ratio x the budget, so the next turns need no compaction; it
-    # moves in steps of half that room, so later calls pick the same span (and summary) meanwhile.
+    # moves in steps of a quarter of that room, so later calls pick the same span (and summary) meanwhile.
     room = None if force else int(target_ratio * budget) - fixed - max_summary_tokens  # force: exactly keep_last
     start, end, pins = plan_compaction(messages, tokenizer, keep_last, room, counts)
     replaced = end - start - len(pins)
@@ -4334,7 +4385,7 @@ PROXY_PORT = 8787
 PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
 PROXY_TRIGGER = 0.9  # shrink above this share of the budget (window minus the reply's reserve)
 PROXY_TRIM_RATIO = 0.6  # stable cuts: the kept part is about this share of the budget after a cut moves
-PROXY_COMPACT_RATIO = 0.7  # compaction's kept share (bench/replay.py: less prefill and more budget use than 0.5)
+PROXY_COMPACT_RATIO = 0.85  # compaction keeps a tail of up to this share of the budget (bench/proxy.py)
 PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 PROXY_TIMEOUT = 600.0
 SUMMARY_BACKOFF = 120.0  # seconds before a summariser that failed is asked again
@@ -4568,6 +4619,7 @@ async def proxy_summary(
     window: int,
     authorization: str | None,
     tokenizer: Tokenizer,
+    max_summary_tokens: int,
 ) -> tuple[str, bool]:
     """The summary of the plan's span, by the configured summariser or the upstream's model, reusing
     the span-summary cache (a repeated span costs no call; a longer one folds the earlier summary).
@@ -4591,7 +4643,7 @@ async def proxy_summary(
     found, _, positions = previous_summary_in([m for _, m in items])
     items = [item for k, item in enumerate(items) if k not in positions]
     span = [m for _, m in items]
-    filed = f"model {model} @ {url} | {config.max_summary_tokens} | anchored=True"
+    filed = f"model {model} @ {url} | {max_summary_tokens} | anchored=True"
     done, previous, chain = state.server.summarised_start(filed, span)
     if done == len(span) and previous:
         return previous, True
@@ -4607,7 +4659,7 @@ async def proxy_summary(
         raise ContextShrinkError(f"{failed[1]} (not asked again for {SUMMARY_BACKOFF:g} s)")
     try:
         text, _, _ = await summarise_messages(
-            span[done:], tokenizer, window, config.max_summary_tokens, call, previous=previous, replies=replies
+            span[done:], tokenizer, window, max_summary_tokens, call, previous=previous, replies=replies
         )
     except ContextShrinkError as exc:
         state.remember(state.summariser_failed, filed, (time.monotonic(), str(exc)))
@@ -4659,6 +4711,7 @@ async def shrink_request(
     if diet and total + tools_tokens <= trigger:
         return done(lighter, "diet")
     options = {"tools": tools, "keep_last": config.keep_last}  # it gives way by itself when it does not fit
+    summary_tokens = min(config.max_summary_tokens, max(256, budget // 16))  # a summary sized to the window
     # Trimming (stable cuts, to under the trigger so the next turns fit too) and compaction, as configured.
     trim = functools.partial(
         trim_messages, tokenizer=tokenizer, max_context_tokens=trigger, target_ratio=PROXY_TRIM_RATIO, **options
@@ -4668,7 +4721,7 @@ async def shrink_request(
         tokenizer=tokenizer,
         max_context_tokens=budget,
         threshold=0,
-        max_summary_tokens=config.max_summary_tokens,
+        max_summary_tokens=summary_tokens,
         target_ratio=PROXY_COMPACT_RATIO,
         **options,
     )
@@ -4679,7 +4732,9 @@ async def shrink_request(
     plan = await anyio.to_thread.run_sync(functools.partial(compact, lighter, summary=None))
     if plan["needs_summary"]:
         try:
-            text, cached = await proxy_summary(state, lighter, plan, model, window, authorization, tokenizer)
+            text, cached = await proxy_summary(
+                state, lighter, plan, model, window, authorization, tokenizer, summary_tokens
+            )
         except ContextShrinkError as exc:
             reason = f"summary failed: {exc}"
             log.warning("proxy: %s; trimming instead", reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import context_shrink as cs
@@ -68,9 +69,13 @@ def check_honest(messages: list[dict[str, Any]], result: dict[str, Any], tok: cs
             assert i not in changed, f"messages[{i}] is listed as changed but is the input's own"
             continue
         assert i in changed, f"messages[{i}] changed silently"
-        assert {k: v for k, v in m.items() if k not in ("content", *cs.REASONING_KEYS)} == {
-            k: v for k, v in original.items() if k not in ("content", *cs.REASONING_KEYS)
+        assert {k: v for k, v in m.items() if k not in ("content", "tool_calls", *cs.REASONING_KEYS)} == {
+            k: v for k, v in original.items() if k not in ("content", "tool_calls", *cs.REASONING_KEYS)
         }
+        for call, before in zip(m.get("tool_calls") or [], original.get("tool_calls") or [], strict=True):
+            if call != before:  # only long arguments shortened, still JSON, with the marker
+                assert call["id"] == before["id"] and call["function"]["name"] == before["function"]["name"]
+                assert MARKERS[0] in call["function"]["arguments"] and json.loads(call["function"]["arguments"])
         if m.get("content") != original.get("content"):
             text = str(m["content"])
             assert text.startswith("[tool result cleared: ") or any(x in text for x in MARKERS) or " cut …]" in text

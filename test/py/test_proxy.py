@@ -253,6 +253,16 @@ def test_a_refusal_after_the_retry_reaches_the_client(tmp_path: Path) -> None:
     assert "retried=1" in reply.headers["x-context-shrink"]
 
 
+def test_a_refused_request_that_cannot_get_smaller_is_not_sent_again(tmp_path: Path) -> None:
+    """Nothing of a system prompt and one long question can go: the refusal reaches the client at once."""
+    fake = FakeOpenAI(window=500)
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "why " * 2000}]
+    with serve(fake) as upstream, proxy(upstream, "--window", "100000", "--no-archive", log=tmp_path / "log") as url:
+        reply = chat(url, {"model": "m", "messages": messages, "max_tokens": 10})
+    assert reply.status_code == 400 and len(fake.oversized) == 1  # not re-sent unchanged
+    assert "a retry would not be smaller" in reply.headers["x-context-shrink"]
+
+
 def test_an_upstream_error_passes_through_with_the_header(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=100_000, script=["500"])
     with serve(fake) as upstream, proxy(upstream, "--window", "100000", "--no-archive", log=tmp_path / "log") as url:

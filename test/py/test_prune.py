@@ -191,7 +191,7 @@ def test_tier_three_elides_the_newest_result_when_it_alone_is_too_big(tok: cs.To
 
 def test_partial_turn_keeps_its_user_message(tok: cs.Tokenizer) -> None:
     messages = [{"role": "system", "content": "s"}, user("refactor the parser")]
-    for k in range(8):  # big tool-call arguments cannot be cleared, only dropped
+    for k in range(8):  # big tool-call arguments: old ones keep a head and tail of each long value
         call = {
             "id": f"w{k}",
             "type": "function",
@@ -202,8 +202,10 @@ def test_partial_turn_keeps_its_user_message(tok: cs.Tokenizer) -> None:
     total = cs.count_messages(messages, tok)[1]
     result = check_trim(messages, tok, total // 2, keep_last=2)
     assert result["pinned_user_index"] == 1 and result["messages"][1] is messages[1]
-    assert result["messages"][2]["role"] == "assistant" and result["budget_use"] >= 0.7  # whole units of ~400
-    assert [t["tier"] for t in result["tiers"]] == ["drop_turns"]
+    assert result["messages"][2]["role"] == "assistant" and result["budget_use"] >= 0.9
+    assert {t["tier"] for t in result["tiers"]} <= {"drop_turns", "elide"}
+    shortened = [m for m in result["messages"] if m.get("tool_calls") and "tokens elided" in str(m["tool_calls"])]
+    assert all(json.loads(m["tool_calls"][0]["function"]["arguments"])["text"] for m in shortened)  # still JSON
 
 
 def test_best_effort_when_nothing_can_fit(tok: cs.Tokenizer) -> None:
