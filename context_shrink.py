@@ -309,14 +309,39 @@ class Overflow:
 
 
 class ContextShrinkError(ValueError):
-    """Bad input or a failed operation; the message names what was wrong and what to do next.
+    """Bad input or a failed operation; the message names what was wrong and what to do next. Callers that
+    need to know more test a subclass and its attributes, never the message."""
 
-    ``overflow`` is set when a backend refused a request for its length (see :func:`parse_overflow`).
-    """
 
-    def __init__(self, message: str, *, overflow: Overflow | None = None) -> None:
+class ConfigError(ContextShrinkError):
+    """A setting that cannot be used; ``variable`` names it (an environment variable or a flag)."""
+
+    def __init__(self, message: str, *, variable: str) -> None:
         super().__init__(message)
-        self.overflow = overflow
+        self.variable = variable
+
+
+class BackendError(ContextShrinkError):
+    """An OpenAI-compatible backend did not answer as asked. ``url`` is what was asked; ``status`` the HTTP
+    status (None when nothing came back); ``unreachable`` says no connection could be made; ``overflow`` is
+    set when it refused the request for its length (see :func:`parse_overflow`)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str,
+        status: int | None = None,
+        unreachable: bool = False,
+        overflow: Overflow | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.url, self.status, self.unreachable, self.overflow = url, status, unreachable, overflow
+
+    @property
+    def missing(self) -> bool:
+        """The server has no such endpoint (404, 405, 501), as opposed to refusing this request."""
+        return self.status in (404, 405, 501)
 
 
 def _type_name(value: Any) -> str:
@@ -3277,16 +3302,17 @@ class Backend:
                 if attempt < retries:
                     await _sleep(delay)
                     continue
-                raise ContextShrinkError(
-                    self._redact(f"backend unreachable: {url} ({exc}); check {self.setting}")
+                raise BackendError(
+                    self._redact(f"backend unreachable: {url} ({exc}); check {self.setting}"), url=url, unreachable=True
                 ) from None
             except httpx2.TimeoutException as exc:
-                raise ContextShrinkError(
+                raise BackendError(
                     f"backend timeout: no reply from {url} within the timeout ({type(exc).__name__}); "
-                    "raise CONTEXT_SHRINK_TIMEOUT"
+                    "raise CONTEXT_SHRINK_TIMEOUT",
+                    url=url,
                 ) from None
             except httpx2.TransportError as exc:
-                raise ContextShrinkError(self._redact(f"backend connection to {url} failed: {exc}")) from None
+                raise BackendError(self._redact(f"backend connection to {url} failed: {exc}"), url=url) from None
             if response.status_code in RETRY_STATUSES and attempt < retries:
                 with contextlib.suppress(ValueError):
                     delay = min(float(response.headers.get("retry-after", "")), MAX_RETRY_AFTER)
@@ -3298,12 +3324,18 @@ class Backend:
                 parsed = None
             if response.status_code >= 400:
                 message = _upstream_message(parsed, response.text, response.reason_phrase)
-                raise ContextShrinkError(
+                raise BackendError(
                     self._redact(f"backend {response.status_code}: {message}"),
+                    url=url,
+                    status=response.status_code,
                     overflow=parse_overflow(parsed if parsed is not None else response.text),
                 )
             if parsed is None:
-                raise ContextShrinkError(f"backend {response.status_code}: the reply from {url} is not JSON")
+                raise BackendError(
+                    f"backend {response.status_code}: the reply from {url} is not JSON",
+                    url=url,
+                    status=response.status_code,
+                )
             return parsed
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -3314,11 +3346,11 @@ class Backend:
         try:
             message = reply["choices"][0]["message"]
         except (KeyError, IndexError, TypeError):
-            raise ContextShrinkError("backend 200: not a chat completion reply") from None
+            raise BackendError("backend 200: not a chat completion reply", url=self.base_url, status=200) from None
         content = message.get("content") if isinstance(message, dict) else None
         called = isinstance(message, dict) and bool(message.get("tool_calls"))
         if not called and (not isinstance(content, str) or not content.strip()):
-            raise ContextShrinkError("backend 200: the reply holds no text, not a summary")
+            raise BackendError("backend 200: the reply holds no text, not a summary", url=self.base_url, status=200)
         text = Reply(content if isinstance(content, str) else "")
         text.finish_reason = "tool_calls" if called else reply["choices"][0].get("finish_reason")
         return text
@@ -3353,12 +3385,11 @@ class Backend:
         for method in [known] if known else COUNT_METHODS:
             try:
                 tokens = await self._count_with(method, body)
-            except ContextShrinkError as exc:
+            except BackendError as exc:
                 reasons.append(f"{method}: {exc}")
-                if "unreachable" in str(exc):  # no point probing the other endpoints
+                if exc.unreachable:  # no point probing the other endpoints
                     break
-                # 404/405/501 mean "no such endpoint"; anything else may be about this request only.
-                unsupported = unsupported and bool(re.match(r"backend (404|405|501)\b", str(exc)))
+                unsupported = unsupported and exc.missing  # anything else may be about this request only
                 continue
             except (KeyError, TypeError, ValueError):
                 reasons.append(f"{method}: unexpected reply")
@@ -3424,9 +3455,9 @@ class Backend:
                       "LM Studio /api/v0/models"):  # fmt: skip
             try:
                 window = await self._window_from(probe, model)
-            except ContextShrinkError as exc:
+            except BackendError as exc:
                 reasons.append(f"{probe}: {exc}")
-                if "unreachable" in str(exc):
+                if exc.unreachable:
                     break
                 continue
             except (KeyError, TypeError, ValueError, AttributeError):
@@ -4107,7 +4138,7 @@ def build_server(config: Config | None = None) -> MCPServer:
                     guard=guard,
                 )
             except ContextShrinkError as exc:
-                overflow = exc.overflow
+                overflow = exc.overflow if isinstance(exc, BackendError) else None
                 if overflow is None or attempt == 1:
                     raise ContextShrinkError(str(exc) + "".join(f"; {n}" for n in notes)) from None
                 # The summariser refused a request for its length: its limit, in our units, is the limit

@@ -143,3 +143,25 @@ def test_timeouts_are_not_retried(sleeps: list[float]) -> None:
     with pytest.raises(cs.ContextShrinkError, match="backend timeout"):
         chat(backend(handler))
     assert sleeps == []
+
+
+def test_errors_carry_attributes_not_just_text(sleeps: list[float]) -> None:
+    """Callers branch on BackendError's attributes: status, url, unreachable, missing and overflow."""
+    overflow = {"error": {"code": 400, "message": "request (9000 tokens) exceeds the available context size "
+                          "(4096 tokens)", "type": "exceed_context_size_error", "n_prompt_tokens": 9000,
+                          "n_ctx": 4096}}  # fmt: skip
+    cases = {404: {"error": {"message": "File Not Found"}}, 400: overflow, 401: {"error": {"message": "no key"}}}
+    for status, body in cases.items():
+        with pytest.raises(cs.BackendError) as info:
+            chat(backend(lambda _, status=status, body=body: httpx2.Response(status, json=body)))
+        error = info.value
+        assert error.status == status and error.url == "http://backend.test/v1/chat/completions"
+        assert not error.unreachable and error.missing == (status == 404)
+        assert (error.overflow == cs.Overflow(4096, 9000)) == (status == 400)
+
+    def refuse(_: httpx2.Request) -> httpx2.Response:
+        raise httpx2.ConnectError("refused")
+
+    with pytest.raises(cs.BackendError) as info:
+        chat(backend(refuse))
+    assert info.value.unreachable and info.value.status is None and isinstance(info.value, cs.ContextShrinkError)
