@@ -1276,7 +1276,383 @@ def merge_same_roles(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
 
 
 # =============================================================================
-# 6. Estimating and trimming (pure)
+# 6. The verbatim diet (pure): fewer lines, every kept line copied exactly
+# =============================================================================
+# Each stage takes the indices of the lines still kept and returns the indices it keeps plus a manifest
+# entry; rendering puts a one-line marker where lines were cut. The marker is the only text that is
+# not from the input.
+
+DIET_ERROR = re.compile(
+    r"\b(error|errors|exception|traceback|fail|failed|failure|failures|fatal|panic|warning|warn|assert\w*)\b"
+    r"|^E\s|^\s*FAIL",
+    re.IGNORECASE,
+)
+DIET_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+DIET_MIN_DEDUPE = 8  # a line shorter than this (stripped) is never removed as a duplicate: "}" is structure
+DIET_BLOCK = 3  # the shortest repeated block removed as one
+DIET_CONTEXT = 2  # lines of context around a query hit or an error line
+DIET_HEAD, DIET_TAIL = 10, 20  # lines always kept by the extractive summary
+
+
+def diet_marker(cut: int) -> str:
+    """The one line that stands where ``cut`` consecutive lines were removed."""
+    return f"[… {cut} line{'s' * (cut != 1)} cut …]"
+
+
+def render_kept(lines: Sequence[str], kept: Sequence[int]) -> list[str]:
+    """The kept lines in order, with a marker for every gap (including before the first and after the last)."""
+    out: list[str] = []
+    previous = -1
+    for i in kept:
+        if i > previous + 1:
+            out.append(diet_marker(i - previous - 1))
+        out.append(lines[i])
+        previous = i
+    if len(lines) > previous + 1:
+        out.append(diet_marker(len(lines) - previous - 1))
+    return out
+
+
+def _stage(
+    name: str,
+    lines: Sequence[str],
+    before: Sequence[int],
+    after: Sequence[int],
+    count: Callable[[str], int],
+    **extra: Any,
+) -> dict[str, Any]:
+    kept = set(after)
+    gone = [i for i in before if i not in kept]
+    return {
+        "stage": name,
+        "lines_kept": len(after),
+        "lines_removed": len(gone),
+        "bytes_kept": sum(len(lines[i].encode()) + 1 for i in kept),
+        "bytes_removed": sum(len(lines[i].encode()) + 1 for i in gone),
+        "tokens_kept": sum(count(lines[i]) for i in kept),
+        "tokens_removed": sum(count(lines[i]) for i in gone),
+        **extra,
+    }
+
+
+def dedupe_lines(
+    lines: Sequence[str], kept: Sequence[int], count: Callable[[str], int], exact_only: bool = False
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """Remove repeated blocks, then repeated lines, then (unless ``exact_only``) lines that differ from an
+    earlier one only in ``0x…`` addresses. The first occurrence stays; later ones are counted.
+
+    Lines shorter than a few characters (braces, blank lines) are structure, never removed alone.
+    """
+    seen_block: dict[tuple[str, ...], int] = {}
+    drop: set[int] = set()
+    blocks: dict[int, list[int]] = {}  # first line of a block -> its repeats' first lines
+    pos = 0
+    order = list(kept)
+    while pos + DIET_BLOCK <= len(order):
+        window = tuple(lines[i] for i in order[pos : pos + DIET_BLOCK])
+        first = seen_block.get(window)
+        if first is not None and first + DIET_BLOCK <= pos and any(len(x.strip()) >= DIET_MIN_DEDUPE for x in window):
+            size = DIET_BLOCK
+            while (
+                pos + size < len(order)
+                and first + size < pos
+                and lines[order[pos + size]] == lines[order[first + size]]
+            ):
+                size += 1
+            drop.update(order[pos : pos + size])
+            blocks.setdefault(order[first], []).append(order[pos])
+            pos += size
+            continue
+        seen_block.setdefault(window, pos)
+        pos += 1
+    after_blocks = [i for i in order if i not in drop]
+    exact: dict[str, list[int]] = {}
+    near: dict[str, list[int]] = {}
+    seen_line: dict[str, int] = {}
+    seen_shape: dict[str, int] = {}
+    for i in after_blocks:
+        text = lines[i]
+        if len(text.strip()) < DIET_MIN_DEDUPE:
+            continue
+        if text in seen_line:
+            exact.setdefault(str(seen_line[text]), []).append(i)
+            continue
+        seen_line[text] = i
+        shape = DIET_ADDRESS.sub("0x…", text)
+        if not exact_only and shape != text and shape in seen_shape:
+            near.setdefault(str(seen_shape[shape]), []).append(i)
+            continue
+        seen_shape.setdefault(shape, i)
+    dup_lines = {i for group in exact.values() for i in group}
+    near_lines = {i for group in near.values() for i in group}
+    # A cut must pay for its marker: a gap whose lines cost fewer tokens than the marker is put back.
+    removed = drop | dup_lines | near_lines
+    cost = count(diet_marker(99))
+    run: list[int] = []
+    for i in [*order, None]:
+        if i is not None and i in removed:
+            run.append(i)
+            continue
+        if run and sum(count(lines[j]) for j in run) <= cost:
+            drop.difference_update(run)
+            dup_lines.difference_update(run)
+            near_lines.difference_update(run)
+        run = []
+    after_blocks = [i for i in order if i not in drop]
+    after_lines = [i for i in after_blocks if i not in dup_lines and i not in near_lines]
+
+    def top(groups: Mapping[Any, list[int]]) -> list[dict[str, Any]]:
+        ranked = sorted(groups.items(), key=lambda g: -len(g[1]))[:20]
+        return [{"first_line": int(k) + 1, "text": _one_line(lines[int(k)]), "repeats": len(v)} for k, v in ranked]
+
+    stages = [
+        _stage("dedupe_blocks", lines, order, after_blocks, count, repeated=top(blocks)),
+        _stage(
+            "dedupe_lines",
+            lines,
+            after_blocks,
+            [i for i in after_blocks if i not in dup_lines],
+            count,
+            repeated=top(exact),
+        ),
+    ]
+    if not exact_only:
+        before_near = [i for i in after_blocks if i not in dup_lines]
+        stages.append(_stage("near_duplicates", lines, before_near, after_lines, count, repeated=top(near)))
+    return after_lines, stages
+
+
+def _query_terms(query: str | Sequence[str]) -> list[str]:
+    words = re.findall(r"\w+", query if isinstance(query, str) else " ".join(query))
+    return sorted({w.lower() for w in words if len(w) >= 2})
+
+
+def _around(hits: Sequence[int], kept: Sequence[int], context: int) -> list[int]:
+    """``hits`` and ``context`` kept lines either side of each (windows merge where they overlap)."""
+    position = {i: k for k, i in enumerate(kept)}
+    chosen: set[int] = set()
+    for hit in hits:
+        k = position[hit]
+        chosen.update(kept[max(0, k - context) : k + context + 1])
+    return sorted(chosen)
+
+
+def extract_lines(
+    lines: Sequence[str],
+    kept: Sequence[int],
+    query: str | Sequence[str],
+    count: Callable[[str], int],
+    context: int = DIET_CONTEXT,
+) -> tuple[list[int], dict[str, Any]]:
+    """Keep the lines containing any query word (case-insensitive, whole words) and ``context`` lines around."""
+    terms = _query_terms(query)
+    if not terms:
+        raise ContextShrinkError("query must contain at least one word of two or more characters")
+    pattern = re.compile(r"\b(" + "|".join(re.escape(t) for t in terms) + r")\b", re.IGNORECASE)
+    hits = [i for i in kept if pattern.search(lines[i])]
+    after = _around(hits, kept, context)
+    return after, _stage("extract", lines, kept, after, count, terms=terms, hits=len(hits))
+
+
+def summary_lines(
+    lines: Sequence[str], kept: Sequence[int], count: Callable[[str], int]
+) -> tuple[list[int], dict[str, Any]]:
+    """The extractive summary: error, failure and warning lines with their context, plus head and tail."""
+    errors = [i for i in kept if DIET_ERROR.search(lines[i])]
+    after = sorted(set(_around(errors, kept, DIET_CONTEXT)) | set(kept[:DIET_HEAD]) | set(kept[-DIET_TAIL:]))
+    return after, _stage("summary", lines, kept, after, count, error_lines=len(errors))
+
+
+def pack_lines(
+    lines: Sequence[str],
+    kept: Sequence[int],
+    budget: int,
+    count: Callable[[str], int],
+    *,
+    protect: Sequence[str] = (),
+    query: str | Sequence[str] | None = None,
+    on_overflow: str = "fail",
+) -> tuple[list[int], dict[str, Any]]:
+    """Fit the kept lines into ``budget`` tokens (markers included): protected lines first, then error lines
+    with their context, then query hits with theirs, then the rest in original order.
+
+    If the protected lines alone exceed the budget: ``on_overflow="fail"`` raises naming every one,
+    ``"partial"`` keeps them all and reports the shortfall.
+    """
+    if on_overflow not in ("fail", "partial"):
+        raise ContextShrinkError(f"on_overflow must be 'fail' or 'partial', got {on_overflow!r}")
+    needles = [p for p in protect if p]
+    protected = [i for i in kept if any(p in lines[i] for p in needles)]
+    errors = _around([i for i in kept if DIET_ERROR.search(lines[i])], kept, DIET_CONTEXT)
+    terms = _query_terms(query) if query else []
+    pattern = re.compile(r"\b(" + "|".join(re.escape(t) for t in terms) + r")\b", re.IGNORECASE) if terms else None
+    hits = _around([i for i in kept if pattern.search(lines[i])], kept, DIET_CONTEXT) if pattern else []
+
+    def size(chosen: Collection[int]) -> int:
+        return sum(count(x) + 1 for x in render_kept(lines, sorted(chosen)))
+
+    protected_tokens = size(protected)
+    missing = [p for p in needles if not any(p in lines[i] for i in protected)]
+    if protected and protected_tokens > budget and on_overflow == "fail":
+        at_stake = "; ".join(_one_line(lines[i], 60) for i in protected)
+        raise ContextShrinkError(
+            f"the {len(protected)} protected lines alone need {protected_tokens} tokens, over the budget of {budget} "
+            f"(on_overflow='partial' keeps them anyway): {at_stake}"
+        )
+    chosen: set[int] = set(protected)
+    used = protected_tokens
+    for tier in (errors, hits, kept):
+        for i in tier:
+            if i in chosen:
+                continue
+            cost = count(lines[i]) + 1 + count(diet_marker(10**6)) + 1  # the line, and at most one more marker
+            if used + cost > budget:
+                continue
+            chosen.add(i)
+            used += cost
+    after = sorted(chosen)
+    while after and size(after) > budget and len(after) > len(protected):  # markers cost less than assumed
+        after.remove(next(i for i in reversed(after) if i not in protected))
+    return after, _stage(
+        "pack",
+        lines,
+        kept,
+        after,
+        count,
+        budget=budget,
+        protected_kept=len(protected),
+        protected_missing=missing,
+        shortfall=max(0, size(after) - budget),
+    )
+
+
+def shrink_text(
+    text: str,
+    tokenizer: Tokenizer,
+    *,
+    budget: int | None = None,
+    query: str | Sequence[str] | None = None,
+    protect: Sequence[str] = (),
+    exact_only: bool = False,
+    on_overflow: str = "fail",
+    stages: Sequence[str] = ("dedupe", "extract", "pack"),
+) -> dict[str, Any]:
+    """Shrink a text (a log, a tool output) verbatim: dedupe, near-dedupe, extract by query, pack to a budget.
+
+    Every output line is a line of the input, unchanged; gaps carry a one-line marker. The manifest
+    accounts for every stage: lines, bytes and tokens kept and removed.
+    """
+    if not isinstance(text, str):
+        raise ContextShrinkError(f"text must be a string, got {_type_name(text)}")
+    if budget is not None:
+        _check_int("budget", budget, 1, MAX_CONTEXT_TOKENS_LIMIT)
+    count = tokenizer.count
+    lines = text.split("\n")
+    kept = list(range(len(lines)))
+    manifest: list[dict[str, Any]] = []
+    if "dedupe" in stages:
+        kept, entries = dedupe_lines(lines, kept, count, exact_only)
+        manifest += entries
+    if query and "extract" in stages and budget is None:
+        kept, entry = extract_lines(lines, kept, query, count)
+        manifest.append(entry)
+    if "summary" in stages:
+        kept, entry = summary_lines(lines, kept, count)
+        manifest.append(entry)
+    if budget is not None and "pack" in stages:
+        kept, entry = pack_lines(lines, kept, budget, count, protect=protect, query=query, on_overflow=on_overflow)
+        manifest.append(entry)
+    out = "\n".join(render_kept(lines, kept))
+    protected_kept = [p for p in protect if p and any(p in lines[i] for i in kept)]
+    return {
+        "text": out,
+        "verbatim": True,
+        "input": {"lines": len(lines), "bytes": len(text.encode()), "tokens": count(text)},
+        "output": {"lines": len(kept), "bytes": len(out.encode()), "tokens": count(out)},
+        "stages": manifest,
+        "protected": {"kept": protected_kept, "missing": [p for p in protect if p and p not in protected_kept]},
+        "tokenizer": tokenizer.name,
+    }
+
+
+def check_text(
+    text: str,
+    plan: Sequence[str],
+    *,
+    markers: Sequence[str] = (),
+    fail_markers: Sequence[str] = ("FAIL",),
+    skipped: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Check that every planned item survived in ``text``: ``found`` with its evidence line (case-sensitive),
+    or ``missing``. With ``markers`` a line counts only if it holds the item and a marker (or a fail marker)
+    as a whole word; the first such line decides ``passed`` or ``failed``. Declared skips are never missing.
+    """
+    if isinstance(plan, str) or not all(isinstance(p, str) and p for p in plan):
+        raise ContextShrinkError("plan must be a list of non-empty strings")
+    lines = text.split("\n")
+
+    def word(marker: str) -> re.Pattern[str]:
+        return re.compile(rf"(?<!\w){re.escape(marker)}(?!\w)")
+
+    passing, failing = [word(m) for m in markers], [word(m) for m in fail_markers]
+    items = []
+    for item in plan:
+        if item in skipped:
+            items.append({"item": item, "status": "skipped", "evidence": None})
+            continue
+        status, evidence = "missing", None
+        for line in lines:
+            if item not in line:
+                continue
+            if not markers:
+                status, evidence = "found", line
+                break
+            if any(p.search(line) for p in failing):
+                status, evidence = "failed", line
+                break
+            if any(p.search(line) for p in passing):
+                status, evidence = "passed", line
+                break
+        items.append({"item": item, "status": status, "evidence": evidence})
+    bad = [i for i in items if i["status"] in ("missing", "failed")]
+    return {
+        "survived": not bad,
+        "items": items,
+        "counts": dict(collections.Counter(i["status"] for i in items)),
+    }
+
+
+def diet_message(message: Mapping[str, Any], min_chars: int = 2000) -> dict[str, Any] | None:
+    """A large tool result with its repeated and near-repeated lines removed (verbatim), or None if that
+    saves nothing. Depends only on the message, so the same result gives the same bytes every turn."""
+    text = message.get("content")
+    if message["role"] not in RESULT_ROLES or not isinstance(text, str) or len(text) < min_chars:
+        return None
+    lines = text.split("\n")
+    kept, _ = dedupe_lines(lines, list(range(len(lines))), HEURISTIC.count)
+    if len(kept) == len(lines):
+        return None
+    return {**message, "content": "\n".join(render_kept(lines, kept))}
+
+
+def diet_results(
+    messages: Sequence[dict[str, Any]], tokenizer: Tokenizer
+) -> tuple[list[dict[str, Any]], dict[str, int] | None]:
+    """Every large tool result dieted (:func:`diet_message`); the report says how many and what it saved."""
+    out, changed, saved = [], 0, 0
+    for m in messages:
+        lighter = diet_message(m)
+        if lighter is None:
+            out.append(m)
+            continue
+        out.append(lighter)
+        changed += 1
+        saved += count_messages([m], tokenizer)[0][0] - count_messages([lighter], tokenizer)[0][0]
+    return out, ({"messages": changed, "tokens_saved": saved} if changed else None)
+
+
+# =============================================================================
+# 7. Estimating and trimming (pure)
 # =============================================================================
 
 
@@ -2160,382 +2536,8 @@ def prune_messages(
     }
 
 
-# --- the verbatim diet: fewer lines, every kept line copied exactly ----------------------------------
-# Each stage takes the indices of the lines still kept and returns the indices it keeps plus a manifest
-# entry; rendering puts a one-line marker where lines were cut. The marker is the only text that is
-# not from the input.
-
-DIET_ERROR = re.compile(
-    r"\b(error|errors|exception|traceback|fail|failed|failure|failures|fatal|panic|warning|warn|assert\w*)\b"
-    r"|^E\s|^\s*FAIL",
-    re.IGNORECASE,
-)
-DIET_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
-DIET_MIN_DEDUPE = 8  # a line shorter than this (stripped) is never removed as a duplicate: "}" is structure
-DIET_BLOCK = 3  # the shortest repeated block removed as one
-DIET_CONTEXT = 2  # lines of context around a query hit or an error line
-DIET_HEAD, DIET_TAIL = 10, 20  # lines always kept by the extractive summary
-
-
-def diet_marker(cut: int) -> str:
-    """The one line that stands where ``cut`` consecutive lines were removed."""
-    return f"[… {cut} line{'s' * (cut != 1)} cut …]"
-
-
-def render_kept(lines: Sequence[str], kept: Sequence[int]) -> list[str]:
-    """The kept lines in order, with a marker for every gap (including before the first and after the last)."""
-    out: list[str] = []
-    previous = -1
-    for i in kept:
-        if i > previous + 1:
-            out.append(diet_marker(i - previous - 1))
-        out.append(lines[i])
-        previous = i
-    if len(lines) > previous + 1:
-        out.append(diet_marker(len(lines) - previous - 1))
-    return out
-
-
-def _stage(
-    name: str,
-    lines: Sequence[str],
-    before: Sequence[int],
-    after: Sequence[int],
-    count: Callable[[str], int],
-    **extra: Any,
-) -> dict[str, Any]:
-    kept = set(after)
-    gone = [i for i in before if i not in kept]
-    return {
-        "stage": name,
-        "lines_kept": len(after),
-        "lines_removed": len(gone),
-        "bytes_kept": sum(len(lines[i].encode()) + 1 for i in kept),
-        "bytes_removed": sum(len(lines[i].encode()) + 1 for i in gone),
-        "tokens_kept": sum(count(lines[i]) for i in kept),
-        "tokens_removed": sum(count(lines[i]) for i in gone),
-        **extra,
-    }
-
-
-def dedupe_lines(
-    lines: Sequence[str], kept: Sequence[int], count: Callable[[str], int], exact_only: bool = False
-) -> tuple[list[int], list[dict[str, Any]]]:
-    """Remove repeated blocks, then repeated lines, then (unless ``exact_only``) lines that differ from an
-    earlier one only in ``0x…`` addresses. The first occurrence stays; later ones are counted.
-
-    Lines shorter than a few characters (braces, blank lines) are structure, never removed alone.
-    """
-    seen_block: dict[tuple[str, ...], int] = {}
-    drop: set[int] = set()
-    blocks: dict[int, list[int]] = {}  # first line of a block -> its repeats' first lines
-    pos = 0
-    order = list(kept)
-    while pos + DIET_BLOCK <= len(order):
-        window = tuple(lines[i] for i in order[pos : pos + DIET_BLOCK])
-        first = seen_block.get(window)
-        if first is not None and first + DIET_BLOCK <= pos and any(len(x.strip()) >= DIET_MIN_DEDUPE for x in window):
-            size = DIET_BLOCK
-            while (
-                pos + size < len(order)
-                and first + size < pos
-                and lines[order[pos + size]] == lines[order[first + size]]
-            ):
-                size += 1
-            drop.update(order[pos : pos + size])
-            blocks.setdefault(order[first], []).append(order[pos])
-            pos += size
-            continue
-        seen_block.setdefault(window, pos)
-        pos += 1
-    after_blocks = [i for i in order if i not in drop]
-    exact: dict[str, list[int]] = {}
-    near: dict[str, list[int]] = {}
-    seen_line: dict[str, int] = {}
-    seen_shape: dict[str, int] = {}
-    for i in after_blocks:
-        text = lines[i]
-        if len(text.strip()) < DIET_MIN_DEDUPE:
-            continue
-        if text in seen_line:
-            exact.setdefault(str(seen_line[text]), []).append(i)
-            continue
-        seen_line[text] = i
-        shape = DIET_ADDRESS.sub("0x…", text)
-        if not exact_only and shape != text and shape in seen_shape:
-            near.setdefault(str(seen_shape[shape]), []).append(i)
-            continue
-        seen_shape.setdefault(shape, i)
-    dup_lines = {i for group in exact.values() for i in group}
-    near_lines = {i for group in near.values() for i in group}
-    # A cut must pay for its marker: a gap whose lines cost fewer tokens than the marker is put back.
-    removed = drop | dup_lines | near_lines
-    cost = count(diet_marker(99))
-    run: list[int] = []
-    for i in [*order, None]:
-        if i is not None and i in removed:
-            run.append(i)
-            continue
-        if run and sum(count(lines[j]) for j in run) <= cost:
-            drop.difference_update(run)
-            dup_lines.difference_update(run)
-            near_lines.difference_update(run)
-        run = []
-    after_blocks = [i for i in order if i not in drop]
-    after_lines = [i for i in after_blocks if i not in dup_lines and i not in near_lines]
-
-    def top(groups: Mapping[Any, list[int]]) -> list[dict[str, Any]]:
-        ranked = sorted(groups.items(), key=lambda g: -len(g[1]))[:20]
-        return [{"first_line": int(k) + 1, "text": _one_line(lines[int(k)]), "repeats": len(v)} for k, v in ranked]
-
-    stages = [
-        _stage("dedupe_blocks", lines, order, after_blocks, count, repeated=top(blocks)),
-        _stage(
-            "dedupe_lines",
-            lines,
-            after_blocks,
-            [i for i in after_blocks if i not in dup_lines],
-            count,
-            repeated=top(exact),
-        ),
-    ]
-    if not exact_only:
-        before_near = [i for i in after_blocks if i not in dup_lines]
-        stages.append(_stage("near_duplicates", lines, before_near, after_lines, count, repeated=top(near)))
-    return after_lines, stages
-
-
-def _query_terms(query: str | Sequence[str]) -> list[str]:
-    words = re.findall(r"\w+", query if isinstance(query, str) else " ".join(query))
-    return sorted({w.lower() for w in words if len(w) >= 2})
-
-
-def _around(hits: Sequence[int], kept: Sequence[int], context: int) -> list[int]:
-    """``hits`` and ``context`` kept lines either side of each (windows merge where they overlap)."""
-    position = {i: k for k, i in enumerate(kept)}
-    chosen: set[int] = set()
-    for hit in hits:
-        k = position[hit]
-        chosen.update(kept[max(0, k - context) : k + context + 1])
-    return sorted(chosen)
-
-
-def extract_lines(
-    lines: Sequence[str],
-    kept: Sequence[int],
-    query: str | Sequence[str],
-    count: Callable[[str], int],
-    context: int = DIET_CONTEXT,
-) -> tuple[list[int], dict[str, Any]]:
-    """Keep the lines containing any query word (case-insensitive, whole words) and ``context`` lines around."""
-    terms = _query_terms(query)
-    if not terms:
-        raise ContextShrinkError("query must contain at least one word of two or more characters")
-    pattern = re.compile(r"\b(" + "|".join(re.escape(t) for t in terms) + r")\b", re.IGNORECASE)
-    hits = [i for i in kept if pattern.search(lines[i])]
-    after = _around(hits, kept, context)
-    return after, _stage("extract", lines, kept, after, count, terms=terms, hits=len(hits))
-
-
-def summary_lines(
-    lines: Sequence[str], kept: Sequence[int], count: Callable[[str], int]
-) -> tuple[list[int], dict[str, Any]]:
-    """The extractive summary: error, failure and warning lines with their context, plus head and tail."""
-    errors = [i for i in kept if DIET_ERROR.search(lines[i])]
-    after = sorted(set(_around(errors, kept, DIET_CONTEXT)) | set(kept[:DIET_HEAD]) | set(kept[-DIET_TAIL:]))
-    return after, _stage("summary", lines, kept, after, count, error_lines=len(errors))
-
-
-def pack_lines(
-    lines: Sequence[str],
-    kept: Sequence[int],
-    budget: int,
-    count: Callable[[str], int],
-    *,
-    protect: Sequence[str] = (),
-    query: str | Sequence[str] | None = None,
-    on_overflow: str = "fail",
-) -> tuple[list[int], dict[str, Any]]:
-    """Fit the kept lines into ``budget`` tokens (markers included): protected lines first, then error lines
-    with their context, then query hits with theirs, then the rest in original order.
-
-    If the protected lines alone exceed the budget: ``on_overflow="fail"`` raises naming every one,
-    ``"partial"`` keeps them all and reports the shortfall.
-    """
-    if on_overflow not in ("fail", "partial"):
-        raise ContextShrinkError(f"on_overflow must be 'fail' or 'partial', got {on_overflow!r}")
-    needles = [p for p in protect if p]
-    protected = [i for i in kept if any(p in lines[i] for p in needles)]
-    errors = _around([i for i in kept if DIET_ERROR.search(lines[i])], kept, DIET_CONTEXT)
-    terms = _query_terms(query) if query else []
-    pattern = re.compile(r"\b(" + "|".join(re.escape(t) for t in terms) + r")\b", re.IGNORECASE) if terms else None
-    hits = _around([i for i in kept if pattern.search(lines[i])], kept, DIET_CONTEXT) if pattern else []
-
-    def size(chosen: Collection[int]) -> int:
-        return sum(count(x) + 1 for x in render_kept(lines, sorted(chosen)))
-
-    protected_tokens = size(protected)
-    missing = [p for p in needles if not any(p in lines[i] for i in protected)]
-    if protected and protected_tokens > budget and on_overflow == "fail":
-        at_stake = "; ".join(_one_line(lines[i], 60) for i in protected)
-        raise ContextShrinkError(
-            f"the {len(protected)} protected lines alone need {protected_tokens} tokens, over the budget of {budget} "
-            f"(on_overflow='partial' keeps them anyway): {at_stake}"
-        )
-    chosen: set[int] = set(protected)
-    used = protected_tokens
-    for tier in (errors, hits, kept):
-        for i in tier:
-            if i in chosen:
-                continue
-            cost = count(lines[i]) + 1 + count(diet_marker(10**6)) + 1  # the line, and at most one more marker
-            if used + cost > budget:
-                continue
-            chosen.add(i)
-            used += cost
-    after = sorted(chosen)
-    while after and size(after) > budget and len(after) > len(protected):  # markers cost less than assumed
-        after.remove(next(i for i in reversed(after) if i not in protected))
-    return after, _stage(
-        "pack",
-        lines,
-        kept,
-        after,
-        count,
-        budget=budget,
-        protected_kept=len(protected),
-        protected_missing=missing,
-        shortfall=max(0, size(after) - budget),
-    )
-
-
-def shrink_text(
-    text: str,
-    tokenizer: Tokenizer,
-    *,
-    budget: int | None = None,
-    query: str | Sequence[str] | None = None,
-    protect: Sequence[str] = (),
-    exact_only: bool = False,
-    on_overflow: str = "fail",
-    stages: Sequence[str] = ("dedupe", "extract", "pack"),
-) -> dict[str, Any]:
-    """Shrink a text (a log, a tool output) verbatim: dedupe, near-dedupe, extract by query, pack to a budget.
-
-    Every output line is a line of the input, unchanged; gaps carry a one-line marker. The manifest
-    accounts for every stage: lines, bytes and tokens kept and removed.
-    """
-    if not isinstance(text, str):
-        raise ContextShrinkError(f"text must be a string, got {_type_name(text)}")
-    if budget is not None:
-        _check_int("budget", budget, 1, MAX_CONTEXT_TOKENS_LIMIT)
-    count = tokenizer.count
-    lines = text.split("\n")
-    kept = list(range(len(lines)))
-    manifest: list[dict[str, Any]] = []
-    if "dedupe" in stages:
-        kept, entries = dedupe_lines(lines, kept, count, exact_only)
-        manifest += entries
-    if query and "extract" in stages and budget is None:
-        kept, entry = extract_lines(lines, kept, query, count)
-        manifest.append(entry)
-    if "summary" in stages:
-        kept, entry = summary_lines(lines, kept, count)
-        manifest.append(entry)
-    if budget is not None and "pack" in stages:
-        kept, entry = pack_lines(lines, kept, budget, count, protect=protect, query=query, on_overflow=on_overflow)
-        manifest.append(entry)
-    out = "\n".join(render_kept(lines, kept))
-    protected_kept = [p for p in protect if p and any(p in lines[i] for i in kept)]
-    return {
-        "text": out,
-        "verbatim": True,
-        "input": {"lines": len(lines), "bytes": len(text.encode()), "tokens": count(text)},
-        "output": {"lines": len(kept), "bytes": len(out.encode()), "tokens": count(out)},
-        "stages": manifest,
-        "protected": {"kept": protected_kept, "missing": [p for p in protect if p and p not in protected_kept]},
-        "tokenizer": tokenizer.name,
-    }
-
-
-def check_text(
-    text: str,
-    plan: Sequence[str],
-    *,
-    markers: Sequence[str] = (),
-    fail_markers: Sequence[str] = ("FAIL",),
-    skipped: Sequence[str] = (),
-) -> dict[str, Any]:
-    """Check that every planned item survived in ``text``: ``found`` with its evidence line (case-sensitive),
-    or ``missing``. With ``markers`` a line counts only if it holds the item and a marker (or a fail marker)
-    as a whole word; the first such line decides ``passed`` or ``failed``. Declared skips are never missing.
-    """
-    if isinstance(plan, str) or not all(isinstance(p, str) and p for p in plan):
-        raise ContextShrinkError("plan must be a list of non-empty strings")
-    lines = text.split("\n")
-
-    def word(marker: str) -> re.Pattern[str]:
-        return re.compile(rf"(?<!\w){re.escape(marker)}(?!\w)")
-
-    passing, failing = [word(m) for m in markers], [word(m) for m in fail_markers]
-    items = []
-    for item in plan:
-        if item in skipped:
-            items.append({"item": item, "status": "skipped", "evidence": None})
-            continue
-        status, evidence = "missing", None
-        for line in lines:
-            if item not in line:
-                continue
-            if not markers:
-                status, evidence = "found", line
-                break
-            if any(p.search(line) for p in failing):
-                status, evidence = "failed", line
-                break
-            if any(p.search(line) for p in passing):
-                status, evidence = "passed", line
-                break
-        items.append({"item": item, "status": status, "evidence": evidence})
-    bad = [i for i in items if i["status"] in ("missing", "failed")]
-    return {
-        "survived": not bad,
-        "items": items,
-        "counts": dict(collections.Counter(i["status"] for i in items)),
-    }
-
-
-def diet_message(message: Mapping[str, Any], min_chars: int = 2000) -> dict[str, Any] | None:
-    """A large tool result with its repeated and near-repeated lines removed (verbatim), or None if that
-    saves nothing. Depends only on the message, so the same result gives the same bytes every turn."""
-    text = message.get("content")
-    if message["role"] not in RESULT_ROLES or not isinstance(text, str) or len(text) < min_chars:
-        return None
-    lines = text.split("\n")
-    kept, _ = dedupe_lines(lines, list(range(len(lines))), HEURISTIC.count)
-    if len(kept) == len(lines):
-        return None
-    return {**message, "content": "\n".join(render_kept(lines, kept))}
-
-
-def diet_results(
-    messages: Sequence[dict[str, Any]], tokenizer: Tokenizer
-) -> tuple[list[dict[str, Any]], dict[str, int] | None]:
-    """Every large tool result dieted (:func:`diet_message`); the report says how many and what it saved."""
-    out, changed, saved = [], 0, 0
-    for m in messages:
-        lighter = diet_message(m)
-        if lighter is None:
-            out.append(m)
-            continue
-        out.append(lighter)
-        changed += 1
-        saved += count_messages([m], tokenizer)[0][0] - count_messages([lighter], tokenizer)[0][0]
-    return out, ({"messages": changed, "tokens_saved": saved} if changed else None)
-
-
 # =============================================================================
-# 7. Compaction: planning, rendering and chunked summarisation (pure; ``summarise`` is injected)
+# 8. Compaction: planning, rendering and chunked summarisation (pure; ``summarise`` is injected)
 # =============================================================================
 
 Summarise = Callable[[list[dict[str, Any]], int], Awaitable[str]]
@@ -3135,7 +3137,7 @@ def compact_messages(
 
 
 # =============================================================================
-# 8. The backend client (OpenAI-compatible /chat/completions over httpx2)
+# 9. The backend client (OpenAI-compatible /chat/completions over httpx2)
 # =============================================================================
 
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -3477,10 +3479,8 @@ async def _sleep(seconds: float) -> None:
 
 
 # =============================================================================
-# 9. MCP tools (thin wrappers over sections 4-8)
+# 10. Files and the archive (the only disk I/O; above both front doors)
 # =============================================================================
-
-
 def resolve_path(root: Path, path: str) -> Path:
     """``path`` resolved (symlinks included) inside ``root``; anything outside is refused."""
     if not isinstance(path, str) or not path.strip():
@@ -3639,6 +3639,113 @@ def load_text(text: str | None, path: Path | None, config: Config) -> str:
             f"the text has {lines:,} lines, over the limit of {config.max_text_lines:,} (CONTEXT_SHRINK_MAX_TEXT_LINES)"
         )
     return text
+
+
+# --- the archive: what a shrunk request no longer carries, kept verbatim for recall_context --------------
+
+ARCHIVE_HEAD_MESSAGES = 2  # a conversation is identified by a hash of its first non-system messages
+
+
+def default_archive_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``CONTEXT_SHRINK_ARCHIVE_DIR``, else ``$XDG_STATE_HOME/context-shrink/archive`` (``~/.local/state``)."""
+    env = os.environ if environ is None else environ
+    if env.get("CONTEXT_SHRINK_ARCHIVE_DIR", "").strip():
+        return Path(env["CONTEXT_SHRINK_ARCHIVE_DIR"].strip()).expanduser()
+    state = env.get("XDG_STATE_HOME", "").strip() or str(Path.home() / ".local" / "state")
+    return Path(state) / "context-shrink" / "archive"
+
+
+def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
+    """A stable id for a conversation: a hash of its leading system messages and first two others, which
+    an agent resends unchanged on every turn."""
+    lead = _leading_system(messages)
+    head = [*messages[:lead], *messages[lead : lead + ARCHIVE_HEAD_MESSAGES]]
+    return hashlib.sha256(json.dumps(head, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def message_hash(message: Mapping[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(message).encode()).hexdigest()
+
+
+def folded_away(
+    original: Sequence[Mapping[str, Any]], shrunk: Sequence[Mapping[str, Any]]
+) -> list[tuple[int, Mapping[str, Any]]]:
+    """The original messages (with their index) that do not appear verbatim in the shrunk request."""
+    kept = {message_hash(m) for m in shrunk}
+    return [(i, m) for i, m in enumerate(original) if message_hash(m) not in kept]
+
+
+def archive_messages(
+    directory: Path, conversation: str, folded: Sequence[tuple[int, Mapping[str, Any]]], seen: set[str], action: str
+) -> int:
+    """Append what a request no longer carries to ``<directory>/<conversation>.jsonl`` (each message once);
+    returns how many entries were written. ``seen`` holds the hashes already there and is updated."""
+    path = directory / f"{conversation}.jsonl"
+    if not seen and path.exists():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                seen.add(json.loads(line)["hash"])
+    lines = []
+    for index, message in folded:
+        digest = message_hash(message)
+        if digest not in seen:
+            seen.add(digest)
+            entry = {
+                "id": digest[:12],
+                "hash": digest,
+                "index": index,
+                "action": action,
+                "time": int(time.time()),
+                "message": message,
+            }
+            lines.append(json.dumps(entry, ensure_ascii=False, default=str))
+    if lines:
+        directory.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as out:
+            out.write("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def read_archive(directory: Path, conversation: str | None = None) -> list[dict[str, Any]]:
+    """Every entry of the archive (or of one conversation), oldest first within each file."""
+    if conversation is not None and not re.fullmatch(r"[0-9a-f]{16}", conversation):
+        raise ContextShrinkError(f"conversation must be a 16-character id from the archive, got {conversation!r}")
+    files = [directory / f"{conversation}.jsonl"] if conversation else sorted(directory.glob("*.jsonl"))
+    entries = []
+    for path in files:
+        if not path.is_file():
+            continue
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                if isinstance(entry, dict) and "message" in entry:
+                    entries.append({**entry, "conversation": path.stem})
+    return entries
+
+
+def search_archive(entries: Sequence[Mapping[str, Any]], query: str, limit: int) -> list[dict[str, Any]]:
+    """Archive entries matching ``query``: an entry id (or its prefix), else all query words; newest first."""
+    query = query.strip()
+    if re.fullmatch(r"[0-9a-f]{6,64}", query):
+        hits = [e for e in entries if str(e.get("id", "")).startswith(query)]
+        if hits:
+            return [dict(e) for e in hits[:limit]]
+    words = [w for w in re.findall(r"\w+", query.lower()) if w]
+    if not words:
+        raise ContextShrinkError("query must hold a word or an id from the archive")
+    found = []
+    for entry in reversed(entries):
+        text = json.dumps(entry.get("message"), ensure_ascii=False).lower()
+        if all(w in text for w in words):
+            found.append(dict(entry))
+            if len(found) >= limit:
+                break
+    return found
+
+
+# =============================================================================
+# 11. Front door one: the MCP tools (thin wrappers over the core)
+# =============================================================================
 
 
 @contextlib.contextmanager
@@ -4409,7 +4516,7 @@ def compact_schema(schema: Any) -> Any:
 
 
 # =============================================================================
-# 10. The proxy (an OpenAI-compatible HTTP front that shrinks every chat request)
+# 12. Front door two: the proxy (an OpenAI-compatible HTTP front that shrinks every chat request)
 # =============================================================================
 
 PROXY_PORT = 8787
@@ -4427,16 +4534,6 @@ HOP_HEADERS = frozenset(
     {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
      "proxy-authorization", "proxy-connection"}
 )  # fmt: skip
-ARCHIVE_HEAD_MESSAGES = 2  # a conversation is identified by a hash of its first non-system messages
-
-
-def default_archive_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """``CONTEXT_SHRINK_ARCHIVE_DIR``, else ``$XDG_STATE_HOME/context-shrink/archive`` (``~/.local/state``)."""
-    env = os.environ if environ is None else environ
-    if env.get("CONTEXT_SHRINK_ARCHIVE_DIR", "").strip():
-        return Path(env["CONTEXT_SHRINK_ARCHIVE_DIR"].strip()).expanduser()
-    state = env.get("XDG_STATE_HOME", "").strip() or str(Path.home() / ".local" / "state")
-    return Path(state) / "context-shrink" / "archive"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -4467,27 +4564,7 @@ class ProxyConfig:
         return f"{url}?{query}" if query else url
 
 
-# --- pure helpers -----------------------------------------------------------------------------------
-
-
-def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
-    """A stable id for a conversation: a hash of its leading system messages and first two others, which
-    an agent resends unchanged on every turn."""
-    lead = _leading_system(messages)
-    head = [*messages[:lead], *messages[lead : lead + ARCHIVE_HEAD_MESSAGES]]
-    return hashlib.sha256(json.dumps(head, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def message_hash(message: Mapping[str, Any]) -> str:
-    return hashlib.sha256(canonical_json(message).encode()).hexdigest()
-
-
-def folded_away(
-    original: Sequence[Mapping[str, Any]], shrunk: Sequence[Mapping[str, Any]]
-) -> list[tuple[int, Mapping[str, Any]]]:
-    """The original messages (with their index) that do not appear verbatim in the shrunk request."""
-    kept = {message_hash(m) for m in shrunk}
-    return [(i, m) for i, m in enumerate(original) if message_hash(m) not in kept]
+# --- helpers ------------------------------------------------------------------------------------------
 
 
 def calibrated(factor: float | None, estimate: int, actual: int) -> float:
@@ -4521,77 +4598,6 @@ def usage_in_stream(tail: bytes) -> int | None:
                 if isinstance(tokens, int):
                     return tokens
     return None
-
-
-def search_archive(entries: Sequence[Mapping[str, Any]], query: str, limit: int) -> list[dict[str, Any]]:
-    """Archive entries matching ``query``: an entry id (or its prefix), else all query words; newest first."""
-    query = query.strip()
-    if re.fullmatch(r"[0-9a-f]{6,64}", query):
-        hits = [e for e in entries if str(e.get("id", "")).startswith(query)]
-        if hits:
-            return [dict(e) for e in hits[:limit]]
-    words = [w for w in re.findall(r"\w+", query.lower()) if w]
-    if not words:
-        raise ContextShrinkError("query must hold a word or an id from the archive")
-    found = []
-    for entry in reversed(entries):
-        text = json.dumps(entry.get("message"), ensure_ascii=False).lower()
-        if all(w in text for w in words):
-            found.append(dict(entry))
-            if len(found) >= limit:
-                break
-    return found
-
-
-# --- the archive (the proxy's only disk I/O) -----------------------------------------------------------
-
-
-def archive_messages(
-    directory: Path, conversation: str, folded: Sequence[tuple[int, Mapping[str, Any]]], seen: set[str], action: str
-) -> int:
-    """Append what a request no longer carries to ``<directory>/<conversation>.jsonl`` (each message once);
-    returns how many entries were written. ``seen`` holds the hashes already there and is updated."""
-    path = directory / f"{conversation}.jsonl"
-    if not seen and path.exists():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            with contextlib.suppress(ValueError, AttributeError):
-                seen.add(json.loads(line)["hash"])
-    lines = []
-    for index, message in folded:
-        digest = message_hash(message)
-        if digest not in seen:
-            seen.add(digest)
-            entry = {
-                "id": digest[:12],
-                "hash": digest,
-                "index": index,
-                "action": action,
-                "time": int(time.time()),
-                "message": message,
-            }
-            lines.append(json.dumps(entry, ensure_ascii=False, default=str))
-    if lines:
-        directory.mkdir(parents=True, exist_ok=True)
-        with path.open("a", encoding="utf-8") as out:
-            out.write("\n".join(lines) + "\n")
-    return len(lines)
-
-
-def read_archive(directory: Path, conversation: str | None = None) -> list[dict[str, Any]]:
-    """Every entry of the archive (or of one conversation), oldest first within each file."""
-    if conversation is not None and not re.fullmatch(r"[0-9a-f]{16}", conversation):
-        raise ContextShrinkError(f"conversation must be a 16-character id from the archive, got {conversation!r}")
-    files = [directory / f"{conversation}.jsonl"] if conversation else sorted(directory.glob("*.jsonl"))
-    entries = []
-    for path in files:
-        if not path.is_file():
-            continue
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                entry = json.loads(line)
-                if isinstance(entry, dict) and "message" in entry:
-                    entries.append({**entry, "conversation": path.stem})
-    return entries
 
 
 # --- the shrinking pipeline ------------------------------------------------------------------------------
@@ -5055,7 +5061,7 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
 
 
 # =============================================================================
-# 11. Command line
+# 13. Command line
 # =============================================================================
 
 
