@@ -39,7 +39,7 @@ from workloads import generated, load, transcript_paths  # noqa: E402
 import context_shrink as cs  # noqa: E402
 
 REFERENCE = cs.resolve_tokenizer("tiktoken:cl100k_base")
-RAW_COUNT = REFERENCE.count._count  # the same encoder without context-shrink's cache, for the others
+RAW_COUNT = REFERENCE.count.__self__._count  # the same encoder without context-shrink's cache, for the others
 Messages = list[dict[str, Any]]
 SLOW = ("hand-written loop", "LiteLLM trim_messages")  # skipped on the 10,000-message sessions
 
