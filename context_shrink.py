@@ -9,29 +9,118 @@ messages, start the kept history on a user message and never change a kept messa
 ``context-shrink proxy --upstream URL`` serves the same machinery as an OpenAI-compatible HTTP proxy:
 every chat request is shrunk to fit the upstream's window before it is forwarded.
 
-The module reads top to bottom: configuration, the error type, token counting, message helpers,
-trimming, compaction, the backend client, the MCP tools, the proxy, and the command line. Sections
-4-7 are pure functions (no I/O); the backend is the only network code and is injected into compaction.
+The module reads top to bottom, each section using only the ones above it:
+ 1. header                      6. the verbatim diet (pure)          11. files and the archive
+ 2. the error types             7. estimating and trimming (pure)    12. front door one: the MCP tools
+ 3. constants, configuration    8. compaction, summarise_span (pure) 13. front door two: the proxy
+ 4. token counting (pure)       9. the shrinking pipeline (pure)     14. the command line
+ 5. message helpers (pure)     10. the backend client (httpx2)
+Sections 4-9 do no I/O: the backend reaches them only as an injected summariser. Both front doors are thin
+shells over :func:`shrink` and :func:`summarise_span`, and read their settings through :class:`Settings`.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = [
+__all__ = [  # the public API: what the tests, the benchmarks and the examples use
+    "ANCHOR_HEADING",
+    "CALIBRATION_LIMITS",
+    "CORE_TOOLS",
+    "COUNT_METHODS",
+    "DEFAULT_BASE_URL",
+    "HEURISTIC",
+    "HEURISTIC_NON_ASCII_WEIGHTS",
+    "HEURISTIC_SAFETY",
+    "HEURISTIC_WEIGHTS",
+    "IMAGE_TOKENS_DEFAULT",
+    "MAX_CONTEXT_TOKENS_LIMIT",
+    "MAX_RETRY_AFTER",
+    "MERGE_PROMPT",
+    "PROXY_MAX_RESERVE",
+    "REASONING_KEYS",
+    "RESULT_ROLES",
+    "SUMMARY_MARKER",
+    "SUMMARY_PROMPT",
+    "SYSTEM_ROLES",
+    "TOOL_NAMES",
+    "TRANSCRIPT_BEGIN",
+    "TRANSCRIPT_END",
+    "Backend",
+    "BackendCaches",
+    "BackendError",
     "Config",
+    "ConfigError",
     "ContextShrinkError",
+    "Overflow",
+    "Policy",
+    "ProxyConfig",
+    "Reply",
+    "Settings",
+    "Summariser",
+    "SummaryCache",
     "Tokenizer",
+    "analyze_messages",
+    "anchor_summary",
+    "anchored_in",
     "api_problems",
+    "archive_messages",
+    "build_proxy",
     "build_server",
+    "cached_count",
+    "calibrated",
+    "canonical_json",
+    "check_text",
+    "clean_summary",
+    "cleared_result",
     "compact_messages",
+    "compact_schema",
+    "conversation_id",
+    "count_message",
     "count_messages",
+    "count_tools",
+    "diet_marker",
+    "elided_result",
+    "encoding_for_model",
     "estimate_messages",
+    "extract_identifiers",
+    "find_hf_tokenizer",
+    "fingerprint",
+    "folded_away",
     "group_units",
+    "guard_summary",
+    "heuristic_features",
+    "heuristic_tokens",
+    "hf_cache_dir",
+    "history_shape",
+    "image_tokens",
     "load_messages_file",
     "main",
+    "message_ids",
+    "parse_overflow",
+    "parse_tokenizer_spec",
+    "plan_trim",
+    "proxy_config",
+    "prune_messages",
+    "read_archive",
+    "render_message",
+    "resolve_path",
     "resolve_tokenizer",
+    "search_archive",
+    "shrink",
+    "shrink_header",
+    "shrink_text",
+    "silently_truncated",
+    "summarise_messages",
+    "summarise_span",
+    "summary_message",
+    "summary_request",
     "trim_messages",
+    "usage_in_stream",
     "validate_messages",
+    "validate_tools",
+    "without_images",
+    "without_reasoning",
+    "write_messages_file",
 ]
 
 import argparse
@@ -59,7 +148,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -87,7 +176,67 @@ except ImportError:  # pragma: no cover - exercised in a separate venv by the te
 log = logging.getLogger("context_shrink")
 
 # =============================================================================
-# 2. Constants and configuration
+# 2. The error type
+# =============================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class Overflow:
+    """A backend's context-overflow refusal: its limit and the prompt size it saw (None when not stated)."""
+
+    limit: int | None = None
+    prompt_tokens: int | None = None
+    at_least: bool = False  # the prompt count is a lower bound (vLLM truncates its count at the limit)
+
+
+class ContextShrinkError(ValueError):
+    """Bad input or a failed operation; the message names what was wrong and what to do next. Callers that
+    need to know more test a subclass and its attributes, never the message."""
+
+
+class ConfigError(ContextShrinkError):
+    """A setting that cannot be used; ``variable`` names it (an environment variable or a flag)."""
+
+    def __init__(self, message: str, *, variable: str) -> None:
+        super().__init__(message)
+        self.variable = variable
+
+
+class BackendError(ContextShrinkError):
+    """An OpenAI-compatible backend did not answer as asked. ``url`` is what was asked; ``status`` the HTTP
+    status (None when nothing came back); ``unreachable`` says no connection could be made; ``overflow`` is
+    set when it refused the request for its length (see :func:`parse_overflow`)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str,
+        status: int | None = None,
+        unreachable: bool = False,
+        overflow: Overflow | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.url, self.status, self.unreachable, self.overflow = url, status, unreachable, overflow
+
+    @property
+    def missing(self) -> bool:
+        """The server has no such endpoint (404, 405, 501), as opposed to refusing this request."""
+        return self.status in (404, 405, 501)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ContextShrinkError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+# =============================================================================
+# 3. Constants and configuration
 # =============================================================================
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
@@ -102,7 +251,6 @@ MAX_FILE_BYTES = 512 * 1024 * 1024
 DEFAULT_MAX_TEXT_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_TEXT_LINES = 1_000_000
 ENV_PREFIXES = ("CONTEXT_SHRINK_", "OMLX_SHRINK_", "OPENAI_SHRINK_")  # highest precedence first
-TOKENIZER_CHOICES = ("auto", "server", "tiktoken", "heuristic")
 TOKENIZER_SPEC = re.compile(r"auto|server|heuristic|tiktoken(:[a-z0-9_]+)?|hf:.+|qwen:[\w.\-/]+")
 
 
@@ -174,6 +322,108 @@ MERGE_PROMPT = (
 )
 
 
+class Settings:
+    """The one reader of settings, for the MCP server and the proxy alike: a command-line flag, else the first
+    environment variable set among the prefixes, else the default (None here). One policy for a value that
+    cannot be used: :class:`ConfigError` naming the flag or variable, at start-up, never a silent clamp; an
+    error never quotes a secret's value."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> None:
+        self.env = os.environ if environ is None else environ
+        self.flags = {name: value for name, value in (flags or {}).items() if value is not None}
+
+    def find(
+        self, name: str, flag: str | None = None, prefixes: Sequence[str] = ENV_PREFIXES
+    ) -> tuple[str, str] | None:
+        """``(source, value)`` of a setting: the flag ``--<flag>`` if given, else ``<prefix><name>``."""
+        if flag and flag in self.flags:
+            return "--" + flag.replace("_", "-"), str(self.flags[flag]).strip()
+        for prefix in prefixes:
+            if value := self.env.get(prefix + name, "").strip():
+                return prefix + name, value
+        return None
+
+    def text(self, name: str, flag: str | None = None, prefixes: Sequence[str] = ENV_PREFIXES) -> str | None:
+        found = self.find(name, flag, prefixes)
+        return found[1] if found else None
+
+    def integer(
+        self, name: str, low: int, high: int, flag: str | None = None, prefixes: Sequence[str] = ENV_PREFIXES
+    ) -> int | None:
+        """An integer from ``low`` to ``high``; anything else raises."""
+        if (found := self.find(name, flag, prefixes)) is None:
+            return None
+        source, value = found
+        number = int(value) if re.fullmatch(r"[+-]?\d{1,12}", value) else None
+        if number is None or not low <= number <= high:
+            raise ConfigError(f"{source}={value!r}: expected an integer from {low} to {high}", variable=source)
+        return number
+
+    def seconds(self, name: str, flag: str | None = None, prefixes: Sequence[str] = ENV_PREFIXES) -> float | None:
+        """A positive, finite number of seconds; anything else raises."""
+        if (found := self.find(name, flag, prefixes)) is None:
+            return None
+        source, value = found
+        with contextlib.suppress(ValueError):
+            if 0 < (number := float(value)) < math.inf:
+                return number
+        raise ConfigError(f"{source}={value!r}: expected a positive number of seconds", variable=source)
+
+    def choice(
+        self, name: str, choices: Sequence[str], flag: str | None = None, prefixes: Sequence[str] = ENV_PREFIXES
+    ) -> str | None:
+        """One of ``choices`` (compared case-insensitively; returned as spelled in ``choices``)."""
+        if (found := self.find(name, flag, prefixes)) is None:
+            return None
+        source, value = found
+        known = {c.lower(): c for c in choices}
+        if value.lower() not in known:
+            raise ConfigError(f"{source}={value!r}: expected one of {', '.join(choices)}", variable=source)
+        return known[value.lower()]
+
+    def archive_dir(self, flag: str | None = None) -> Path | None:
+        """Where the proxy's archive lives, read the same way by the proxy and by ``recall_context``:
+        ``--archive-dir``, else ``CONTEXT_SHRINK_ARCHIVE_DIR``; None means :func:`default_archive_dir`."""
+        found = self.text("ARCHIVE_DIR", flag, ("CONTEXT_SHRINK_",))
+        return Path(found).expanduser() if found else None
+
+
+def _tokenizer_setting(read: Settings) -> str | None:
+    if (found := read.find("TOKENIZER")) is None:
+        return None
+    if spec := _normal_spec(found[1]):
+        return spec
+    raise ConfigError(
+        f"{found[0]}={found[1]!r}: expected auto, server, heuristic, tiktoken[:<encoding>], hf:<path or org/name> "
+        "or qwen:<model>",
+        variable=found[0],
+    )
+
+
+def _headers_setting(read: Settings) -> dict[str, str] | None:
+    if (found := read.find("EXTRA_HEADERS")) is None:
+        return None
+    with contextlib.suppress(ValueError):
+        headers = json.loads(found[1])
+        if isinstance(headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+            return headers
+    # the value may hold a secret: never echo it
+    raise ConfigError(f"{found[0]}: expected a JSON object of string values", variable=found[0])
+
+
+def _tools_setting(read: Settings) -> tuple[str, ...] | None:
+    if (found := read.find("TOOLS")) is None:
+        return None
+    names = [n.strip() for n in found[1].split(",") if n.strip()]
+    names = [n for group in names for n in (CORE_TOOLS if group == "core" else [group])]
+    if unknown := [n for n in names if n not in TOOL_NAMES] or ([] if names else ["(none)"]):
+        raise ConfigError(
+            f"{found[0]} names unknown tools ({', '.join(unknown)}); known: core, {', '.join(TOOL_NAMES)}",
+            variable=found[0],
+        )
+    return tuple(dict.fromkeys(names))
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Server settings, read from the environment by :meth:`from_env` (never at import time)."""
@@ -194,164 +444,38 @@ class Config:
     extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     log_level: str = "INFO"
     root: Path = dataclasses.field(default_factory=Path.cwd)
+    archive_dir: Path | None = None  # the proxy's archive, read by recall_context; None: the default place
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> tuple[Config, list[str]]:
-        """Build a config from ``CONTEXT_SHRINK_*`` (> ``OMLX_SHRINK_*`` > ``OPENAI_SHRINK_*``) variables.
-
-        Returns the config and warnings about ignored values (which never quote secrets).
-        """
-        env = os.environ if environ is None else environ
-        warnings: list[str] = []
-
-        def get(name: str) -> tuple[str, str] | None:
-            for prefix in ENV_PREFIXES:
-                value = env.get(prefix + name, "").strip()
-                if value:
-                    return prefix + name, value
-            return None
-
-        def integer(name: str, low: int, high: int, default: int | str) -> int | None:
-            found = get(name)
-            if not found:
-                return None
-            try:
-                return min(max(int(found[1]), low), high)
-            except ValueError:
-                warnings.append(f"{found[0]}={found[1]!r} is not an integer; using {default}")
-                return None
-
-        values: dict[str, Any] = {}
-        if found := get("BASE_URL"):
-            values.update(base_url=found[1].rstrip("/"), base_url_configured=True)
-        if found := get("MODEL"):
-            values["model"] = found[1]
-        if found := get("API_KEY"):
-            values["api_key"] = found[1]
-        if found := get("ROOT"):
-            values["root"] = Path(found[1]).expanduser()
-        if found := get("TIMEOUT"):
-            try:
-                timeout = float(found[1])
-                if not (0 < timeout < math.inf):
-                    raise ValueError
-                values["timeout"] = timeout
-            except ValueError:
-                warnings.append(
-                    f"{found[0]}={found[1]!r} is not a positive number of seconds; using {DEFAULT_TIMEOUT:g}"
-                )
-        if found := get("TOKENIZER"):
-            if spec := _normal_spec(found[1]):
-                values["tokenizer"] = spec
-            else:
-                warnings.append(
-                    f"{found[0]}={found[1]!r} is not auto, server, heuristic, tiktoken[:<encoding>], hf:<path or "
-                    "org/name> or qwen:<model>; using auto"
-                )
-        if found := get("CHAT_FORMAT"):
-            if found[1].lower() in CHAT_FORMAT_NAMES:
-                values["chat_format"] = found[1].lower()
-            else:
-                warnings.append(f"{found[0]}={found[1]!r} is not one of {', '.join(CHAT_FORMAT_NAMES)}; using openai")
-        if (found := get("MAX_CONTEXT_TOKENS")) and found[1].lower() == "auto":
-            values["max_context_tokens"] = "auto"
-        elif (
-            window := integer("MAX_CONTEXT_TOKENS", 1, MAX_CONTEXT_TOKENS_LIMIT, DEFAULT_MAX_CONTEXT_TOKENS)
-        ) is not None:
-            values["max_context_tokens"] = window
-        if (reserve := integer("RESERVE_TOKENS", 0, MAX_CONTEXT_TOKENS_LIMIT, 0)) is not None:
-            values["reserve_tokens"] = reserve
-        if (window := integer("SUMMARY_CONTEXT_TOKENS", 256, MAX_CONTEXT_TOKENS_LIMIT, "discovery")) is not None:
-            values["summary_context_tokens"] = window
-        if (cap := integer("MAX_TEXT_BYTES", 1, MAX_FILE_BYTES, DEFAULT_MAX_TEXT_BYTES)) is not None:
-            values["max_text_bytes"] = cap
-        if (cap := integer("MAX_TEXT_LINES", 1, 100_000_000, DEFAULT_MAX_TEXT_LINES)) is not None:
-            values["max_text_lines"] = cap
-        if found := get("EXTRA_HEADERS"):
-            try:
-                headers = json.loads(found[1])
-            except ValueError:
-                headers = None
-            if isinstance(headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
-                values["extra_headers"] = headers
-            else:  # the value may hold a secret: never echo it
-                warnings.append(f"{found[0]} is not a JSON object of string values; ignored")
-        if found := get("TOOLS"):
-            names = [n.strip() for n in found[1].split(",") if n.strip()]
-            names = [n for group in names for n in (CORE_TOOLS if group == "core" else [group])]
-            unknown = [n for n in names if n not in TOOL_NAMES]
-            if unknown:
-                warnings.append(
-                    f"{found[0]} names unknown tools ({', '.join(unknown)}); known: {', '.join(TOOL_NAMES)}"
-                )
-            if known := tuple(n for n in names if n in TOOL_NAMES):
-                values["tools"] = known
-        if found := get("LOG_LEVEL"):
-            if found[1].upper() in LOG_LEVELS:
-                values["log_level"] = found[1].upper()
-            else:
-                warnings.append(f"{found[0]}={found[1]!r} is not one of {', '.join(LOG_LEVELS)}; using INFO")
-        return cls(**values), warnings
-
-
-# =============================================================================
-# 3. The error type
-# =============================================================================
-
-
-@dataclasses.dataclass(frozen=True)
-class Overflow:
-    """A backend's context-overflow refusal: its limit and the prompt size it saw (None when not stated)."""
-
-    limit: int | None = None
-    prompt_tokens: int | None = None
-    at_least: bool = False  # the prompt count is a lower bound (vLLM truncates its count at the limit)
-
-
-class ContextShrinkError(ValueError):
-    """Bad input or a failed operation; the message names what was wrong and what to do next. Callers that
-    need to know more test a subclass and its attributes, never the message."""
-
-
-class ConfigError(ContextShrinkError):
-    """A setting that cannot be used; ``variable`` names it (an environment variable or a flag)."""
-
-    def __init__(self, message: str, *, variable: str) -> None:
-        super().__init__(message)
-        self.variable = variable
-
-
-class BackendError(ContextShrinkError):
-    """An OpenAI-compatible backend did not answer as asked. ``url`` is what was asked; ``status`` the HTTP
-    status (None when nothing came back); ``unreachable`` says no connection could be made; ``overflow`` is
-    set when it refused the request for its length (see :func:`parse_overflow`)."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        url: str,
-        status: int | None = None,
-        unreachable: bool = False,
-        overflow: Overflow | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.url, self.status, self.unreachable, self.overflow = url, status, unreachable, overflow
-
-    @property
-    def missing(self) -> bool:
-        """The server has no such endpoint (404, 405, 501), as opposed to refusing this request."""
-        return self.status in (404, 405, 501)
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _check_int(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ContextShrinkError(f"{name} must be an integer from {low} to {high}, got {value!r}")
-    return value
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
+        """Build a config from ``CONTEXT_SHRINK_*`` (> ``OMLX_SHRINK_*`` > ``OPENAI_SHRINK_*``) variables
+        through :class:`Settings`; a value that cannot be used raises :class:`ConfigError` naming it."""
+        read = Settings(environ)
+        values: dict[str, Any] = {
+            "model": read.text("MODEL"),
+            "api_key": read.text("API_KEY"),
+            "timeout": read.seconds("TIMEOUT"),
+            "tokenizer": _tokenizer_setting(read),
+            "chat_format": read.choice("CHAT_FORMAT", CHAT_FORMAT_NAMES),
+            "reserve_tokens": read.integer("RESERVE_TOKENS", 0, MAX_CONTEXT_TOKENS_LIMIT),
+            "summary_context_tokens": read.integer("SUMMARY_CONTEXT_TOKENS", 256, MAX_CONTEXT_TOKENS_LIMIT),
+            "max_text_bytes": read.integer("MAX_TEXT_BYTES", 1, MAX_FILE_BYTES),
+            "max_text_lines": read.integer("MAX_TEXT_LINES", 1, 100_000_000),
+            "extra_headers": _headers_setting(read),
+            "tools": _tools_setting(read),
+            "log_level": read.choice("LOG_LEVEL", LOG_LEVELS),
+            "archive_dir": read.archive_dir(),
+        }
+        if base_url := read.text("BASE_URL"):
+            values.update(base_url=base_url.rstrip("/"), base_url_configured=True)
+        if root := read.text("ROOT"):
+            values["root"] = Path(root).expanduser()
+        window = read.find("MAX_CONTEXT_TOKENS")
+        is_auto = window is not None and window[1].lower() == "auto"
+        values["max_context_tokens"] = (
+            "auto" if is_auto else read.integer("MAX_CONTEXT_TOKENS", 1, MAX_CONTEXT_TOKENS_LIMIT)
+        )
+        return cls(**{name: value for name, value in values.items() if value is not None})
 
 
 # =============================================================================
@@ -393,6 +517,7 @@ class Tokenizer:
     format: ChatFormat = CHAT_FORMATS["openai"]
     scale: float = 1.0  # per-message counts are multiplied by this (calibration to a server's exact count)
     exact: Callable[..., int] | None = None  # (messages, tools) -> the whole prompt's exact count, if known
+    encoding: str | None = None  # the tiktoken encoding counting, when one does (o200k renders tools tighter)
 
 
 # --- the content-aware heuristic (no tokenizer) ---------------------------------------------------
@@ -723,7 +848,7 @@ def resolve_tokenizer(
         note = f"{'; '.join(reasons)}; counting with tiktoken {candidate}" if reasons else None
         if note:
             log.warning("tokenizer fallback: %s", note)
-        return Tokenizer(f"tiktoken:{candidate}", count, note, form)
+        return Tokenizer(f"tiktoken:{candidate}", count, note, form, encoding=candidate)
     note = f"{'; '.join(reasons)}; counting with the {HEURISTIC.name} estimate"
     log.warning("tokenizer fallback: %s", note)
     return dataclasses.replace(HEURISTIC, count=cached_count(heuristic_tokens), note=note, format=form)
@@ -877,7 +1002,7 @@ def count_tools(tools: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> int
     total = 12
     for tool in tools:
         function = tool["function"]
-        total += (7 if "o200k" in tokenizer.name else 10) + count(
+        total += (7 if tokenizer.encoding == "o200k_base" else 10) + count(
             f"{function['name']}:{str(function.get('description', '')).removesuffix('.')}"
         )
         properties = (function.get("parameters") or {}).get("properties") or {}
@@ -1066,6 +1191,16 @@ def api_problems(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     return list(history_shape(messages).problems)
 
 
+def canonical_json(value: Any) -> str:
+    """The one hashing recipe: JSON with sorted keys and text as written, so equal values give equal text."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def fingerprint(value: Any) -> str:
+    """The SHA-256 hex digest of :func:`canonical_json` (message ids, span and archive hashes, cache keys)."""
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
 def message_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """A short hex id per message, derived from its content alone (so it survives the removal of others).
 
@@ -1074,7 +1209,7 @@ def message_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     seen: dict[str, int] = {}
     ids = []
     for m in messages:
-        digest = hashlib.sha256(json.dumps(m, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
+        digest = fingerprint(m)
         nth = seen[digest] = seen.get(digest, -1) + 1
         ids.append(digest[:8] if nth == 0 else hashlib.sha256(f"{digest}#{nth}".encode()).hexdigest()[:8])
     return ids
@@ -2711,33 +2846,151 @@ def guard_summary(text: str, source: str, max_tokens: int, count: Callable[[str]
 
 
 _PATHS = re.compile(
-    r"(?<![\w.])(?:[\w.-]+/)+[\w.-]+\.\w{1,8}\b"  # a path with a folder
-    r"|(?<![\w/.])[\w-]+\.(?:py|js|ts|go|rs|java|c|h|cc|cpp|rb|ex|exs|md|json|toml|ya?ml|sh|sql|html|css)\b"
+    r"(?<![\w.~/-])(?:~|\.{1,2})?/(?:[\w.@+-]+/)+[\w.@+-]*"  # absolute, home or ./ paths
+    r"|(?<![\w./-])(?:[\w.@+-]+/)+[\w.@+-]+\.\w{1,8}\b"  # a relative path with a folder and an extension
+    r"|(?<![\w./-])(?:[\w.@+-]+/){2,}"  # a relative folder written with its trailing slash
+    r"|(?<![\w/.-])[\w-]+(?:\.[\w-]+)*\.(?:py|js|ts|tsx|jsx|go|rs|java|kt|c|h|cc|cpp|rb|ex|exs|md|json|toml|ya?ml|sh|sql|html|css"
+    r"|conf|ini|cfg|lock|proto)\b"
 )
+_ERRNO = "NOENT|ACCES|PERM|EXIST|CONNREFUSED|CONNRESET|CONNABORTED|ADDRINUSE|ADDRNOTAVAIL|PIPE|AGAIN|NOMEM|NOSPC"
+_ERRNO += "|TIMEDOUT|NOTDIR|ISDIR|INVAL|MFILE|HOSTUNREACH|NETUNREACH|BADF|BUSY|ROFS|NOTEMPTY|XDEV|NOTFOUND|DQUOT"
 _IDENTIFIER_PATTERNS = (
     re.compile(r"https?://[^\s)\]>\"'`]+[^\s)\]>\"'`.,;]"),  # URLs
-    re.compile(r"\b[A-Z]\w*(?:Error|Exception)\b(?::[^\n]{1,80})?"),  # exceptions and their message
-    re.compile(r"\b[A-Z][A-Z0-9_]{2,}=[^\s,;)]*[^\s,;).]"),  # environment settings
-    re.compile(r"(?:\b(?:issue|PR|pull request|bug|ticket)\s+)?#\d+\b", re.IGNORECASE),  # issue / PR numbers
+    re.compile(r"\b[A-Z]\w*(?:Error|Exception)\b(?::(?:[^\n.]|\.(?!\s|$)){1,80})?"),  # exceptions, their message
+    re.compile(rf"\bE(?:{_ERRNO})\b|\bSIG[A-Z]{{3,6}}\b|\bOOMKilled\b|\bsegmentation fault\b"),  # errno, signals
+    re.compile(r"\b(?:error|warning)\[[A-Z]*\d+\]|\b[A-Z]{1,3}\d{3,5}\b(?=[:\s,.;)]|$)"),  # compiler error codes
+    re.compile(r"(?i)\b(?:exit(?:ed)?(?: with)? (?:code|status)|status code|HTTP) \d{1,3}\b"),  # exit and HTTP codes
+    re.compile(r"\b[45]\d\d(?: [A-Z][a-z]+){1,4}\b"),  # an HTTP status with its reason (429 Too Many Requests)
+    re.compile(r"(?<![\w-])(?:FATAL|PANIC|ERROR|fatal|panic|error): [^\n]{3,80}"),  # a logged error line
+    re.compile(r"\b[A-Z][A-Z0-9_]{2,}=[^\s,;)`]*[^\s,;).`]"),  # environment settings
+    re.compile(r"(?:\b(?:issue|PR|pull request|bug|ticket)\s+)?(?:\b[\w.-]+/[\w.-]+)?#\d+\b", re.IGNORECASE),
+    re.compile(r"(?i)\b(?:issue|PR|pull request|merge request|MR|bug|ticket)\s+(?:no\.\s*|!)?\d+\b"),
+    re.compile(r"\b(?:GH-\d+|[A-Z][A-Z0-9]{1,9}-\d+)\b"),  # GitHub and tracker keys (PROJ-123)
     re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),  # commit hashes
+    re.compile(  # a short hash named by what was done with it, digits or not
+        r"(?i:\b(?:commit(?:ted)?|push(?:ed)?|merged?|revert(?:ed)?|cherry-pick(?:ed)?|landed|rebased|sha|hash))"
+        r"(?:\s+(?:as|in|to|at|it|onto|the|fix|change|commit))*\s+`?(?P<id>[0-9a-f]{6,40})\b"
+    ),
     re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|s|sec|seconds|minutes|min|h|KB|MB|GB|KiB|MiB|GiB|tokens|%)(?!\w)"),
     re.compile(r"\b(?:def|class|function|fn|func)\s+\w+"),  # definitions named in code
+    re.compile(r"\b[\w./-]+::[\w:\[\]./-]+"),  # test ids and qualified names (tests/x.py::test_y, a::b)
 )
+_PROSE_PATTERNS = (  # only in what the user and the assistant wrote: in code and logs these are noise
+    re.compile(r"`(?P<id>[^`\n]{2,160})`"),  # anything written as code
+    re.compile(r"(?m)^\s*[$>] (?P<id>\S[^\n]{1,160})"),  # a shell prompt line
+    re.compile(r"(?<![\w-])--[a-z][\w-]*=[^\s,;)`]*[^\s,;).`]"),  # --flag=value
+    re.compile(r"\b[a-z][a-z0-9]*(?:[._][a-z0-9]+)+ ?=(?!=) ?[^\s,;)`=]*[^\s,;).`]"),  # snake/dotted key = value
+)
+# Commands written in prose: a program's name, then what looks like its arguments (flags, paths, targets,
+# at most three plain words in a row), up to the end of the clause. The names are common build, test and dev tools.
+# fmt: off
+_COMMAND_WORDS = frozenset((
+    "pytest", "python", "python3", "pip", "uv", "uvx", "poetry", "tox", "nox", "hatch", "npm", "npx", "yarn",
+    "pnpm", "node", "bun", "deno", "jest", "vitest", "mocha", "make", "cmake", "ninja", "meson", "cargo", "rustc",
+    "go", "gradle", "./gradlew", "gradlew", "mvn", "bazel", "buck", "dotnet", "docker", "podman", "kubectl", "helm",
+    "terraform", "ansible", "git", "gh", "curl", "wget", "rspec", "rake", "bundle", "rails", "mix", "elixir",
+    "swift", "xcodebuild", "ruff", "mypy", "eslint", "prettier", "tsc", "just", "sbt", "composer", "php", "ruby",
+    "java", "javac", "gcc", "clang", "ctest", "sh", "bash", "zsh", "alembic", "flask", "django-admin", "manage.py",
+    "celery", "uvicorn", "gunicorn", "pre-commit",
+))
+# fmt: on
+# fmt: off
+_NOT_ARGUMENTS = frozenset((
+    "a", "an", "the", "it", "its", "this", "that", "these", "those", "to", "of", "for", "with", "and", "or", "but",
+    "so", "then", "than", "as", "at", "by", "in", "on", "into", "onto", "from", "is", "are", "was", "were", "be",
+    "been", "sure", "sense", "ahead", "back", "over", "again", "once", "now", "still", "which", "who", "what",
+    "when", "where", "while", "because", "after", "before", "since", "until", "we", "i", "you", "he", "she", "they",
+    "me", "us", "them", "my", "our", "your", "some", "any", "all", "every", "no", "not", "more", "less", "much",
+    "many", "first", "next", "last", "also", "just", "only", "should", "would", "could", "will", "can", "may",
+    "might", "must",
+))
+# fmt: on
+_RUN_VERB = re.compile(
+    r"(?i)\b(?:run|ran|runs|running|rerun|execute[sd]?|type[sd]?|try|tried|use|with|via|using|call(?:ed)?)\s+`?$"
+)
+_ARGUMENT = re.compile(r"[-\w./:@=+*,\[\]{}~^%#\"']+")
+
+
+def commands_in_prose(text: str) -> list[tuple[int, str]]:
+    """Commands written in ordinary sentences ("then run pytest tests/x.py -k name to check"): a known tool's
+    name followed by arguments (at most three plain words in a row), up to the end of the clause. Plain
+    words alone ("make test") count only after a verb such as run, ran or try ("make changes" is prose)."""
+    found = []
+    for match in re.finditer(r"(?<![\w./-])(\./)?[a-z][\w.-]*", text):
+        name = match.group(0)
+        if name not in _COMMAND_WORDS and name.rstrip(".") not in _COMMAND_WORDS:
+            continue
+        words, plain, position = [name.rstrip(".")], 0, match.end()
+        if name.endswith("."):  # the sentence ended on the name itself
+            continue
+        while True:
+            step = re.match(r" +(\S+)", text[position:])
+            if not step:
+                break
+            token = step.group(1)
+            core = token if token.endswith("/...") else token.rstrip(".,;:!?)")  # go's ./pkg/... is one word
+            flag_value = words[-1].startswith("-") and "=" not in words[-1] and core.lower() not in _NOT_ARGUMENTS
+            argument_like = bool(re.search(r"[-/.:=@_\d]", core)) or core.startswith(("-", "//"))
+            simple = core.isalpha() and core.islower() and core not in _NOT_ARGUMENTS and plain < 3
+            if not core or not _ARGUMENT.fullmatch(core) or not (argument_like or simple or flag_value):
+                break
+            plain = 0 if argument_like else plain + 1
+            words.append(core)
+            position += step.end()
+            if core != token:  # the clause ends here
+                break
+        plain_only = not any(re.search(r"[-/.:=@_\d]", w) for w in words[1:])
+        if len(words) > 1 and (not plain_only or _RUN_VERB.search(text[max(0, match.start() - 24) : match.start()])):
+            found.append((match.start(), " ".join(words)))
+    return found
+
+
 _KEY_ARGUMENTS = ("command", "cmd", "path", "file_path", "file", "filename", "pattern", "query", "url")
 ANCHOR_HEADING = "Identifiers (verbatim):"
 ANCHOR_TOKENS = 256  # at most this much of a summary is appended identifiers
 RESULT_PATHS = 3  # a tool output (a listing, a log) names many files: only its first few count
 
 
+def _text_identifiers(text: str, kind: str) -> list[str]:
+    """The identifiers in one text, in order; one inside a longer one is not repeated. ``kind`` is ``prose``
+    (what the user and the assistant wrote), ``code`` (tool-call arguments) or ``result`` (tool output)."""
+    patterns = _IDENTIFIER_PATTERNS + (_PROSE_PATTERNS if kind == "prose" else ())
+    hits = [
+        (match.start(), match.group("id") if "id" in match.re.groupindex else match.group(0))
+        for pattern in patterns
+        for match in pattern.finditer(text)
+    ]
+    paths = [(match.start(), match.group(0)) for match in _PATHS.finditer(text)]
+    if kind == "result":  # a listing or a log names many files: only its first few count
+        paths = [p for p in paths if "/" in p[1]][:RESULT_PATHS]
+    if kind == "prose":
+        hits += commands_in_prose(text)
+    out: list[str] = []
+    for _, hit in sorted(((start, hit.strip()) for start, hit in hits + paths), key=lambda h: (h[0], -len(h[1]))):
+        if hit and not any(hit in longer for longer in out[-3:]):
+            out.append(hit)
+    return out
+
+
+def _argument_text(arguments: Any) -> str:
+    """A tool call's arguments as text: the string values of its JSON object, else the raw text."""
+    if isinstance(arguments, dict):
+        return "\n".join(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in arguments.values())
+    return str(arguments or "")
+
+
 def extract_identifiers(
     messages: Sequence[Mapping[str, Any]], count: Callable[[str], int], budget: int = ANCHOR_TOKENS
 ) -> list[str]:
-    """The identifiers a successor needs, found deterministically in ``messages``: file paths, URLs, commands
-    run (tool-call names with their key arguments), exceptions with their message, numbers with units,
-    commit hashes, issue/PR numbers, environment settings, names defined in code. Deduplicated, newest
-    first, at most ``budget`` tokens."""
+    """The identifiers a successor needs to act again, found deterministically in ``messages``: commands (run
+    as tool calls, written in backticks, after a shell prompt or in plain sentences), file paths and folders,
+    URLs, errors (exceptions with their message, errno names, compiler codes, exit and HTTP statuses),
+    commit hashes (short ones after commit/pushed/merged too), issue and PR references, settings (``KEY=v``,
+    ``key = v``, ``--flag=v``), numbers with units, names defined in code. Deduplicated, newest first, at
+    most ``budget`` tokens."""
     found: list[str] = []
     for m in reversed(messages):
+        code = []
         for call in reversed(m.get("tool_calls") or []):
             function = call["function"]
             arguments = function.get("arguments")
@@ -2749,16 +3002,17 @@ def extract_identifiers(
                     for key in _KEY_ARGUMENTS
                     if isinstance(arguments.get(key), str) and arguments[key].strip()
                 )
+            code.insert(0, _argument_text(arguments))
         text = _plain_content(m.get("content"))
-        if m.get("tool_calls"):
-            text += "\n" + "\n".join(str(c["function"].get("arguments", "")) for c in m["tool_calls"])
-        hits = [(match.start(), match.group(0).strip()) for p in _IDENTIFIER_PATTERNS for match in p.finditer(text)]
-        paths = [(match.start(), match.group(0)) for match in _PATHS.finditer(text)]
-        if m["role"] in RESULT_ROLES:
-            paths = [p for p in paths if "/" in p[1]][:RESULT_PATHS]
-        found.extend(h for _, h in sorted(hits + paths))
+        found.extend(_text_identifiers(text, "result" if m["role"] in RESULT_ROLES else "prose"))
+        found.extend(_text_identifiers("\n".join(code), "code"))
+    return fit_identifiers(found, count, budget)
+
+
+def fit_identifiers(items: Sequence[str], count: Callable[[str], int], budget: int) -> list[str]:
+    """``items`` deduplicated, in order, as many as fit ``budget`` tokens (a list line each)."""
     out, used = [], 0
-    for item in dict.fromkeys(found):
+    for item in dict.fromkeys(items):
         cost = count(item) + 2
         if used + cost > budget:
             continue
@@ -2784,6 +3038,25 @@ def anchored_in(summary: str | None) -> list[str]:
     return [line[2:] for line in summary.split(ANCHOR_HEADING, 1)[1].splitlines() if line.startswith("- ")]
 
 
+def anchor_within(
+    summary: str,
+    messages: Sequence[Mapping[str, Any]],
+    previous: str | None,
+    count: Callable[[str], int],
+    budget: int,
+) -> tuple[str, int]:
+    """``summary`` anchored (:func:`anchor_summary`) with the identifiers of ``messages`` and those listed
+    under ``previous`` and under ``summary`` itself (a cached or copied list is fitted again), newest first,
+    so that the whole stays within ``budget`` tokens (and the list within :data:`ANCHOR_TOKENS`). Returns the
+    text and how many identifiers it lists."""
+    listed = anchored_in(summary)
+    text = summary.split(f"\n\n{ANCHOR_HEADING}")[0].rstrip() if listed else summary
+    room = min(ANCHOR_TOKENS, budget - count(text) - count(ANCHOR_HEADING))
+    candidates = [*extract_identifiers(messages, count, max(0, room)), *listed, *anchored_in(previous)]
+    anchored = anchor_summary(text, fit_identifiers([i for i in candidates if i not in text], count, room))
+    return anchored, len(anchored_in(anchored))
+
+
 EXTRACT_USER_CHARS = 300  # each user request kept in extracted notes, shortened to this
 
 
@@ -2801,7 +3074,7 @@ def extracted_notes(messages: Sequence[Mapping[str, Any]], why: str) -> str:
 
 def request_key(prompt: Sequence[Mapping[str, Any]], max_tokens: int) -> str:
     """A key that identifies a summariser request by its content (the same request, the same key)."""
-    return hashlib.sha256(json.dumps([prompt, max_tokens], sort_keys=True).encode()).hexdigest()[:24]
+    return fingerprint([prompt, max_tokens])[:24]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2881,27 +3154,39 @@ Progress = Callable[[int, str], Awaitable[None]]
 """``await progress(requests_done, what)``, after every summariser request."""
 
 
+class InputNeeded(ContextShrinkError):
+    """A summary needs replies the caller fetches itself (a client answering sampling requests in rounds):
+    ``requests`` maps request keys to prompt messages, ``replies`` holds the replies known so far."""
+
+    def __init__(self, requests: dict[str, list[dict[str, Any]]], replies: dict[str, str]) -> None:
+        super().__init__(f"{len(requests)} summary requests wait for the client's replies")
+        self.requests, self.replies = requests, replies
+
+
 async def summarise_messages(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
     window: int,
     max_summary_tokens: int,
-    summarise: Summarise,
+    summarise: Summarise | None,
     *,
     concurrency: int = DEFAULT_SUMMARY_CONCURRENCY,
     previous: str | None = None,
     replies: dict[str, str] | None = None,
     progress: Progress | None = None,
     guard: dict[str, int] | None = None,
+    probe: bool = False,
 ) -> tuple[str, int, SummaryPlan]:
     """Summarise ``messages`` by map-reduce, at most ``concurrency`` requests at a time.
 
-    ``summarise`` is the only I/O. ``replies`` (request key -> reply) is consulted first and filled
-    in, so a repeated span costs no model call. Returns the summary, the number of calls made and the
-    final plan. Raises :class:`ContextShrinkError` when the window is too small or a reply is not a
-    usable summary (the first failure stops the other requests). Every reply passes
-    :func:`guard_summary`: repetitions are trimmed, and a copied or cut-off reply or a tool call is asked
-    for once more with a stricter instruction; what was detected is counted in ``guard``.
+    ``summarise`` is the only I/O; with ``None`` the caller fetches the replies itself: the requests still
+    missing are raised as :class:`InputNeeded`. ``replies`` (request key -> reply) is consulted first and
+    filled in, so a repeated span costs no model call. With ``probe`` the first request goes alone (a
+    summariser whose token count is not known yet refuses one request, not a batch). Returns the summary,
+    the number of calls made and the final plan. Raises :class:`ContextShrinkError` when the window is too
+    small or a reply is not a usable summary (the first failure stops the other requests). Every reply
+    passes :func:`guard_summary`: repetitions are trimmed, and a copied or cut-off reply or a tool call is
+    asked for once more with a stricter instruction; what was detected is counted in ``guard``.
     """
     import anyio
 
@@ -2926,6 +3211,10 @@ async def summarise_messages(
             if plan.summary is None:
                 raise ContextShrinkError("nothing to summarise")
             return plan.summary, calls, plan
+        if summarise is None:
+            raise InputNeeded(plan.requests, replies)
+        if probe and calls == 0 and len(plan.requests) > 1:
+            plan = dataclasses.replace(plan, requests=dict([next(iter(plan.requests.items()))]))
         what = "merging partial summaries" if plan.reduce_steps else "summarising chunks"
 
         async def one(key: str, prompt: list[dict[str, Any]], scope: anyio.CancelScope, what: str = what) -> None:
@@ -2966,11 +3255,6 @@ def span_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     for m in messages:
         chain.append(hashlib.sha256((chain[-1] + canonical_json(m)).encode()).hexdigest())
     return chain
-
-
-def canonical_json(message: Mapping[str, Any]) -> str:
-    """One message as JSON with sorted keys: equal messages give equal text (for hashing)."""
-    return json.dumps(message, sort_keys=True, ensure_ascii=False, default=str)
 
 
 def previous_summary_in(messages: Sequence[Mapping[str, Any]]) -> tuple[str | None, int, list[int]]:
@@ -3034,7 +3318,6 @@ def compact_messages(
     tools: Sequence[Mapping[str, Any]] | None = None,
     reserve_tokens: int = 0,
     target_ratio: float = DEFAULT_TARGET_RATIO,
-    diet_tool_results: bool = False,
 ) -> dict[str, Any]:
     """Replace the oldest messages by ``summary``; with ``summary=None``, plan only (no content echoed).
 
@@ -3058,10 +3341,6 @@ def compact_messages(
     if isinstance(target_ratio, bool) or not isinstance(target_ratio, int | float) or not 0 < target_ratio <= 1:
         raise ContextShrinkError(f"target_ratio must be a number above 0 and at most 1, got {target_ratio!r}")
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
-    diet, before = None, None
-    if diet_tool_results:  # redundant lines of large tool results go first, verbatim
-        before = count_messages(messages, tokenizer)[1] + tools_tokens
-        messages, diet = diet_results(messages, tokenizer)
     counts, total = count_messages(messages, tokenizer)
     total += tools_tokens
     lead = _leading_system(messages)
@@ -3080,10 +3359,10 @@ def compact_messages(
         "needs_summary": False,
         "reason": None,
         "messages": None,
-        "tokens_before": total if before is None else before,
+        "tokens_before": total,
         "tokens_after": total,
         "threshold_tokens": trigger,
-        "diet": diet,
+        "diet": None,
         "fits": total <= budget,
         "summarize_from_index": start,
         "kept_from_index": end,
@@ -3100,7 +3379,7 @@ def compact_messages(
         return {
             **result,
             "messages": list(messages),
-            "reason": f"below the threshold ({total} < {trigger} tokens)" + (" after the diet" if diet else ""),
+            "reason": f"below the threshold ({total} < {trigger} tokens)",
         }
     if replaced <= 0:
         return {
@@ -3136,8 +3415,415 @@ def compact_messages(
     }
 
 
+# --- one summary of a span, for every front door: cache, fold, count in the summariser's tokens, anchor --------
+
+SUMMARY_BACKOFF = 120.0  # seconds before a summariser that failed is asked again
+SUMMARY_CACHE_CHARS = 16_000_000  # summaries and replies kept, in characters
+SUMMARY_CACHE_SPANS = 512  # span summaries kept
+RATIO_SAMPLE_CHARS = 200_000  # the transcript sample a summariser counts to learn its tokens per local token
+RATIO_LIMITS = (0.2, 8.0)  # a learnt ratio stays in this range
+
+
+Count = Callable[[list[dict[str, Any]]], Awaitable[int]]
+"""``await count(prompt_messages)``: a summariser's own token count of a request."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Summariser:
+    """Who writes summaries. ``name`` files its summaries and what was learnt about it; ``call`` sends one
+    request (None: the caller fetches the replies itself, see :class:`InputNeeded`); ``window`` is its
+    context window in its own tokens; ``count`` its exact count of a request, when it can count one."""
+
+    name: str
+    call: Summarise | None
+    window: int
+    count: Count | None = None
+
+
+@dataclasses.dataclass
+class SummaryCache:
+    """What summarising taught this process, bounded: the summary of each span (by the span's chained hash,
+    so a longer span folds the summary of its start), every reply (by request), when a summariser last
+    failed, and each summariser's tokens per local token."""
+
+    spans: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)  # (filed, span hash) -> summary
+    replies: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # summariser -> key -> reply
+    failures: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)  # filed -> (when, why)
+    ratios: dict[str, float] = dataclasses.field(default_factory=dict)  # summariser | tokenizer -> ratio
+    clock: Callable[[], float] = time.monotonic
+
+    def summarised_start(self, filed: str, span: Sequence[Mapping[str, Any]]) -> tuple[int, str | None, list[str]]:
+        """How many of ``span``'s first messages were summarised before (under ``filed``), that summary,
+        and the span's chained hashes."""
+        chain = span_hashes(span)
+        done = next((k for k in range(len(span), 0, -1) if (filed, chain[k]) in self.spans), 0)
+        return done, self.spans.get((filed, chain[done])) if done else None, chain
+
+    def file(self, filed: str, chain: Sequence[str], text: str, also: int | None = None) -> None:
+        """File ``text`` as the summary of the whole span (and of its first ``also`` messages)."""
+        self.spans[filed, chain[-1]] = text
+        if also:
+            self.spans[filed, chain[also]] = text
+        self.bound()
+
+    def bound(self) -> None:
+        """Drop the oldest entries until the cache is within its limits."""
+        while len(self.spans) > SUMMARY_CACHE_SPANS or sum(map(len, self.spans.values())) > SUMMARY_CACHE_CHARS:
+            self.spans.pop(next(iter(self.spans)))
+        size = sum(len(v) for replies in self.replies.values() for v in replies.values())
+        for replies in self.replies.values():
+            while replies and size > SUMMARY_CACHE_CHARS:
+                size -= len(replies.pop(next(iter(replies))))
+        while len(self.failures) > SUMMARY_CACHE_SPANS:
+            self.failures.pop(next(iter(self.failures)))
+
+    def failing(self, filed: str) -> str | None:
+        """Why ``filed``'s summariser failed within the last :data:`SUMMARY_BACKOFF` seconds, else None."""
+        when, why = self.failures.get(filed, (-math.inf, ""))
+        return why if self.clock() - when < SUMMARY_BACKOFF else None
+
+
+def span_items(messages: Sequence[Mapping[str, Any]], plan: Mapping[str, Any]) -> tuple[list[Any], str | None]:
+    """The ``(index, message)`` pairs a compaction plan summarises (its span less the pinned messages and
+    any earlier summary) and that earlier summary's text."""
+    start, end, pins = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_indices"]
+    items = [(i, m) for i, m in enumerate(messages[start:end], start) if i not in pins]
+    found, _, positions = previous_summary_in([m for _, m in items])
+    return [item for k, item in enumerate(items) if k not in positions], found
+
+
+def ratio_key(summariser: str, tokenizer: Tokenizer) -> str:
+    """Where :class:`SummaryCache` keeps a summariser's tokens per token of ``tokenizer``."""
+    return f"{summariser} | {tokenizer.name}"
+
+
+def in_units(tokenizer: Tokenizer, ratio: float) -> Tokenizer:
+    """``tokenizer`` counting in another model's tokens: ``ratio`` of them per local token."""
+    count = tokenizer.count
+    return dataclasses.replace(
+        tokenizer, name=f"{tokenizer.name} x{ratio:.3g}", count=lambda s: math.ceil(count(s) * ratio), scale=1.0
+    )
+
+
+async def measure_ratio(span: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, count: Count) -> float:
+    """The summariser's tokens per local token, from its own count of (a sample of) the span's transcript."""
+    transcript = "\n\n".join(render_message(m) for m in span)
+    if len(transcript) > RATIO_SAMPLE_CHARS:
+        width = RATIO_SAMPLE_CHARS // 4
+        step = (len(transcript) - width) // 3
+        transcript = "\n\n".join(transcript[k * step : k * step + width] for k in range(4))
+    sample = summary_request(transcript)
+    local = count_messages(sample, in_units(tokenizer, 1.0))[1]
+    return min(max((await count(sample)) / max(1, local), RATIO_LIMITS[0]), RATIO_LIMITS[1])
+
+
+def ratio_after_refusal(ratio: float, sent: int, overflow: Overflow) -> float:
+    """The next ratio after a length refusal of a request we estimated at ``sent`` tokens: the summariser's
+    own count of it over ours (a lower bound when it only gave its limit, so at least twice the old ratio)."""
+    if overflow.prompt_tokens:
+        learnt = ratio * overflow.prompt_tokens / max(1, sent) * (1.1 if overflow.at_least else 1.0)
+    else:
+        learnt = ratio * max(2.0, (overflow.limit or 0) / max(1, sent))
+    return min(max(learnt, ratio * 1.05, RATIO_LIMITS[0]), RATIO_LIMITS[1])
+
+
+async def summarise_counted(
+    span: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    summariser: Summariser,
+    cache: SummaryCache,
+    max_summary_tokens: int,
+    **options: Any,
+) -> tuple[str, int, SummaryPlan, dict[str, Any]]:
+    """:func:`summarise_messages` sized in the summariser's own tokens. The ratio to the local count is
+    remembered per summariser; unknown, it is measured with the summariser's count when it has one, else
+    learnt from its first length refusal (one request is sent alone until then), and the span is re-split
+    and sent once more at the learnt ratio."""
+    key = ratio_key(summariser.name, tokenizer)
+    ratio, window, notes, refusals = cache.ratios.get(key), summariser.window, [], 0
+    sent: dict[int, int] = {}  # a refused request's estimate, by the error's id
+    if ratio is None and summariser.count is not None and summariser.call is not None:
+        with contextlib.suppress(ContextShrinkError):
+            ratio = cache.ratios[key] = await measure_ratio(span, tokenizer, summariser.count)
+    for attempt in range(2):
+        units = in_units(tokenizer, ratio or tokenizer.scale)  # unknown: the calibration to the server, if any
+
+        async def call(prompt: list[dict[str, Any]], max_tokens: int, units: Tokenizer = units) -> str:
+            try:
+                return await summariser.call(prompt, max_tokens)  # type: ignore[misc]
+            except BackendError as exc:
+                sent[id(exc)] = count_messages(prompt, units)[1]
+                raise
+
+        try:
+            text, calls, plan = await summarise_messages(
+                span, units, window, max_summary_tokens, call if summariser.call else None,
+                probe=ratio is None, **options,
+            )  # fmt: skip
+        except ContextShrinkError as exc:
+            overflow = exc.overflow if isinstance(exc, BackendError) and id(exc) in sent else None
+            if overflow is None or attempt == 1:
+                if notes and not isinstance(exc, InputNeeded):
+                    raise ContextShrinkError(f"{exc}; {'; '.join(notes)}") from exc
+                raise
+            refusals += 1
+            ratio = cache.ratios[key] = ratio_after_refusal(ratio or tokenizer.scale, sent[id(exc)], overflow)
+            window = min(window, overflow.limit or window)
+            notes.append(f"the summariser refused a request for its length ({exc}); retried at {ratio:.2f} of its "
+                         f"tokens per local token in a {window}-token window")  # fmt: skip
+            continue
+        if ratio is None and summariser.call is not None:  # not refused at the guess: remembered, so later
+            ratio = cache.ratios[key] = tokenizer.scale  # summaries skip the lone first request
+        stats = {"summary_window_tokens": window, "summary_token_ratio": ratio, "summary_refusals": refusals}
+        return text, calls, plan, {**stats, "notes": notes}
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def summarise_span(
+    messages: Sequence[Mapping[str, Any]],
+    plan: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    summariser: Summariser,
+    cache: SummaryCache,
+    *,
+    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
+    previous: str | None = None,
+    anchor: bool = True,
+    extract: bool = False,
+    concurrency: int = DEFAULT_SUMMARY_CONCURRENCY,
+    progress: Progress | None = None,
+    replies: Mapping[str, str] | None = None,
+    guard: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """The summary of a compaction plan's span, the one way every front door gets one.
+
+    The span is the plan's, less its pinned messages and any earlier summary. The earlier summary folded
+    in is ``previous`` when given, else the one this cache filed for the span's start (a span summarised
+    before costs no call), else the one found in the span. A summariser that failed in the last
+    :data:`SUMMARY_BACKOFF` seconds is not asked again. Requests are sized in the summariser's own tokens
+    (:func:`summarise_counted`). The identifiers the summary dropped are appended (``anchor``); with
+    ``extract``, a failed summary becomes notes extracted without a model (not filed). ``replies`` are
+    replies fetched by the caller (see :class:`InputNeeded`); ``guard`` is filled with what the degenerate-output
+    guard saw, even when the summary fails. Returns ``summary`` and what it cost."""
+    items, found = span_items(messages, plan)
+    span = [m for _, m in items]
+    filed = f"{summariser.name} | {max_summary_tokens} | anchored={anchor}"  # what shapes the text
+    done, filed_text, chain = cache.summarised_start(filed, span)
+    rest = span
+    if previous is None and done:
+        previous, rest = filed_text, span[done:]
+    previous = previous or found
+    stats: dict[str, Any] = {"model_calls": 0, "map_chunks": 0, "reduce_steps": 0, "summary_window_tokens": None,
+                             "summary_token_ratio": None, "summary_refusals": 0, "summary_cached": False,
+                             "guard": {} if guard is None else guard, "anchored": 0, "fallback": None,
+                             "error": None, "notes": [],
+                             "previous_summary_folded": bool(previous)}  # fmt: skip
+    if previous and not rest:
+        text = previous
+        stats["summary_cached"] = True
+    else:
+        try:
+            text = await _summarise_fresh(rest, tokenizer, summariser, cache, filed, max_summary_tokens, stats,
+                                          previous=previous, concurrency=concurrency, progress=progress,
+                                          replies=replies)  # fmt: skip
+        except InputNeeded:
+            raise
+        except ContextShrinkError as exc:
+            if not extract:
+                raise
+            text, stats["fallback"], stats["error"] = extracted_notes(span, str(exc)), "extract", str(exc)
+    if anchor:  # what the summary must not lose is appended when the model dropped it, within its budget
+        scale = tokenizer.scale
+        text, stats["anchored"] = anchor_within(
+            text, span, previous, lambda s: math.ceil(tokenizer.count(s) * scale), max_summary_tokens
+        )
+    if stats["fallback"] is None:  # extracted notes are not filed: the model may do better next time
+        pins = plan["pinned_indices"]  # a later span also holds the pinned message: filed by the part before it
+        cache.file(filed, chain, text, None if not pins else sum(1 for i, _ in items if i < pins[0]))
+    return {"summary": text, **stats}
+
+
+async def _summarise_fresh(
+    span: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    summariser: Summariser,
+    cache: SummaryCache,
+    filed: str,
+    max_summary_tokens: int,
+    stats: dict[str, Any],
+    *,
+    replies: Mapping[str, str] | None,
+    **options: Any,
+) -> str:
+    """One model summary of ``span`` (backing off from a failing summariser), its costs put in ``stats``."""
+    why = cache.failing(filed)
+    if why is not None:
+        raise ContextShrinkError(f"{why} (not asked again for {SUMMARY_BACKOFF:g} s)")
+    known = cache.replies.setdefault(summariser.name, {})
+    known.update(replies or {})
+    try:
+        text, calls, plan, counted = await summarise_counted(
+            span, tokenizer, summariser, cache, max_summary_tokens, replies=known, guard=stats["guard"], **options
+        )
+    except InputNeeded:
+        raise
+    except BackendError as exc:
+        if exc.overflow is None:  # the server fails (not this request's length): not asked again for a while
+            cache.failures.pop(filed, None)
+            cache.failures[filed] = (cache.clock(), str(exc))
+            cache.bound()
+        raise
+    cache.failures.pop(filed, None)
+    cache.bound()
+    calls = calls if summariser.call else len(replies or {})  # deferred: the client answered them all
+    stats.update(counted, model_calls=calls, map_chunks=plan.chunks, reduce_steps=plan.reduce_steps)
+    stats["summary_cached"] = calls == 0
+    return text
+
+
 # =============================================================================
-# 9. The backend client (OpenAI-compatible /chat/completions over httpx2)
+# 9. The shrinking pipeline: diet, clear, compact, trim (one ladder for both front doors; summaries injected)
+# =============================================================================
+
+RUNGS = ("diet", "clear", "compact", "trim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How :func:`shrink` climbs its rungs: which ones, above what share of the budget, and how far each goes."""
+
+    rungs: tuple[str, ...] = RUNGS
+    trigger: float = 0.9  # shrink above this share of the budget (window minus the reply's reserve)
+    trim_ratio: float = 0.6  # stable cuts: the kept part is about this share of the trigger after a cut moves
+    compact_ratio: float = 0.85  # compaction keeps a tail of up to this share of the budget (bench/proxy.py)
+    keep_last: int = DEFAULT_KEEP_LAST
+    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS  # and at most 1/16 of the budget (at least 256)
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.rungs if r not in RUNGS]
+        if unknown:
+            raise ContextShrinkError(f"unknown rungs {unknown}; known: {', '.join(RUNGS)}")
+        for name in ("trigger", "trim_ratio", "compact_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+                raise ContextShrinkError(f"{name} must be a number above 0 and at most 1, got {value!r}")
+
+    def summary_tokens(self, budget: int) -> int:
+        """The summary's size: sized to the window, within the configured maximum."""
+        return min(self.max_summary_tokens, max(256, budget // 16))
+
+
+SpanSummary = Callable[[list[dict[str, Any]], dict[str, Any], int], Awaitable[dict[str, Any]]]
+"""``await summarise(messages, plan, max_summary_tokens)``: :func:`summarise_span` with its summariser bound."""
+
+
+def trim_rung(
+    messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, budget: int, tools: Sequence[Any], policy: Policy
+) -> dict[str, Any]:
+    """Trimming on stable cuts, to under the trigger so the next turns fit too (also the clear rung: it is
+    done when clearing old tool output was enough)."""
+    trigger = max(1, int(policy.trigger * budget))
+    return trim_messages(
+        messages, tokenizer, trigger, policy.keep_last, tools=tools, target_ratio=policy.trim_ratio
+    )  # fmt: skip
+
+
+def compact_rung(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    budget: int,
+    tools: Sequence[Any],
+    policy: Policy,
+    summary: str | None,
+) -> dict[str, Any]:
+    """Compaction's plan (``summary=None``) or its result, keeping a tail of ``compact_ratio`` of the budget."""
+    return compact_messages(
+        messages, tokenizer, summary=summary, max_context_tokens=budget, threshold=0, keep_last=policy.keep_last,
+        max_summary_tokens=policy.summary_tokens(budget), target_ratio=policy.compact_ratio, tools=tools,
+    )  # fmt: skip
+
+
+async def shrink(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    budget: int,
+    policy: Policy = Policy(),
+    summarise: SpanSummary | None = None,
+) -> dict[str, Any]:
+    """Make a request fit ``budget`` by the cheapest rung that is enough, in order: the verbatim diet of large
+    tool results, clearing old tool results, compaction (a summary by ``summarise``, reused across turns),
+    trimming on stable cuts. Nothing happens below ``trigger`` x the budget. A failed summary falls through
+    to trimming with the reason kept. Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
+    ``tokens_before``/``tokens_after``, ``fits``, ``reason`` and ``summary_cached``; the heavy work runs in a
+    worker thread."""
+    import anyio
+
+    run = anyio.to_thread.run_sync
+    tools_tokens = count_tools(tools, tokenizer)
+    before = count_messages(messages, tokenizer)[1] + tools_tokens
+    trigger = int(policy.trigger * budget)
+    result: dict[str, Any] = {"messages": list(messages), "action": "none", "tokens_before": before,
+                              "tokens_after": before, "fits": before <= budget, "reason": None,
+                              "summary_cached": None}  # fmt: skip
+    if before <= trigger:
+        return result
+
+    def done(out: list[dict[str, Any]], action: str, **extra: Any) -> dict[str, Any]:
+        after = count_messages(out, tokenizer)[1] + tools_tokens
+        return {**result, "messages": out, "action": action, "tokens_after": after, "fits": after <= budget, **extra}
+
+    lighter, used = list(messages), []
+    if "diet" in policy.rungs:
+        lighter, diet = await run(diet_results, lighter, tokenizer)
+        used += ["diet"] if diet else []
+        if diet and count_messages(lighter, tokenizer)[1] + tools_tokens <= trigger:
+            return done(lighter, "diet")
+    if "clear" in policy.rungs:
+        cleared = await run(trim_rung, lighter, tokenizer, budget, tools, policy)
+        light = cleared["fits"] and not cleared["dropped"]
+        if light and all(c["change"] in LIGHT_CHANGES for c in cleared["changes"]):
+            return done(cleared["messages"], "+".join([*used, "clear"]))
+    reason = None if "compact" in policy.rungs and summarise else "no summariser"
+    if reason is None:
+        lighter, reason, compacted = await _compact_rung(lighter, tokenizer, budget, tools, policy, summarise)
+        if compacted is not None:
+            return done(compacted["messages"], "compact", summary_cached=compacted["summary_cached"])
+    if "trim" not in policy.rungs:
+        return {**done(lighter, "+".join(used) or "none"), "reason": reason}
+    trimmed = await run(trim_rung, lighter, tokenizer, budget, tools, policy)
+    action = "trim" if trimmed["tokens_after"] <= budget else "trim (still too long)"
+    return done(trimmed["messages"], action, reason=reason)
+
+
+async def _compact_rung(
+    messages: list[dict[str, Any]],
+    tokenizer: Tokenizer,
+    budget: int,
+    tools: Sequence[Any],
+    policy: Policy,
+    summarise: SpanSummary,
+) -> tuple[list[dict[str, Any]], str | None, dict[str, Any] | None]:
+    """The compact rung: ``(messages, reason, result)``; ``result`` is set when the compacted request fits
+    (else the messages are what the next rung starts from and ``reason`` says why)."""
+    import anyio
+
+    plan = await anyio.to_thread.run_sync(compact_rung, messages, tokenizer, budget, tools, policy, None)
+    if not plan["needs_summary"]:
+        return messages, plan["reason"], None
+    try:
+        got = await summarise(messages, plan, policy.summary_tokens(budget))
+    except ContextShrinkError as exc:
+        log.warning("summary failed: %s; trimming instead", exc)
+        return messages, f"summary failed: {exc}", None
+    compacted = compact_rung(messages, tokenizer, budget, tools, policy, got["summary"])
+    if compacted["fits"] and not api_problems(compacted["messages"]):
+        return messages, None, {**compacted, "summary_cached": got["summary_cached"]}
+    return compacted["messages"], "the compacted request still did not fit", None
+
+
+# =============================================================================
+# 10. The backend client (OpenAI-compatible /chat/completions over httpx2)
 # =============================================================================
 
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -3479,7 +4165,7 @@ async def _sleep(seconds: float) -> None:
 
 
 # =============================================================================
-# 10. Files and the archive (the only disk I/O; above both front doors)
+# 11. Files and the archive (the only disk I/O; above both front doors)
 # =============================================================================
 def resolve_path(root: Path, path: str) -> Path:
     """``path`` resolved (symlinks included) inside ``root``; anything outside is refused."""
@@ -3647,10 +4333,9 @@ ARCHIVE_HEAD_MESSAGES = 2  # a conversation is identified by a hash of its first
 
 
 def default_archive_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """``CONTEXT_SHRINK_ARCHIVE_DIR``, else ``$XDG_STATE_HOME/context-shrink/archive`` (``~/.local/state``)."""
+    """The archive's default place, ``$XDG_STATE_HOME/context-shrink/archive`` (``~/.local/state``);
+    ``CONTEXT_SHRINK_ARCHIVE_DIR`` and ``--archive-dir`` override it (:meth:`Settings.archive_dir`)."""
     env = os.environ if environ is None else environ
-    if env.get("CONTEXT_SHRINK_ARCHIVE_DIR", "").strip():
-        return Path(env["CONTEXT_SHRINK_ARCHIVE_DIR"].strip()).expanduser()
     state = env.get("XDG_STATE_HOME", "").strip() or str(Path.home() / ".local" / "state")
     return Path(state) / "context-shrink" / "archive"
 
@@ -3660,11 +4345,11 @@ def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
     an agent resends unchanged on every turn."""
     lead = _leading_system(messages)
     head = [*messages[:lead], *messages[lead : lead + ARCHIVE_HEAD_MESSAGES]]
-    return hashlib.sha256(json.dumps(head, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return fingerprint(head)[:16]
 
 
 def message_hash(message: Mapping[str, Any]) -> str:
-    return hashlib.sha256(canonical_json(message).encode()).hexdigest()
+    return fingerprint(message)
 
 
 def folded_away(
@@ -3744,56 +4429,19 @@ def search_archive(entries: Sequence[Mapping[str, Any]], query: str, limit: int)
 
 
 # =============================================================================
-# 11. Front door one: the MCP tools (thin wrappers over the core)
+# 12. Front door one: the MCP tools (thin wrappers over the core)
 # =============================================================================
-
-
-@contextlib.contextmanager
-def _tool_errors() -> Iterator[None]:
-    """Turn the module's error into an MCP tool error the model can read."""
-    try:
-        yield
-    except ContextShrinkError as exc:
-        raise ToolError(str(exc)) from None
 
 
 @dataclasses.dataclass
 class ServerState:
-    """What lives as long as the server: the configuration, one HTTP client, what backends told us."""
+    """What lives as long as the server: the configuration, one HTTP client, what backends and summarisers
+    taught us."""
 
     config: Config
     http: httpx2.AsyncClient
     caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
-    summaries: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # summariser -> key -> reply
-    span_summaries: dict[tuple[str, str], str] = dataclasses.field(
-        default_factory=dict
-    )  # (summariser, span) -> summary
-
-    def summarised_start(self, filed: str, span: Sequence[Mapping[str, Any]]) -> tuple[int, str | None, list[str]]:
-        """How many of ``span``'s first messages were summarised before (under ``filed``), that summary,
-        and the span's chained hashes: the start is folded into a new summary, not summarised again."""
-        chain = span_hashes(span)
-        done = next((k for k in range(len(span), 0, -1) if (filed, chain[k]) in self.span_summaries), 0)
-        return done, self.span_summaries.get((filed, chain[done])) if done else None, chain
-
-    def file_summary(self, filed: str, chain: Sequence[str], text: str, also: int | None = None) -> None:
-        """File ``text`` as the summary of the whole span (and of its first ``also`` messages); bounded."""
-        self.span_summaries[filed, chain[-1]] = text
-        if also is not None:
-            self.span_summaries[filed, chain[also]] = text
-        while len(self.span_summaries) > 512 or sum(map(len, self.span_summaries.values())) > SUMMARY_CACHE_CHARS:
-            self.span_summaries.pop(next(iter(self.span_summaries)))
-
-
-SUMMARY_CACHE_CHARS = 16_000_000
-
-
-def _bound(cache: dict[str, dict[str, str]]) -> None:
-    """Keep the summary cache under SUMMARY_CACHE_CHARS, dropping the oldest replies first."""
-    size = sum(len(v) for replies in cache.values() for v in replies.values())
-    for replies in cache.values():
-        while replies and size > SUMMARY_CACHE_CHARS:
-            size -= len(replies.pop(next(iter(replies))))
+    summaries: SummaryCache = dataclasses.field(default_factory=SummaryCache)
 
 
 @dataclasses.dataclass
@@ -3808,23 +4456,380 @@ class Prepared:
     window: int
     window_source: str
     backend: Backend
-    model: str | None
     source: Path | None = None  # the file the messages came from
     counter: Callable[[list[dict[str, Any]]], Awaitable[int]] | None = None  # the exact count, when there is one
 
 
-MessagesArg = Annotated[
-    list[dict[str, Any]] | None,
-    Field(),
-]
-PathArg = Annotated[
-    str | None,
-    Field(),
-]
-OutputArg = Annotated[
-    str | None,
-    Field(),
-]
+def load_input(
+    config: Config, messages: Any, messages_path: str | None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, Path | None]:
+    """The messages given inline or in a file inside the root, validated; the file's container and path."""
+    if (messages is None) == (messages_path is None):
+        raise ContextShrinkError("give exactly one of messages or messages_path")
+    if messages_path is not None:
+        source = resolve_path(config.root, messages_path)
+        messages, container = load_messages_file(source)
+        return validate_messages(messages), container, source
+    return validate_messages(messages), None, None
+
+
+async def exact_count(
+    backend: Backend, local: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+    model: str | None, on_server: bool,
+) -> tuple[Tokenizer, int | None, Callable[[list[dict[str, Any]]], Awaitable[int]] | None]:  # fmt: skip
+    """The exact count of the request, by the server (``on_server``) or the model's own chat template, and a
+    counter for shrunk versions; the local tokenizer is scaled so per-message counts add up to it."""
+    import anyio
+
+    exact, counter, name = None, None, local.name
+    if on_server:
+        try:
+            exact, method = await backend.count_tokens(messages, tools, model)
+        except ContextShrinkError as exc:
+            note = f"server counting unavailable ({exc}); counted with {local.name}"
+            log.info("%s", note)
+            local = dataclasses.replace(local, note="; ".join(filter(None, [local.note, note])))
+        else:
+            counter, name = lambda m: _first(backend.count_tokens(m, tools, model)), f"server:{method}"
+    if exact is None and local.exact is not None:  # the model's own chat template, rendered locally
+        render = local.exact
+        try:
+            exact = await anyio.to_thread.run_sync(render, messages, tools)
+        except ContextShrinkError as exc:
+            note = f"{exc}; counted per message with the {local.format.name} overhead"
+            local = dataclasses.replace(local, note="; ".join(filter(None, [local.note, note])))
+        else:
+            counter = functools.partial(anyio.to_thread.run_sync, lambda m: render(m, tools))
+    if exact is None:
+        return local, None, None
+    estimate = await anyio.to_thread.run_sync(lambda: count_messages(messages, local)[1] + count_tools(tools, local))
+    return dataclasses.replace(local, name=name, scale=exact / max(1, estimate)), exact, counter
+
+
+async def _first(pair: Awaitable[tuple[int, str]]) -> int:
+    return (await pair)[0]
+
+
+async def window_for(backend: Backend, model: str | None, window: int | str) -> tuple[int, str]:
+    """The window and where it came from: given, discovered from the backend, or the default."""
+    if window != "auto":
+        return int(window), "given"
+    try:
+        return await backend.context_window(model)
+    except ContextShrinkError as exc:
+        log.info("window discovery failed: %s", exc)
+        return DEFAULT_MAX_CONTEXT_TOKENS, f"default {DEFAULT_MAX_CONTEXT_TOKENS} ({exc})"
+
+
+async def prepare(
+    state: ServerState,
+    messages: Any,
+    messages_path: str | None,
+    tools: Any,
+    tokenizer: str | None,
+    model: str | None,
+    window: int | str,
+    base_url: str | None = None,
+    api_key: str | None = None,
+) -> Prepared:
+    """Load the messages, pick the tokenizer (exact on the server when it can count) and the window."""
+    import anyio
+
+    config = state.config
+    loaded, container, source = load_input(config, messages, messages_path)
+    if tools is None and container is not None:
+        tools = container.get("tools")  # a request body's own tools count too
+    tools = validate_tools(tools or [])
+    url, key = base_url or config.base_url, api_key or config.api_key
+    backend = Backend(state.http, url, key, config.extra_headers, caches=state.caches)
+    spec, model = parse_tokenizer_spec(tokenizer or config.tokenizer), model or config.model
+    local = await anyio.to_thread.run_sync(resolve_tokenizer, spec, model, config.chat_format)
+    on_server = spec == "server" or (spec == "auto" and bool(base_url or config.base_url_configured))
+    local, exact, counter = await exact_count(backend, local, loaded, tools, model, on_server)
+    size, window_source = await window_for(backend, model, window)
+    return Prepared(loaded, container, tools, local, exact, size, window_source, backend, source, counter)
+
+
+async def recount(
+    req: Prepared, result: dict[str, Any], reserve: int, redo: Callable[[int], dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Replace estimated sizes by the server's exact count; shrink again (at most twice) if it is over."""
+    import anyio
+
+    result = {**result, "max_context_source": req.window_source}
+    if req.counter is None or req.exact is None or result.get("messages") is None:
+        return result
+    budget, extra = req.window - reserve, 0
+    for attempt in range(3):
+        try:
+            after = await req.counter(result["messages"])
+        except ContextShrinkError as exc:
+            return {**result, "warnings": [*result.get("warnings", []), f"exact recount failed: {exc}"]}
+        if after <= budget or redo is None or attempt == 2 or reserve + extra + after - budget >= req.window:
+            break
+        extra += after - budget
+        again = await anyio.to_thread.run_sync(redo, reserve + extra)
+        if again["kept_from_index"] == result["kept_from_index"]:
+            break  # nothing more can go
+        result = {**again, "max_context_source": req.window_source}
+    exact = {"tokens_before": req.exact, "tokens_after": after, "fits": after <= budget}
+    return {**result, **exact, "tokens_over": max(0, after - budget), "reserve_tokens": reserve}
+
+
+def deliver(config: Config, result: dict[str, Any], output_path: str | None, req: Prepared) -> dict[str, Any]:
+    """Write the messages to ``output_path`` (backing up a file rewritten in place) or return them."""
+    result = {**result, "output_path": None, "backup_path": None}
+    if output_path is not None and result["messages"] is not None:
+        target = resolve_path(config.root, output_path)
+        backup = write_messages_file(target, result["messages"], req.container, backup=target == req.source)
+        result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
+    return result
+
+
+async def sample_once(ctx: Context, prompt: list[dict[str, Any]], max_tokens: int) -> str:
+    """One summary from the client's own model (sampling on a 2025-era connection)."""
+    message = SamplingMessage(role="user", content=TextContent(type="text", text=prompt[1]["content"]))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MCPDeprecationWarning)  # still the way on 2025-era connections
+            reply = await ctx.session.create_message(
+                [message], max_tokens=max_tokens, system_prompt=prompt[0]["content"], temperature=0
+            )
+    except Exception as exc:  # the client refused, failed or cannot be reached
+        raise ContextShrinkError(f"client sampling failed: {exc}") from None
+    if not isinstance(reply.content, TextContent):
+        raise ContextShrinkError("client sampling returned no text, not a summary")
+    return reply.content.text
+
+
+def client_replies(ctx: Context) -> dict[str, str]:
+    """On a 2026-era connection: the summaries the client sent back, with those of earlier rounds."""
+    saved = json.loads(ctx.request_state) if ctx.request_state else {}
+    replies: dict[str, str] = dict(saved.get("replies", {}))
+    for key, response in (ctx.input_responses or {}).items():
+        content = getattr(response, "content", None)
+        if not isinstance(content, TextContent):
+            raise ContextShrinkError("client sampling returned no text, not a summary")
+        replies[key] = content.text
+    return replies
+
+
+def sampling_round(needed: InputNeeded, max_tokens: int) -> InputRequiredResult:
+    """One round of the map-reduce over 2026-era MCP: the missing summaries asked for in one result, the
+    replies so far carried in the request state."""
+    asks = {
+        key: CreateMessageRequest(
+            params=CreateMessageRequestParams(
+                messages=[SamplingMessage(role="user", content=TextContent(type="text", text=p[1]["content"]))],
+                system_prompt=p[0]["content"], max_tokens=max_tokens, temperature=0,
+            )
+        )
+        for key, p in needed.requests.items()
+    }  # fmt: skip
+    return InputRequiredResult(input_requests=asks, request_state=json.dumps({"replies": needed.replies}))
+
+
+async def tool_summariser(ctx: Context, req: Prepared, mode: str, model: str | None, window: int | None) -> Summariser:
+    """The summariser of a compact_context call: the backend's model (window given, else discovered, else the
+    conversation's), or the client's model by sampling (deferred to rounds on a 2026-era connection)."""
+    if mode == "model":
+        if window is None:
+            with contextlib.suppress(ContextShrinkError):
+                window = (await req.backend.context_window(model))[0]
+
+        async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
+            return await req.backend.chat(model, prompt, max_tokens)
+
+        async def count(prompt: list[dict[str, Any]]) -> int:
+            return (await req.backend.count_tokens(prompt, [], model))[0]
+
+        return Summariser(f"model {model} @ {req.backend.base_url}", call, window or req.window, count)
+    deferred = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+    call = None if deferred else functools.partial(sample_once, ctx)
+    return Summariser("client sampling", call, window or req.window)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactOptions:
+    """compact_context's settings, as the tool was called."""
+
+    keep_last: int
+    threshold: float
+    force: bool
+    summary: str | None
+    max_summary_tokens: int
+    summary_role: str
+    reserve_tokens: int
+    target_ratio: float
+    summary_context_tokens: int | None
+    summary_concurrency: int
+    previous_summary: str | None
+    fallback: str
+    diet_tool_results: bool
+    anchor_identifiers: bool
+
+
+COMPACT_STATS = {"summariser": None, "model_calls": 0, "map_chunks": 0, "reduce_steps": 0,
+                 "summary_window_tokens": None, "summary_token_ratio": None, "summary_refusals": 0,
+                 "summary_cached": False, "fallback": None, "guard": {}, "anchored": 0}  # fmt: skip
+
+
+async def compact_request(
+    ctx: Context, req: Prepared, mode: str, model: str | None, options: CompactOptions
+) -> dict[str, Any] | InputRequiredResult:
+    """compact_context's work: plan, get the summary from the chosen summariser (:func:`summarise_span`), fall
+    back as asked, compact and recount. ``mode`` is summary, model, sampling or plan."""
+    import anyio
+
+    o, diet, before = options, None, None
+    if o.diet_tool_results:
+        before = count_messages(req.messages, req.tokenizer)[1]
+        lighter, diet = await anyio.to_thread.run_sync(diet_results, req.messages, req.tokenizer)
+        req = dataclasses.replace(req, messages=lighter)
+    compact = functools.partial(
+        compact_messages, req.messages, req.tokenizer, max_context_tokens=req.window, keep_last=o.keep_last,
+        threshold=o.threshold, force=o.force, max_summary_tokens=o.max_summary_tokens, summary_role=o.summary_role,
+        tools=req.tools, reserve_tokens=o.reserve_tokens, target_ratio=o.target_ratio,
+    )  # fmt: skip
+    plan = await anyio.to_thread.run_sync(lambda: compact(summary=o.summary))
+    if diet:
+        plan.update(diet=diet, tokens_before=before + plan["tools_tokens"])
+    result = {**plan, **COMPACT_STATS, "mode": mode, "guard": {}}
+    if mode in ("summary", "plan") or not plan["needs_summary"]:
+        return await recount(req, result, o.reserve_tokens)
+    summariser = await tool_summariser(ctx, req, mode, model, o.summary_context_tokens)
+    result["summariser"] = summariser.name
+
+    async def progress(done: int, what: str) -> None:
+        with contextlib.suppress(Exception):  # progress is best effort
+            await ctx.report_progress(done, None, f"{what} ({done} requests done)")
+
+    try:
+        got = await summarise_span(
+            req.messages, plan, req.tokenizer, summariser, state_of(ctx).summaries,
+            max_summary_tokens=o.max_summary_tokens, previous=o.previous_summary, anchor=o.anchor_identifiers,
+            extract=o.fallback == "extract", concurrency=o.summary_concurrency, progress=progress,
+            replies=client_replies(ctx) if summariser.call is None else None, guard=result["guard"],
+        )  # fmt: skip
+    except InputNeeded as needed:
+        return sampling_round(needed, o.max_summary_tokens)  # the client answers and calls again
+    except ContextShrinkError as exc:
+        return await recount(req, await compact_failed(req, result, o, exc), o.reserve_tokens)
+    done = {**result, **await anyio.to_thread.run_sync(lambda: compact(summary=got["summary"]))}
+    done.update({k: v for k, v in got.items() if k in COMPACT_STATS or k == "previous_summary_folded"})
+    if got["fallback"]:
+        done["reason"] = f"summary failed: {got['error']}; extracted notes instead; {done['reason']}"
+    if diet:
+        done.update(diet=diet, tokens_before=result["tokens_before"])
+    done.update(mode=mode, warnings=[*done["warnings"], *got["notes"]])
+    return await recount(req, done, o.reserve_tokens)
+
+
+async def compact_failed(
+    req: Prepared, result: dict[str, Any], o: CompactOptions, exc: ContextShrinkError
+) -> dict[str, Any]:
+    """The messages untouched and why, or (``fallback="trim"``) the pipeline's trim rung's result."""
+    import anyio
+
+    log.warning("compaction failed, messages returned untouched: %s", exc)
+    failed = {**result, "needs_summary": False, "messages": req.messages, "reason": f"summary failed: {exc}"}
+    if o.fallback != "trim":
+        return failed
+    policy = Policy(rungs=("trim",), trigger=1.0, trim_ratio=1.0, keep_last=o.keep_last)
+    budget = req.window - o.reserve_tokens
+    trimmed = await anyio.to_thread.run_sync(trim_rung, req.messages, req.tokenizer, budget, req.tools, policy)
+    failed.update({k: trimmed[k] for k in ("messages", "tokens_after", "fits", "tiers")}, fallback="trim")
+    return {**failed, "reason": f"summary failed: {exc}; trimmed instead"}
+
+
+def state_of(ctx: Context) -> ServerState:
+    """The server's state, from a tool call's context."""
+    return ctx.request_context.lifespan_context
+
+
+def compact_mode(ctx: Context, summary: str | None, model: str | None, model_name: str | None) -> str:
+    """summary (the caller's), model (a backend's), sampling (the client's model) or plan."""
+    capabilities = ctx.client_capabilities
+    can_sample = model != "" and capabilities is not None and capabilities.sampling is not None
+    return "summary" if summary is not None else "model" if model_name else "sampling" if can_sample else "plan"
+
+
+def read_text(config: Config, text: str | None, path: str | None) -> str:
+    """The text to diet or check: inline or from a file inside the root, within the size caps."""
+    if (text is None) == (path is None):
+        raise ContextShrinkError("give exactly one of text or path")
+    return load_text(text, resolve_path(config.root, path) if path is not None else None, config)
+
+
+async def prune_request(state: ServerState, req: Prepared, arguments: dict[str, Any]) -> dict[str, Any]:
+    """prune_context's work after loading: prune, then report, or write (JSONL line by line) unless dry."""
+    import anyio
+
+    a, config = arguments, state.config
+    result = await anyio.to_thread.run_sync(
+        lambda: prune_messages(
+            req.messages, req.tokenizer, req.window, remove_ids=a["remove_ids"] or [], images=a["images"],
+            clear_tool_results_before=a["clear_tool_results_before"], tools=req.tools,
+            reserve_tokens=a["reserve_tokens"],
+        )
+    )  # fmt: skip
+    result = {**result, "max_context_source": req.window_source, "output_path": None, "backup_path": None}
+    if a["output_path"] is None:
+        return {**result, "dry_run": bool(a["dry_run"])}
+    target = resolve_path(config.root, a["output_path"])
+    in_place = a["source"] is not None and a["source"] == target
+    if in_place if a["dry_run"] is None else a["dry_run"]:
+        return {**result, "dry_run": True}
+    if a["lines"] is not None and target.suffix == ".jsonl":
+        text = render_jsonl(a["lines"], req.messages, result["messages"], set(result["removed_indices"]))
+        backup = write_text_atomic(target, text, backup=in_place)
+    else:
+        backup = write_messages_file(target, result["messages"], req.container, backup=in_place)
+    result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
+    return {**result, "dry_run": False}
+
+
+def register(
+    registry: dict[str, Tool], name: str | None = None, *, read_only: bool, idempotent: bool, open_world: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add a function to ``registry`` as an MCP tool; the module's errors become tool errors here, once."""
+
+    def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def tool_fn(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return await fn(*args, **kwargs)
+                except ContextShrinkError as exc:
+                    raise ToolError(str(exc)) from None
+
+        else:
+
+            @functools.wraps(fn)
+            def tool_fn(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return fn(*args, **kwargs)
+                except ContextShrinkError as exc:
+                    raise ToolError(str(exc)) from None
+
+        hints = ToolAnnotations(  # only what differs from the protocol's defaults
+            read_only_hint=read_only or None, idempotent_hint=idempotent or None, open_world_hint=open_world and None
+        )
+        description = " ".join(inspect.cleandoc(fn.__doc__ or "").split())
+        tool = Tool.from_function(tool_fn, name=name, description=description, annotations=hints)
+        tool.parameters = compact_schema(tool.parameters)  # what clients read: no titles, no null branches
+        if tool.fn_metadata.output_schema is not None:
+            tool.fn_metadata.output_schema = {"type": "object"}
+        registry[tool.name] = tool
+        return fn
+
+    return add
+
+
+MessagesArg = Annotated[list[dict[str, Any]] | None, Field()]
+PathArg = Annotated[str | None, Field()]
+OutputArg = Annotated[str | None, Field()]
 WindowArg = Annotated[int | Literal["auto"], Field()]
 KeepLastArg = Annotated[int, Field(ge=0)]
 ToolsArg = Annotated[list[dict[str, Any]] | None, Field()]
@@ -3834,10 +4839,11 @@ ModelArg = Annotated[str | None, Field()]
 
 
 def build_server(config: Config | None = None) -> MCPServer:
-    """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`."""
+    """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`. Each tool loads its
+    input, calls the core and delivers the result; the work is in the functions above."""
     import anyio
 
-    config = config or Config.from_env()[0]
+    config = config or Config.from_env()
     default_window = config.max_context_tokens
     default_reserve = config.reserve_tokens
 
@@ -3848,150 +4854,9 @@ def build_server(config: Config | None = None) -> MCPServer:
             yield ServerState(config, http)
 
     registry: dict[str, Tool] = {}
+    tool = functools.partial(register, registry)
 
-    def register(
-        name: str | None = None, *, read_only: bool, idempotent: bool, open_world: bool = False
-    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def add(fn: Callable[..., Any]) -> Callable[..., Any]:
-            hints = ToolAnnotations(  # only what differs from the protocol's defaults
-                read_only_hint=read_only or None,
-                idempotent_hint=idempotent or None,
-                open_world_hint=open_world and None,
-            )
-            description = " ".join(inspect.cleandoc(fn.__doc__ or "").split())
-            tool = Tool.from_function(fn, name=name, description=description, annotations=hints)
-            tool.parameters = compact_schema(tool.parameters)  # what clients read: no titles, no null branches
-            if tool.fn_metadata.output_schema is not None:
-                tool.fn_metadata.output_schema = {"type": "object"}
-            registry[tool.name] = tool
-            return fn
-
-        return add
-
-    def load(
-        messages: Any, messages_path: str | None
-    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, Path | None]:
-        if (messages is None) == (messages_path is None):
-            raise ContextShrinkError("give exactly one of messages or messages_path")
-        if messages_path is not None:
-            source = resolve_path(config.root, messages_path)
-            messages, container = load_messages_file(source)
-            return validate_messages(messages), container, source
-        return validate_messages(messages), None, None
-
-    async def prepare(
-        ctx: Context,
-        messages: Any,
-        messages_path: str | None,
-        tools: Any,
-        tokenizer: str | None,
-        model: str | None,
-        window: int | str,
-        base_url: str | None = None,
-        api_key: str | None = None,
-    ) -> Prepared:
-        """Load the messages, pick the tokenizer (exact on the server when it can count) and the window."""
-        state: ServerState = ctx.request_context.lifespan_context
-        loaded, container, source = load(messages, messages_path)
-        if tools is None and container is not None:
-            tools = container.get("tools")  # a request body's own tools count too
-        tools = validate_tools(tools or [])
-        backend = Backend(
-            state.http,
-            base_url or config.base_url,
-            api_key or config.api_key,
-            config.extra_headers,
-            caches=state.caches,
-        )
-        spec = parse_tokenizer_spec(tokenizer or config.tokenizer)
-        model = model or config.model
-        local = await anyio.to_thread.run_sync(resolve_tokenizer, spec, model, config.chat_format)
-        exact, counter = None, None
-        if spec == "server" or (spec == "auto" and (base_url or config.base_url_configured)):
-            try:
-                exact, method = await backend.count_tokens(loaded, tools, model)
-            except ContextShrinkError as exc:
-                note = f"server counting unavailable ({exc}); counted with {local.name}"
-                log.info("%s", note)
-                local = dataclasses.replace(local, note="; ".join(filter(None, [local.note, note])))
-            else:
-
-                async def counter(messages: list[dict[str, Any]]) -> int:
-                    return (await backend.count_tokens(messages, tools, model))[0]
-
-                name = f"server:{method}"
-        if exact is None and local.exact is not None:  # the model's own chat template, rendered locally
-            render = local.exact
-            try:
-                exact = await anyio.to_thread.run_sync(render, loaded, tools)
-            except ContextShrinkError as exc:
-                note = f"{exc}; counted per message with the {local.format.name} overhead"
-                local = dataclasses.replace(local, note="; ".join(filter(None, [local.note, note])))
-            else:
-
-                async def counter(messages: list[dict[str, Any]]) -> int:
-                    return await anyio.to_thread.run_sync(render, messages, tools)
-
-                name = local.name
-        if exact is not None:  # per-message counts are scaled so they add up to the exact total
-            estimate = await anyio.to_thread.run_sync(
-                lambda: count_messages(loaded, local)[1] + count_tools(tools, local)
-            )
-            local = dataclasses.replace(local, name=name, scale=exact / max(1, estimate))
-        if window == "auto":
-            try:
-                window, window_source = await backend.context_window(model)
-            except ContextShrinkError as exc:
-                window, window_source = DEFAULT_MAX_CONTEXT_TOKENS, f"default {DEFAULT_MAX_CONTEXT_TOKENS} ({exc})"
-                log.info("window discovery failed: %s", exc)
-        else:
-            window_source = "given"
-        return Prepared(
-            loaded, container, tools, local, exact, int(window), window_source, backend, model, source, counter
-        )
-
-    async def recount(
-        req: Prepared,
-        result: dict[str, Any],
-        reserve: int,
-        redo: Callable[[int], dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        """Replace estimated sizes by the server's exact count; shrink again (at most twice) if it is over."""
-        result = {**result, "max_context_source": req.window_source}
-        if req.counter is None or req.exact is None or result.get("messages") is None:
-            return result
-        budget, extra = req.window - reserve, 0
-        for attempt in range(3):
-            try:
-                after = await req.counter(result["messages"])
-            except ContextShrinkError as exc:
-                return {**result, "warnings": [*result.get("warnings", []), f"exact recount failed: {exc}"]}
-            if after <= budget or redo is None or attempt == 2 or reserve + extra + after - budget >= req.window:
-                break
-            extra += after - budget
-            again = await anyio.to_thread.run_sync(redo, reserve + extra)
-            if again["kept_from_index"] == result["kept_from_index"]:
-                break  # nothing more can go
-            result = {**again, "max_context_source": req.window_source}
-        return {
-            **result,
-            "tokens_before": req.exact,
-            "tokens_after": after,
-            "fits": after <= budget,
-            "tokens_over": max(0, after - budget),
-            "reserve_tokens": reserve,
-        }
-
-    def deliver(result: dict[str, Any], output_path: str | None, req: Prepared) -> dict[str, Any]:
-        """Write the messages to ``output_path`` (backing up a file rewritten in place) or return them."""
-        result = {**result, "output_path": None, "backup_path": None}
-        if output_path is not None and result["messages"] is not None:
-            target = resolve_path(config.root, output_path)
-            backup = write_messages_file(target, result["messages"], req.container, backup=target == req.source)
-            result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
-        return result
-
-    @register(read_only=True, idempotent=True, open_world=False)
+    @tool(read_only=True, idempotent=True, open_world=False)
     async def estimate_context(
         ctx: Context,
         messages: MessagesArg = None,
@@ -4003,19 +4868,17 @@ def build_server(config: Config | None = None) -> MCPServer:
         reserve_tokens: ReserveArg = default_reserve,
     ) -> dict[str, Any]:
         """Count a chat history's tokens and say whether it fits the window."""
-        with _tool_errors():
-            req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
-            result = await anyio.to_thread.run_sync(
-                lambda: estimate_messages(
-                    req.messages, req.tokenizer, req.window, tools=req.tools, reserve_tokens=reserve_tokens
-                )
-            )
-            if req.exact is not None:
-                result.update(tokens=req.exact, remaining=req.window - reserve_tokens - req.exact)
-                result["should_trim"] = result["remaining"] < 0
-            return {**result, "max_context_source": req.window_source}
+        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
+        result = await anyio.to_thread.run_sync(
+            lambda: estimate_messages(req.messages, req.tokenizer, req.window, tools=req.tools,
+                                      reserve_tokens=reserve_tokens)
+        )  # fmt: skip
+        if req.exact is not None:
+            result.update(tokens=req.exact, remaining=req.window - reserve_tokens - req.exact)
+            result["should_trim"] = result["remaining"] < 0
+        return {**result, "max_context_source": req.window_source}
 
-    @register(read_only=False, idempotent=True, open_world=False)
+    @tool(read_only=False, idempotent=True, open_world=False)
     async def trim_context(
         ctx: Context,
         messages: MessagesArg = None,
@@ -4034,30 +4897,17 @@ def build_server(config: Config | None = None) -> MCPServer:
     ) -> dict[str, Any]:
         """Shrink a chat history until it fits: clear old tool results, drop old turns, elide huge outputs;
         never split a tool call from its results."""
-        with _tool_errors():
-            req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
-            options = {
-                "strategy": strategy,
-                "start_on_user": start_on_user,
-                "alternate_roles": alternate_roles,
-                "diet_tool_results": diet_tool_results,
-            }
+        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
+        options = {"strategy": strategy, "start_on_user": start_on_user, "alternate_roles": alternate_roles,
+                   "diet_tool_results": diet_tool_results, "tools": req.tools}  # fmt: skip
 
-            def trim(reserve: int) -> dict[str, Any]:
-                return trim_messages(
-                    req.messages,
-                    req.tokenizer,
-                    req.window,
-                    keep_last,
-                    tools=req.tools,
-                    reserve_tokens=reserve,
-                    **options,
-                )
+        def trim(reserve: int) -> dict[str, Any]:
+            return trim_messages(req.messages, req.tokenizer, req.window, keep_last, reserve_tokens=reserve, **options)
 
-            result = await recount(req, await anyio.to_thread.run_sync(trim, reserve_tokens), reserve_tokens, trim)
-            return deliver(result, output_path, req)
+        result = await recount(req, await anyio.to_thread.run_sync(trim, reserve_tokens), reserve_tokens, trim)
+        return deliver(config, result, output_path, req)
 
-    @register(read_only=True, idempotent=True, open_world=False)
+    @tool(read_only=True, idempotent=True, open_world=False)
     async def analyze_context(
         ctx: Context,
         messages: MessagesArg = None,
@@ -4072,25 +4922,16 @@ def build_server(config: Config | None = None) -> MCPServer:
         reserve_tokens: ReserveArg = default_reserve,
     ) -> dict[str, Any]:
         """List what fills the window, one line per message: '<id> <kind> <tokens>tok: <gist>'."""
-        with _tool_errors():
-            req = await prepare(ctx, messages, messages_path, tools, tokenizer, model, max_context_tokens)
-            result = await anyio.to_thread.run_sync(
-                lambda: analyze_messages(
-                    req.messages,
-                    req.tokenizer,
-                    req.window,
-                    tools=req.tools,
-                    reserve_tokens=reserve_tokens,
-                    sort=sort,
-                    limit=limit,
-                    offset=offset,
-                )
-            )
-            if req.exact is not None:
-                result.update(tokens=req.exact, percent_of_budget=round(100 * req.exact / result["budget_tokens"], 1))
-            return {**result, "max_context_source": req.window_source}
+        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
+        result = await anyio.to_thread.run_sync(
+            lambda: analyze_messages(req.messages, req.tokenizer, req.window, tools=req.tools,
+                                     reserve_tokens=reserve_tokens, sort=sort, limit=limit, offset=offset)
+        )  # fmt: skip
+        if req.exact is not None:
+            result.update(tokens=req.exact, percent_of_budget=round(100 * req.exact / result["budget_tokens"], 1))
+        return {**result, "max_context_source": req.window_source}
 
-    @register(read_only=False, idempotent=True, open_world=False)
+    @tool(read_only=False, idempotent=True, open_world=False)
     async def prune_context(
         ctx: Context,
         messages: MessagesArg = None,
@@ -4108,47 +4949,17 @@ def build_server(config: Config | None = None) -> MCPServer:
         reserve_tokens: ReserveArg = default_reserve,
     ) -> dict[str, Any]:
         """Remove messages by id (a tool call with its results), strip images or clear old tool results."""
-        with _tool_errors():
-            source = resolve_path(config.root, messages_path) if messages_path is not None else None
-            lines = read_jsonl_lines(source) if source is not None and messages is None else None
-            if lines is not None:  # JSONL: a line that does not parse is kept as it is
-                messages, messages_path = [m for _, m in lines if m is not None], None
-            req = await prepare(ctx, messages, messages_path, tools, tokenizer, None, max_context_tokens)
-            result = await anyio.to_thread.run_sync(
-                lambda: prune_messages(
-                    req.messages,
-                    req.tokenizer,
-                    req.window,
-                    remove_ids=remove_ids or [],
-                    images=images,
-                    clear_tool_results_before=clear_tool_results_before,
-                    tools=req.tools,
-                    reserve_tokens=reserve_tokens,
-                )
-            )
-            result = {**result, "max_context_source": req.window_source, "output_path": None, "backup_path": None}
-            if output_path is None:
-                return {**result, "dry_run": bool(dry_run)}
-            target = resolve_path(config.root, output_path)
-            in_place = source is not None and source == target
-            dry = in_place if dry_run is None else dry_run
-            if dry:
-                return {**result, "dry_run": True}
-            if lines is not None and target.suffix == ".jsonl":
-                text = render_jsonl(lines, req.messages, result["messages"], set(result["removed_indices"]))
-                backup = write_text_atomic(target, text, backup=in_place)
-            else:
-                backup = write_messages_file(target, result["messages"], req.container, backup=in_place)
-            result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
-            return {**result, "dry_run": False}
+        source = resolve_path(config.root, messages_path) if messages_path is not None else None
+        lines = read_jsonl_lines(source) if source is not None and messages is None else None
+        if lines is not None:  # JSONL: a line that does not parse is kept as it is
+            messages, messages_path = [m for _, m in lines if m is not None], None
+        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, None, max_context_tokens)
+        arguments = {"remove_ids": remove_ids, "images": images, "clear_tool_results_before": clear_tool_results_before,
+                     "reserve_tokens": reserve_tokens, "output_path": output_path, "dry_run": dry_run,
+                     "source": source, "lines": lines}  # fmt: skip
+        return await prune_request(state_of(ctx), req, arguments)
 
-    def read_text(text: str | None, path: str | None) -> str:
-        """The text to diet or check: inline or from a file inside the root, within the size caps."""
-        if (text is None) == (path is None):
-            raise ContextShrinkError("give exactly one of text or path")
-        return load_text(text, resolve_path(config.root, path) if path is not None else None, config)
-
-    @register("shrink_text", read_only=True, idempotent=True)
+    @tool("shrink_text", read_only=True, idempotent=True)
     def shrink_text_tool(
         text: Annotated[str | None, Field(description="Text (or path).")] = None,
         path: Annotated[str | None, Field(description="Text file in the root.")] = None,
@@ -4159,18 +4970,11 @@ def build_server(config: Config | None = None) -> MCPServer:
         on_overflow: Literal["fail", "partial"] = "fail",
     ) -> dict[str, Any]:
         """Shrink a log or text verbatim: dedupe lines, keep query hits and errors, pack to a token budget."""
-        with _tool_errors():
-            return shrink_text(
-                read_text(text, path),
-                resolve_tokenizer(config.tokenizer, config.model, config.chat_format),
-                budget=budget,
-                query=query,
-                protect=protect or [],
-                exact_only=exact_only,
-                on_overflow=on_overflow,
-            )
+        tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
+        return shrink_text(read_text(config, text, path), tokenizer, budget=budget, query=query,
+                           protect=protect or [], exact_only=exact_only, on_overflow=on_overflow)  # fmt: skip
 
-    @register("check_text", read_only=True, idempotent=True)
+    @tool("check_text", read_only=True, idempotent=True)
     def check_text_tool(
         plan: Annotated[list[str], Field(description="Items that must appear.")],
         text: Annotated[str | None, Field(description="Text (or path).")] = None,
@@ -4180,151 +4984,25 @@ def build_server(config: Config | None = None) -> MCPServer:
         skipped: Annotated[list[str] | None, Field()] = None,
     ) -> dict[str, Any]:
         """Check that planned items (e.g. test names) appear in a text; with markers, passed or failed."""
-        with _tool_errors():
-            return check_text(
-                read_text(text, path),
-                plan,
-                markers=markers or [],
-                fail_markers=["FAIL"] if fail_markers is None else fail_markers,
-                skipped=skipped or [],
-            )
+        fails = ["FAIL"] if fail_markers is None else fail_markers
+        return check_text(read_text(config, text, path), plan, markers=markers or [], fail_markers=fails,
+                          skipped=skipped or [])  # fmt: skip
 
-    @register("recall_context", read_only=True, idempotent=True)
+    @tool("recall_context", read_only=True, idempotent=True)
     def recall_context(
         query: Annotated[str, Field(description="Words, or an entry id.")],
         conversation: Annotated[str | None, Field()] = None,
         limit: Annotated[int, Field(ge=1, le=100)] = 10,
     ) -> dict[str, Any]:
         """Fetch back verbatim the messages the proxy summarised or dropped (from its archive)."""
-        with _tool_errors():
-            directory = default_archive_dir()
-            entries = read_archive(directory, conversation)
-            found = search_archive(entries, query, limit)
-            keys = ("id", "conversation", "index", "action", "time", "message")
-            return {
-                "archive": str(directory),
-                "searched": len(entries),
-                "found": len(found),
-                "entries": [{k: e.get(k) for k in keys} for e in found],
-            }
+        directory = config.archive_dir or default_archive_dir()
+        entries = read_archive(directory, conversation)
+        found = search_archive(entries, query, limit)
+        keys = ("id", "conversation", "index", "action", "time", "message")
+        entries_out = [{k: e.get(k) for k in keys} for e in found]
+        return {"archive": str(directory), "searched": len(entries), "found": len(found), "entries": entries_out}
 
-    async def summarise_with(
-        ctx: Context, req: Prepared, span: list[dict[str, Any]], previous: str | None, how: dict[str, Any]
-    ) -> tuple[str, dict[str, Any]] | InputRequiredResult:
-        """Run the map-reduce summary with the chosen summariser; retry once after a length refusal."""
-        state: ServerState = ctx.request_context.lifespan_context
-        replies = state.summaries.setdefault(how["summariser"], {})
-        window, limit = how["window"], how["max_summary_tokens"]
-        if how["mode"] == "sampling" and ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
-            return await sampling_rounds(ctx, req, span, previous, window, limit)
-        sent = [0]
-
-        async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
-            sent[0] = count_messages(prompt, req.tokenizer)[1] + max_tokens  # our estimate of this request
-            if how["mode"] == "model":
-                return await req.backend.chat(how["model"], prompt, max_tokens)
-            return await sample_once(ctx, prompt, max_tokens)
-
-        async def progress(done: int, what: str) -> None:
-            with contextlib.suppress(Exception):  # progress is best effort
-                await ctx.report_progress(done, None, f"{what} ({done} requests done)")
-
-        notes, calls, guard = [], 0, how.get("guard", {})
-        for attempt in range(2):
-            try:
-                text, made, plan = await summarise_messages(
-                    span,
-                    req.tokenizer,
-                    window,
-                    limit,
-                    call,
-                    concurrency=how["concurrency"],
-                    previous=previous,
-                    replies=replies,
-                    progress=progress,
-                    guard=guard,
-                )
-            except ContextShrinkError as exc:
-                overflow = exc.overflow if isinstance(exc, BackendError) else None
-                if overflow is None or attempt == 1:
-                    raise ContextShrinkError(str(exc) + "".join(f"; {n}" for n in notes)) from None
-                # The summariser refused a request for its length: its limit, in our units, is the limit
-                # scaled by (our estimate of that request / the prompt size it reported). Retry smaller.
-                if overflow.limit and overflow.prompt_tokens:
-                    window = min(window, int(overflow.limit * sent[0] / overflow.prompt_tokens * 0.9))
-                else:
-                    window = min(window, sent[0]) // 2
-                notes.append(
-                    f"the summariser refused a request for its length ({exc}); retried for a {window}-token window"
-                )
-                continue
-            calls += made
-            _bound(state.summaries)
-            return text, {
-                "model_calls": calls,
-                "map_chunks": plan.chunks,
-                "reduce_steps": plan.reduce_steps,
-                "summary_window_tokens": window,
-                "summary_cached": calls == 0,
-                "guard": guard,
-                "notes": notes,
-            }
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def sample_once(ctx: Context, prompt: list[dict[str, Any]], max_tokens: int) -> str:
-        """One summary from the client's own model (sampling on a 2025-era connection)."""
-        message = SamplingMessage(role="user", content=TextContent(type="text", text=prompt[1]["content"]))
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", MCPDeprecationWarning)  # still the way on 2025-era connections
-                reply = await ctx.session.create_message(
-                    [message], max_tokens=max_tokens, system_prompt=prompt[0]["content"], temperature=0
-                )
-        except Exception as exc:  # the client refused, failed or cannot be reached
-            raise ContextShrinkError(f"client sampling failed: {exc}") from None
-        if not isinstance(reply.content, TextContent):
-            raise ContextShrinkError("client sampling returned no text, not a summary")
-        return reply.content.text
-
-    async def sampling_rounds(
-        ctx: Context, req: Prepared, span: list[dict[str, Any]], previous: str | None, window: int, limit: int
-    ) -> tuple[str, dict[str, Any]] | InputRequiredResult:
-        """The same map-reduce over 2026-era MCP: each round asks the client for the missing summaries in one
-        input_required result and carries the replies so far in the request state."""
-        saved = json.loads(ctx.request_state) if ctx.request_state else {}
-        replies: dict[str, str] = dict(saved.get("replies", {}))
-        for key, response in (ctx.input_responses or {}).items():
-            content = getattr(response, "content", None)
-            if not isinstance(content, TextContent):
-                raise ContextShrinkError("client sampling returned no text, not a summary")
-            replies[key] = content.text
-        plan = await anyio.to_thread.run_sync(
-            lambda: plan_summary(span, req.tokenizer, window, limit, replies, previous)
-        )
-        if plan.requests:
-            asks = {
-                key: CreateMessageRequest(
-                    params=CreateMessageRequestParams(
-                        messages=[SamplingMessage(role="user", content=TextContent(type="text", text=p[1]["content"]))],
-                        system_prompt=p[0]["content"],
-                        max_tokens=limit,
-                        temperature=0,
-                    )
-                )
-                for key, p in plan.requests.items()
-            }
-            return InputRequiredResult(input_requests=asks, request_state=json.dumps({"replies": replies}))
-        return plan.summary or "", {
-            "model_calls": len(replies),
-            "map_chunks": plan.chunks,
-            "reduce_steps": plan.reduce_steps,
-            "summary_window_tokens": window,
-            "summary_cached": False,
-            "guard": {},
-            "notes": [],
-        }
-
-    @register(read_only=False, idempotent=False, open_world=True)
+    @tool(read_only=False, idempotent=False, open_world=True)
     async def compact_context(
         ctx: Context,
         messages: MessagesArg = None,
@@ -4357,140 +5035,20 @@ def build_server(config: Config | None = None) -> MCPServer:
     ) -> dict[str, Any]:
         """Replace the oldest messages with a summary: yours (summary), a model's, the client's (sampling),
         or get a plan."""
-        with _tool_errors():
-            model_name = (config.model or None) if model is None else (model or None)
-            req = await prepare(
-                ctx, messages, messages_path, tools, tokenizer, model_name, max_context_tokens, base_url, api_key
-            )
-            diet = None
-            if diet_tool_results:
-                before = count_messages(req.messages, req.tokenizer)[1]
-                lighter, diet = await anyio.to_thread.run_sync(diet_results, req.messages, req.tokenizer)
-                req = dataclasses.replace(req, messages=lighter)
-            options = {
-                "max_context_tokens": req.window,
-                "keep_last": keep_last,
-                "threshold": threshold,
-                "force": force,
-                "max_summary_tokens": max_summary_tokens,
-                "summary_role": summary_role,
-                "tools": req.tools,
-                "reserve_tokens": reserve_tokens,
-                "target_ratio": target_ratio,
-            }
-
-            def compact(text: str | None) -> dict[str, Any]:
-                return compact_messages(req.messages, req.tokenizer, summary=text, **options)
-
-            plan = await anyio.to_thread.run_sync(compact, summary)
-            if diet:
-                plan.update(diet=diet, tokens_before=before + plan["tools_tokens"])
-            capabilities = ctx.client_capabilities
-            can_sample = model != "" and capabilities is not None and capabilities.sampling is not None
-            mode = "summary" if summary is not None else "model" if model_name else "sampling" if can_sample else "plan"
-            result = {
-                **plan,
-                "mode": mode,
-                "summariser": None,
-                "model_calls": 0,
-                "map_chunks": 0,
-                "reduce_steps": 0,
-                "summary_window_tokens": None,
-                "summary_cached": False,
-                "fallback": None,
-                "guard": {},
-                "anchored": 0,
-            }
-            if mode in ("summary", "plan") or not plan["needs_summary"]:
-                return deliver(await recount(req, result, reserve_tokens), output_path, req)
-            start, end, pins = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_indices"]
-            items = [(i, m) for i, m in enumerate(req.messages[start:end], start) if i not in pins]
-            found, _, positions = previous_summary_in([m for _, m in items])
-            items = [item for k, item in enumerate(items) if k not in positions]
-            span = [m for _, m in items]
-            previous = previous_summary or found
-            state: ServerState = ctx.request_context.lifespan_context
-            summariser = f"model {model_name} @ {req.backend.base_url}" if mode == "model" else "client sampling"
-            filed = f"{summariser} | {max_summary_tokens} | anchored={anchor_identifiers}"  # what shapes the text
-            done_before, filed_text, chain = state.summarised_start(filed, span)
-            if previous is None and done_before:  # the already-summarised start is folded, not redone
-                previous, span = filed_text, span[done_before:]
-            window = summary_context_tokens or config.summary_context_tokens
-            if window is None and mode == "model":
-                with contextlib.suppress(ContextShrinkError):
-                    window = (await req.backend.context_window(model_name))[0]
-            how = {
-                "mode": mode,
-                "model": model_name,
-                "window": window or req.window,
-                "max_summary_tokens": max_summary_tokens,
-                "concurrency": summary_concurrency,
-                "summariser": summariser,
-            }
-            result.update(summariser=summariser)
-            how["guard"] = result["guard"]  # what the degenerate-output guard saw, reported even on failure
-            try:
-                outcome = (
-                    (previous or "", {"model_calls": 0, "summary_cached": True, "notes": []})
-                    if not span and previous
-                    else await summarise_with(ctx, req, span, previous, how)
-                )
-            except ContextShrinkError as exc:
-                log.warning("compaction failed, messages returned untouched: %s", exc)
-                failed = {
-                    **result,
-                    "needs_summary": False,
-                    "messages": req.messages,
-                    "reason": f"summary failed: {exc}",
-                }
-                if fallback == "trim":
-                    trimmed = await anyio.to_thread.run_sync(
-                        lambda: trim_messages(
-                            req.messages,
-                            req.tokenizer,
-                            req.window,
-                            keep_last,
-                            tools=req.tools,
-                            reserve_tokens=reserve_tokens,
-                        )
-                    )
-                    failed.update(
-                        {k: trimmed[k] for k in ("messages", "tokens_after", "fits", "tiers")},
-                        fallback="trim",
-                        reason=f"summary failed: {exc}; trimmed instead",
-                    )
-                if fallback != "extract":
-                    return deliver(await recount(req, failed, reserve_tokens), output_path, req)
-                outcome = (extracted_notes([m for _, m in items], str(exc)), {"model_calls": 0, "notes": []})
-                result.update(fallback="extract", reason=f"summary failed: {exc}; extracted notes instead")
-            if isinstance(outcome, InputRequiredResult):
-                return outcome  # the client answers the sampling requests and calls again
-            text, stats = outcome
-            notes = stats.pop("notes")
-            if anchor_identifiers:  # what the summary must not lose is appended when the model dropped it
-                candidates = extract_identifiers([m for _, m in items], req.tokenizer.count, ANCHOR_TOKENS)
-                anchored = anchor_summary(text, list(dict.fromkeys([*candidates, *anchored_in(previous)])))
-                stats["anchored"] = len(anchored_in(anchored)) - len(anchored_in(text))
-                text = anchored
-            if result["fallback"] is None:  # extracted notes are not filed: the model may do better next time
-                # a later span will also hold a pinned message: file the summary under the part before it too
-                before_pin = None if not pins else sum(1 for i, _ in items if i < pins[0])
-                state.file_summary(filed, chain, text, before_pin)
-            done = {**result, **await anyio.to_thread.run_sync(compact, text), **stats}
-            if result["fallback"]:
-                done["reason"] = f"{result['reason']}; {done['reason']}"
-            if diet:
-                done.update(diet=diet, tokens_before=result["tokens_before"])
-            done.update(mode=mode, warnings=[*done["warnings"], *notes], previous_summary_folded=bool(previous))
-            return deliver(await recount(req, done, reserve_tokens), output_path, req)
+        model_name = (config.model or None) if model is None else (model or None)
+        args = (messages, messages_path, tools, tokenizer, model_name, max_context_tokens, base_url, api_key)
+        req = await prepare(state_of(ctx), *args)
+        options = CompactOptions(
+            keep_last, threshold, force, summary, max_summary_tokens, summary_role, reserve_tokens, target_ratio,
+            summary_context_tokens or config.summary_context_tokens, summary_concurrency, previous_summary,
+            fallback, diet_tool_results, anchor_identifiers,
+        )  # fmt: skip
+        result = await compact_request(ctx, req, compact_mode(ctx, summary, model, model_name), model_name, options)
+        return result if isinstance(result, InputRequiredResult) else deliver(config, result, output_path, req)
 
     chosen = [registry[name] for name in TOOL_NAMES if config.tools is None or name in config.tools]
     return MCPServer(
-        "context-shrink",
-        version=__version__,
-        instructions=SERVER_INSTRUCTIONS,
-        lifespan=lifespan,
-        tools=chosen,
+        "context-shrink", version=__version__, instructions=SERVER_INSTRUCTIONS, lifespan=lifespan, tools=chosen
     )
 
 
@@ -4516,17 +5074,13 @@ def compact_schema(schema: Any) -> Any:
 
 
 # =============================================================================
-# 12. Front door two: the proxy (an OpenAI-compatible HTTP front that shrinks every chat request)
+# 13. Front door two: the proxy (an OpenAI-compatible HTTP front that shrinks every chat request)
 # =============================================================================
 
 PROXY_PORT = 8787
 PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
-PROXY_TRIGGER = 0.9  # shrink above this share of the budget (window minus the reply's reserve)
-PROXY_TRIM_RATIO = 0.6  # stable cuts: the kept part is about this share of the budget after a cut moves
-PROXY_COMPACT_RATIO = 0.85  # compaction keeps a tail of up to this share of the budget (bench/proxy.py)
 PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 PROXY_TIMEOUT = 600.0
-SUMMARY_BACKOFF = 120.0  # seconds before a summariser that failed is asked again
 CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
 CALIBRATION_MODELS = 64  # models remembered (calibration factors and learnt windows)
 TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
@@ -4552,6 +5106,11 @@ class ProxyConfig:
     keep_last: int = DEFAULT_KEEP_LAST
     max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
     timeout: float = PROXY_TIMEOUT
+
+    @property
+    def policy(self) -> Policy:
+        """The shrinking policy these settings give (:func:`shrink`)."""
+        return Policy(keep_last=self.keep_last, max_summary_tokens=self.max_summary_tokens)
 
     @property
     def base(self) -> str:
@@ -4610,11 +5169,12 @@ class ProxyState:
     config: ProxyConfig
     http: httpx2.AsyncClient
     tokenizer: Tokenizer
-    server: ServerState  # the summary caches, shared with the MCP tools' code
+    policy: Policy = Policy()
+    caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
+    summaries: SummaryCache = dataclasses.field(default_factory=SummaryCache)
     windows: dict[str | None, int | None] = dataclasses.field(default_factory=dict)  # model -> learnt window
     factors: dict[str | None, float] = dataclasses.field(default_factory=dict)  # model -> calibration
     archived: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # conversation -> hashes
-    summariser_failed: dict[str | None, tuple[float, str]] = dataclasses.field(default_factory=dict)  # when, why
     lock: Any = dataclasses.field(default=None)  # an anyio.Lock around archive writes
 
     def remember(self, table: dict[str | None, Any], model: str | None, value: Any) -> None:
@@ -4630,9 +5190,55 @@ class ProxyState:
             key, headers = (
                 (token, {}) if scheme.lower() == "bearer" and token else (None, {"Authorization": authorization})
             )
-        backend = Backend(self.http, url, key, headers, caches=self.server.caches)
+        backend = Backend(self.http, url, key, headers, caches=self.caches)
         backend.setting = "--upstream" if url == self.config.base else "--summary-url"
         return backend
+
+    def learn_refusal(
+        self, model: str | None, overflow: Overflow, report: Mapping[str, Any], estimate: int
+    ) -> tuple[int, int]:
+        """Remember what a length refusal taught (the model's window; its count calibrates ours) and return
+        ``(limit, refused)``: the window to retry in and the size of the request it refused."""
+        refused = overflow.prompt_tokens if overflow.prompt_tokens and not overflow.at_least else estimate
+        limit = overflow.limit or int(0.75 * estimate)
+        if overflow.prompt_tokens and not overflow.at_least and report["tokens_after"]:
+            sent = round(report["tokens_after"] / self.factors.get(model, 1.0))
+            self.remember(self.factors, model, calibrated(None, sent, overflow.prompt_tokens))
+        self.remember(self.windows, model, limit)
+        return limit, refused
+
+    def learn_usage(self, model: str | None, estimate: int | None, prompt_tokens: int | None) -> str | None:
+        """Calibrate on a reply's ``usage.prompt_tokens``; a warning when the upstream dropped part of it."""
+        if prompt_tokens is None or not estimate:
+            return None
+        if silently_truncated(estimate, prompt_tokens):
+            note = (
+                f"the upstream counted {prompt_tokens} prompt tokens of about {estimate} sent: it may have "
+                "dropped part of the history silently"
+            )
+            log.warning("proxy: %s", note)
+            return note
+        raw = round(estimate / self.factors.get(model, 1.0))
+        self.remember(self.factors, model, calibrated(self.factors.get(model), raw, prompt_tokens))
+        return None
+
+    async def archive(self, original: list[dict[str, Any]], sent: list[dict[str, Any]], action: str) -> str | None:
+        """Append what ``sent`` no longer carries to the archive; the conversation's id, or None."""
+        import anyio
+
+        if self.config.archive_dir is None:
+            return None
+        conversation = conversation_id(original)
+        folded = folded_away(original, sent)
+        try:
+            async with self.lock:
+                seen = self.archived.setdefault(conversation, set())
+                write = functools.partial(archive_messages, self.config.archive_dir, conversation, folded, seen)
+                await anyio.to_thread.run_sync(write, action)
+        except OSError as exc:
+            log.warning("proxy: archive not written (%s)", exc)
+            return None
+        return conversation
 
 
 async def proxy_window(state: ProxyState, model: str | None, authorization: str | None) -> int | None:
@@ -4648,83 +5254,73 @@ async def proxy_window(state: ProxyState, model: str | None, authorization: str 
         return None
 
 
-async def proxy_summary(
-    state: ProxyState,
-    messages: list[dict[str, Any]],
-    plan: dict[str, Any],
-    model: str | None,
-    window: int,
-    authorization: str | None,
-    tokenizer: Tokenizer,
-    max_summary_tokens: int,
-) -> tuple[str, bool]:
-    """The summary of the plan's span, by the configured summariser or the upstream's model, reusing
-    the span-summary cache (a repeated span costs no call; a longer one folds the earlier summary).
-    ``tokenizer`` is calibrated to the upstream; a separate summariser is measured uncalibrated, in its
-    own window (discovered, else the upstream's)."""
+async def proxy_summariser(
+    state: ProxyState, model: str | None, window: int, authorization: str | None, tokenizer: Tokenizer
+) -> SpanSummary:
+    """The proxy's summariser, bound for :func:`shrink`: the configured one (its window discovered once, else
+    the upstream's) or the upstream's model; it counts with its own server when that server can count."""
     config = state.config
     model = config.summary_model or model
     if not model:
         raise ContextShrinkError("no model to summarise with: the request names none and no summary model is set")
     url = config.summary_url or config.base
+    backend = state.backend(url, authorization)
     if config.summary_url:
-        tokenizer, key = state.tokenizer, f"summariser {url} {model}"
+        key = f"summariser {url} {model}"
         if key not in state.windows:  # probed once, whatever the answer
             found = None
             with contextlib.suppress(ContextShrinkError):
-                found = (await state.backend(url, authorization).context_window(model))[0]
+                found = (await backend.context_window(model))[0]
             state.remember(state.windows, key, found)
         window = state.windows[key] or window
-    start, end, pins = plan["summarize_from_index"], plan["kept_from_index"], plan["pinned_indices"]
-    items = [(i, m) for i, m in enumerate(messages[start:end], start) if i not in pins]
-    found, _, positions = previous_summary_in([m for _, m in items])
-    items = [item for k, item in enumerate(items) if k not in positions]
-    span = [m for _, m in items]
-    filed = f"model {model} @ {url} | {max_summary_tokens} | anchored=True"
-    done, previous, chain = state.server.summarised_start(filed, span)
-    if done == len(span) and previous:
-        return previous, True
-    previous = previous or found
-    backend = state.backend(url, authorization)
 
     async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
         return await backend.chat(model, prompt, max_tokens)
 
-    replies = state.server.summaries.setdefault(filed, {})
-    failed = state.summariser_failed.get(filed)
-    if failed and time.monotonic() - failed[0] < SUMMARY_BACKOFF:  # not asked on every turn while it fails
-        raise ContextShrinkError(f"{failed[1]} (not asked again for {SUMMARY_BACKOFF:g} s)")
-    try:
-        text, _, _ = await summarise_messages(
-            span[done:], tokenizer, window, max_summary_tokens, call, previous=previous, replies=replies
-        )
-    except ContextShrinkError as exc:
-        state.remember(state.summariser_failed, filed, (time.monotonic(), str(exc)))
-        raise
-    state.summariser_failed.pop(filed, None)
-    _bound(state.server.summaries)
-    identifiers = extract_identifiers(span, tokenizer.count, ANCHOR_TOKENS)
-    text = anchor_summary(text, list(dict.fromkeys([*identifiers, *anchored_in(previous)])))
-    state.server.file_summary(filed, chain, text, None if not pins else sum(1 for i, _ in items if i < pins[0]))
-    return text, False
+    async def count(prompt: list[dict[str, Any]]) -> int:
+        return (await backend.count_tokens(prompt, [], model))[0]
+
+    summariser = Summariser(f"model {model} @ {url}", call, window, count)
+
+    async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int) -> dict[str, Any]:
+        return await summarise_span(messages, plan, tokenizer, summariser, state.summaries, max_summary_tokens=limit)
+
+    return summarise
+
+
+async def calibrate(
+    state: ProxyState,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    model: str | None,
+    window: int,
+    authorization: str | None,
+) -> None:
+    """Learn ``model``'s calibration from the upstream's own count of a request over a quarter of the window,
+    when the upstream can count (llama.cpp, vLLM, TGI), so the first shrunk request is sized right."""
+    raw = count_messages(messages, state.tokenizer)[1] + count_tools(tools, state.tokenizer)
+    if raw <= window // 4:
+        return
+    with contextlib.suppress(ContextShrinkError):
+        exact = (await state.backend(state.config.base, authorization).count_tokens(messages, tools, model))[0]
+        state.remember(state.factors, model, calibrated(None, raw, exact))
 
 
 async def shrink_request(
     state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The request body to forward and a report; in order of cost: the diet of large tool results,
-    clearing old tool results, compaction (the summary reused across turns), trimming on stable cuts.
-    Raises :class:`ContextShrinkError` for a body it does not understand (the caller forwards it as is)."""
-    import anyio
-
+    """The request body to forward and a report: :func:`shrink` with the proxy's policy, the summariser
+    bound to this request's model. Raises :class:`ContextShrinkError` for a body it does not understand
+    (the caller forwards it as is)."""
     started = time.perf_counter()
     messages = validate_messages(body.get("messages"))
     tools = validate_tools(body.get("tools") or [])
     model = body.get("model") if isinstance(body.get("model"), str) else None
     window = window or await proxy_window(state, model, authorization)
+    if window and model not in state.factors:  # first sight of a long request: the upstream counts it, if it can
+        await calibrate(state, messages, tools, model, window, authorization)
     tokenizer = dataclasses.replace(state.tokenizer, scale=state.factors.get(model, 1.0))
-    tools_tokens = count_tools(tools, tokenizer)
-    before = count_messages(messages, tokenizer)[1] + tools_tokens
+    before = count_messages(messages, tokenizer)[1] + count_tools(tools, tokenizer)
     report: dict[str, Any] = {"tokens_before": before, "tokens_after": before, "action": "none", "window": window}
     if window is None:
         return body, {**report, "reason": "window unknown"}
@@ -4733,58 +5329,20 @@ async def shrink_request(
     budget = window - reserve
     if budget <= 0:
         return body, {**report, "reason": f"max_tokens {reserve} leaves no room in the window of {window}"}
-    if before <= PROXY_TRIGGER * budget:
+    summarise = None
+    with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
+        summarise = await proxy_summariser(state, model, window, authorization, tokenizer)
+    result = await shrink(messages, tools, tokenizer, budget, state.policy, summarise)
+    same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
+    learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", tokenizer)) if same else None
+    if model not in state.factors and learnt and abs(learnt - 1) > 0.1:  # the summariser's tokens are the model's:
+        state.remember(state.factors, model, learnt)  # calibrated, the request is planned again (summaries cached)
+        return await shrink_request(state, body, authorization, window)
+    if result["action"] == "none":
         return body, report
-    trigger = int(PROXY_TRIGGER * budget)
-    config = state.config
-
-    def done(out: list[dict[str, Any]], action: str, **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        after = count_messages(out, tokenizer)[1] + tools_tokens
-        took = round(1000 * (time.perf_counter() - started))
-        return {**body, "messages": out}, {**report, "tokens_after": after, "action": action, "ms": took, **extra}
-
-    lighter, diet = await anyio.to_thread.run_sync(diet_results, messages, tokenizer)
-    total = count_messages(lighter, tokenizer)[1]
-    if diet and total + tools_tokens <= trigger:
-        return done(lighter, "diet")
-    options = {"tools": tools, "keep_last": config.keep_last}  # it gives way by itself when it does not fit
-    summary_tokens = min(config.max_summary_tokens, max(256, budget // 16))  # a summary sized to the window
-    # Trimming (stable cuts, to under the trigger so the next turns fit too) and compaction, as configured.
-    trim = functools.partial(
-        trim_messages, tokenizer=tokenizer, max_context_tokens=trigger, target_ratio=PROXY_TRIM_RATIO, **options
-    )
-    compact = functools.partial(
-        compact_messages,
-        tokenizer=tokenizer,
-        max_context_tokens=budget,
-        threshold=0,
-        max_summary_tokens=summary_tokens,
-        target_ratio=PROXY_COMPACT_RATIO,
-        **options,
-    )
-    cleared = await anyio.to_thread.run_sync(trim, lighter)  # done here if clearing old tool output was enough
-    if cleared["fits"] and not cleared["dropped"] and all(c["change"] in LIGHT_CHANGES for c in cleared["changes"]):
-        return done(cleared["messages"], "diet+clear" if diet else "clear")
-    reason = None
-    plan = await anyio.to_thread.run_sync(functools.partial(compact, lighter, summary=None))
-    if plan["needs_summary"]:
-        try:
-            text, cached = await proxy_summary(
-                state, lighter, plan, model, window, authorization, tokenizer, summary_tokens
-            )
-        except ContextShrinkError as exc:
-            reason = f"summary failed: {exc}"
-            log.warning("proxy: %s; trimming instead", reason)
-        else:
-            compacted = compact(lighter, summary=text)
-            if compacted["fits"] and not api_problems(compacted["messages"]):
-                return done(compacted["messages"], "compact", summary_cached=cached)
-            lighter, reason = compacted["messages"], "the compacted request still did not fit"
-    else:
-        reason = plan["reason"]
-    trimmed = await anyio.to_thread.run_sync(trim, lighter)
-    action = "trim" if trimmed["tokens_after"] <= budget else "trim (still too long)"
-    return done(trimmed["messages"], action, reason=reason)
+    report.update({k: result[k] for k in ("tokens_after", "action", "reason", "summary_cached")})
+    report["ms"] = round(1000 * (time.perf_counter() - started))
+    return {**body, "messages": result["messages"]}, report
 
 
 # --- the HTTP front ----------------------------------------------------------------------------------------
@@ -4820,9 +5378,8 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
         timeout = httpx2.Timeout(config.timeout, connect=10.0)
         limits = httpx2.Limits(max_connections=256, max_keepalive_connections=32)
         async with httpx2.AsyncClient(timeout=timeout, limits=limits) as http:
-            server = ServerState(Config(), http)
             holder["state"] = ProxyState(
-                config, http, tokenizer or resolve_tokenizer("auto"), server, lock=anyio.Lock()
+                config, http, tokenizer or resolve_tokenizer("auto"), config.policy, lock=anyio.Lock()
             )
             yield
 
@@ -4918,12 +5475,7 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
             if overflow is None:  # not about length: the client gets the upstream's answer
                 return Response(error, upstream.status_code, headers=said)
             estimate = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
-            refused = overflow.prompt_tokens if overflow.prompt_tokens and not overflow.at_least else estimate
-            limit = overflow.limit or int(0.75 * estimate)
-            if overflow.prompt_tokens and not overflow.at_least and report["tokens_after"]:  # its count calibrates ours
-                raw_sent = round(report["tokens_after"] / st.factors.get(model, 1.0))
-                st.remember(st.factors, model, calibrated(None, raw_sent, overflow.prompt_tokens))
-            st.remember(st.windows, model, limit)
+            limit, refused = st.learn_refusal(model, overflow, report, estimate)
             retry, retry_report = await shrunk(limit)
             smaller = retry is not sent and (retry_report["tokens_after"] or refused) < refused
             if not smaller:  # the same or a larger request would be refused again: the client gets the refusal
@@ -4941,41 +5493,18 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
                 refused,
             )
             sent, report = retry, {**retry_report, "retried": 1}
-        if config.archive_dir is not None and sent is not body:  # what was folded away stays on disk
-            conversation = conversation_id(body["messages"])
-            folded = folded_away(body["messages"], sent["messages"])
-            try:
-                async with st.lock:
-                    seen = st.archived.setdefault(conversation, set())
-                    write = functools.partial(archive_messages, config.archive_dir, conversation, folded, seen)
-                    await anyio.to_thread.run_sync(write, report["action"])
-                report["conversation"] = conversation
-            except OSError as exc:
-                log.warning("proxy: archive not written (%s)", exc)
-        estimate = report.get("tokens_after")
-        factor = st.factors.get(model, 1.0)
-        raw_estimate = round(estimate / factor) if estimate else None
-
-        def learn(prompt_tokens: int | None) -> str | None:
-            if prompt_tokens is None or not raw_estimate or upstream.status_code >= 400:
-                return None
-            if silently_truncated(estimate, prompt_tokens):
-                note = (
-                    f"the upstream counted {prompt_tokens} prompt tokens of about {estimate} sent: it may have "
-                    "dropped part of the history silently"
-                )
-                log.warning("proxy: %s", note)
-                return note
-            st.remember(st.factors, model, calibrated(st.factors.get(model), raw_estimate, prompt_tokens))
-            return None
-
+        if sent is not body and (
+            conversation := await st.archive(body["messages"], sent["messages"], report["action"])
+        ):
+            report["conversation"] = conversation  # what was folded away stays on disk
+        estimate = report.get("tokens_after") if upstream.status_code < 400 else None
         extra = {"x-context-shrink": shrink_header(report)}
         if body.get("stream") is True and upstream.status_code < 400:
-            return relay(upstream, extra, lambda tail: learn(usage_in_stream(tail)))
+            return relay(upstream, extra, lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail)))
         reply = await upstream.aread()
         await upstream.aclose()
         with contextlib.suppress(ValueError, AttributeError, TypeError):
-            if note := learn(json.loads(reply).get("usage", {}).get("prompt_tokens")):
+            if note := st.learn_usage(model, estimate, json.loads(reply).get("usage", {}).get("prompt_tokens")):
                 extra["x-context-shrink-warning"] = note
         return Response(reply, upstream.status_code, headers={**_reply_headers(upstream.headers), **extra})
 
@@ -5000,42 +5529,38 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
 
 
 def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ProxyConfig:
-    """The proxy's settings from its flags, else ``CONTEXT_SHRINK_PROXY_*`` variables; bad values raise."""
-    env = os.environ if environ is None else environ
-
-    def pick(flag: Any, name: str) -> str | None:
-        value = flag if flag is not None else env.get(f"CONTEXT_SHRINK_PROXY_{name}", "").strip() or None
-        return None if value is None else str(value)
-
-    def number(flag: Any, name: str, low: int, high: int) -> int | None:
-        value = pick(flag, name)
-        if value is None:
-            return None
-        try:
-            parsed = int(value)
-        except ValueError:
-            raise ContextShrinkError(f"{name.lower()} must be an integer, got {value!r}") from None
-        return _check_int(name.lower(), parsed, low, high)  # out of range: its own message says the range
-
-    upstream = pick(args.upstream, "UPSTREAM")
-    if not upstream or not re.match(r"https?://[^/\s]+", upstream):
-        raise ContextShrinkError(
-            f"--upstream (or CONTEXT_SHRINK_PROXY_UPSTREAM) must be an http(s) URL such as "
-            f"http://127.0.0.1:8080/v1, got {upstream!r}"
+    """The proxy's settings from its flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, through the same
+    :class:`Settings` reader as the server (the archive folder is the server's ``CONTEXT_SHRINK_ARCHIVE_DIR``);
+    a value that cannot be used raises :class:`ConfigError` naming the flag or variable."""
+    read = Settings(environ, vars(args))
+    proxy = ("CONTEXT_SHRINK_PROXY_",)
+    found = read.find("UPSTREAM", "upstream", proxy)
+    if not found or not re.match(r"https?://[^/\s]+", found[1]):
+        source = found[0] if found else "--upstream"
+        raise ConfigError(
+            f"{source} (or CONTEXT_SHRINK_PROXY_UPSTREAM) must be an http(s) URL such as http://127.0.0.1:8080/v1, "
+            f"got {found[1] if found else None!r}",
+            variable=source,
         )
-    window = pick(args.window, "WINDOW")
-    archive = Path(args.archive_dir).expanduser() if args.archive_dir else default_archive_dir(env)
-    return ProxyConfig(
-        upstream=upstream.rstrip("/"),
-        host=pick(args.host, "HOST") or "127.0.0.1",
-        port=number(args.port, "PORT", 0, 65535) or PROXY_PORT,
-        window=None if window in (None, "auto") else number(window, "WINDOW", 256, MAX_CONTEXT_TOKENS_LIMIT),
-        summary_url=pick(args.summary_url, "SUMMARY_URL"),
-        summary_model=pick(args.summary_model, "SUMMARY_MODEL"),
-        api_key=pick(None, "API_KEY"),
-        archive_dir=None if args.no_archive else archive,
-        max_body_bytes=number(args.max_body_bytes, "MAX_BODY_BYTES", 1024, MAX_FILE_BYTES) or PROXY_MAX_BODY_BYTES,
+    window = read.find("WINDOW", "window", proxy)
+    auto = window is None or window[1].lower() == "auto"
+    values = {
+        "host": read.text("HOST", "host", proxy),
+        "port": read.integer("PORT", 0, 65535, "port", proxy),
+        "window": None if auto else read.integer("WINDOW", 256, MAX_CONTEXT_TOKENS_LIMIT, "window", proxy),
+        "summary_url": read.text("SUMMARY_URL", "summary_url", proxy),
+        "summary_model": read.text("SUMMARY_MODEL", "summary_model", proxy),
+        "api_key": read.text("API_KEY", None, proxy),
+        "max_body_bytes": read.integer("MAX_BODY_BYTES", 1024, MAX_FILE_BYTES, "max_body_bytes", proxy),
+        "keep_last": read.integer("KEEP_LAST", 0, 10_000, "keep_last", proxy),
+        "max_summary_tokens": read.integer("MAX_SUMMARY_TOKENS", 32, 100_000, "max_summary_tokens", proxy),
+        "timeout": read.seconds("TIMEOUT", "timeout", proxy),
+    }
+    archive = (
+        None if getattr(args, "no_archive", False) else read.archive_dir("archive_dir") or default_archive_dir(environ)
     )
+    given = {name: value for name, value in values.items() if value is not None}
+    return ProxyConfig(upstream=found[1].rstrip("/"), archive_dir=archive, **given)
 
 
 def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
@@ -5061,7 +5586,7 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
 
 
 # =============================================================================
-# 13. Command line
+# 14. Command line
 # =============================================================================
 
 
@@ -5170,16 +5695,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     proxy.add_argument("--archive-dir", help="where folded-away messages go (default CONTEXT_SHRINK_ARCHIVE_DIR)")
     proxy.add_argument("--no-archive", action="store_true", help="keep no archive of folded-away messages")
     proxy.add_argument("--max-body-bytes", help=f"request body cap (default {PROXY_MAX_BODY_BYTES})")
+    proxy.add_argument("--keep-last", help=f"newest messages always kept (default {DEFAULT_KEEP_LAST})")
+    proxy.add_argument(
+        "--max-summary-tokens",
+        help=f"summary size cap (default {DEFAULT_MAX_SUMMARY_TOKENS}, and at most 1/16 of the window)",
+    )
+    proxy.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
     args = parser.parse_args(argv)
-    config, problems = Config.from_env()
+    try:  # every setting is read and checked here, at start-up, for the server and the proxy alike
+        config = Config.from_env()
+        settings = proxy_config(args) if args.command == "proxy" else None
+    except ConfigError as exc:
+        print(f"context-shrink: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for problem in problems:
-        log.warning("%s", problem)
-    if args.command == "proxy":
+    if settings is not None:
         try:
-            settings = proxy_config(args)
             tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
         except ContextShrinkError as exc:
             print(f"context-shrink proxy: {exc}", file=sys.stderr)

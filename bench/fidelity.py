@@ -5,7 +5,10 @@
 
 Conversations with ten planted identifiers (file paths, an error with its message, a command, a
 setting, a commit, an issue number, a URL, a duration, a function name) in four shapes: chat or
-tool-heavy, with the facts at the start or after eight filler turns. Each is compacted
+tool-heavy, with the facts at the start or after eight filler turns; and a fifth, generated shape: a
+40-message chat in plain prose (no tool calls) with ten identifiers drawn from kinds (commands, commits,
+issue/PR references, paths, errors, settings) x sentence templates, from seeds the extractor was not
+tuned on (``test/py/planted.py``, ``prose_conversation``). Each is compacted
 (``keep_last=1``) by SmolLM2-135M-Instruct through the xllamacpp llama.cpp server, in three
 configurations:
 
@@ -37,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 import anyio  # noqa: E402
 import httpx2  # noqa: E402
 from mcp import Client  # noqa: E402
-from planted import IDENTIFIERS, planted_conversation  # noqa: E402
+from planted import IDENTIFIERS, planted_conversation, prose_conversation  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
 
@@ -46,12 +49,20 @@ SHAPES = {
     "chat, facts late": {"tool_heavy": False, "turns": 14, "lead": 8},
     "tools, facts first": {"tool_heavy": True, "turns": 8},
     "tools, facts late": {"tool_heavy": True, "turns": 11, "lead": 5},  # the plain prompt must fit 8k
+    "prose, 40 turns, generated": {"prose": True},  # kinds x sentence templates, seeds from 1000 (held out)
 }
 PLAIN_PROMPT = "Summarise this conversation."
 
 
-def kept(text: str) -> int:
-    return sum(1 for identifier in IDENTIFIERS if identifier in text)
+def kept(text: str, identifiers: list[str]) -> int:
+    return sum(1 for identifier in identifiers if identifier in text)
+
+
+def conversation(options: dict[str, Any], seed: int) -> tuple[list[dict[str, Any]], list[str]]:
+    if options.get("prose"):  # ten identifiers of random kinds, written in plain sentences, no tool calls
+        messages, planted = prose_conversation(seed=1000 + seed)
+        return messages, [identifier for _, identifier in planted]
+    return planted_conversation(seed=seed, **options), IDENTIFIERS
 
 
 def main() -> int:
@@ -77,7 +88,7 @@ def main() -> int:
         server = cs.build_server(cs.Config(root=Path(tmp), tokenizer="tiktoken", model="smollm2", base_url=url))
         for shape, options in SHAPES.items():
             for seed in range(args.seeds):
-                messages = planted_conversation(seed=seed, **options)
+                messages, identifiers = conversation(options, seed)
                 span = messages[1:-1]  # the system prompt is pinned, the last message kept
                 summarised = cs.count_messages(span, tokenizer)[1]
                 names = {c["id"]: c["function"]["name"] for m in span for c in m.get("tool_calls") or []}
@@ -96,7 +107,8 @@ def main() -> int:
                 problems = cs.guard_summary(text, transcript, args.summary_tokens, tokenizer.count)[1]
                 rows["plain"].append(
                     {
-                        "kept": kept(text),
+                        "kept": kept(text, identifiers),
+                        "planted": len(identifiers),
                         "ratio": tokenizer.count(text) / summarised,
                         "guard": problems,
                         "failed": 0,
@@ -118,15 +130,15 @@ def main() -> int:
                     result = anyio.run(call, server, arguments)
                     if result["compacted"]:
                         summary = result["messages"][1]["content"]
-                        row = {"kept": kept(summary), "ratio": tokenizer.count(summary) / summarised}
+                        row = {"kept": kept(summary, identifiers), "ratio": tokenizer.count(summary) / summarised}
                     else:
-                        row = {"kept": len(IDENTIFIERS), "ratio": 1.0}  # untouched: nothing lost, nothing saved
+                        row = {"kept": len(identifiers), "ratio": 1.0}  # untouched: nothing lost, nothing saved
                     row.update(
                         guard=sorted(result["guard"]),
                         failed=int(not result["compacted"]),
                         extracted=int(result["fallback"] == "extract"),
                     )
-                    rows[name].append({**row, "shape": shape})
+                    rows[name].append({**row, "shape": shape, "planted": len(identifiers)})
                 print(f"  done: {shape} seed {seed} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
     total = len(SHAPES) * args.seeds
     print(
@@ -136,7 +148,7 @@ def main() -> int:
     print("| configuration | retention | compression (mean) | guard fired | not compacted | extracted notes |")
     print("|---|---|---|---|---|---|")
     for name, items in rows.items():
-        retention = sum(r["kept"] for r in items) / (len(IDENTIFIERS) * len(items))
+        retention = sum(r["kept"] for r in items) / sum(r["planted"] for r in items)
         ratio = sum(r["ratio"] for r in items) / len(items)
         fired = sum(1 for r in items if r["guard"])
         seen = sorted({p for r in items for p in r["guard"] if p != "retried"})
@@ -151,7 +163,7 @@ def main() -> int:
         cells = []
         for items in rows.values():
             mine = [r for r in items if r["shape"] == shape]
-            retention = sum(r["kept"] for r in mine) / (len(IDENTIFIERS) * len(mine))
+            retention = sum(r["kept"] for r in mine) / sum(r["planted"] for r in mine)
             cells.append(f"{retention:.0%} / {sum(r['ratio'] for r in mine) / len(mine):.2f}")
         size = sum(r["summarised"] for r in rows["plain"] if r["shape"] == shape) // args.seeds
         print(f"| {shape} ({size:,}) | {' | '.join(cells)} |")

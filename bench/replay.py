@@ -107,7 +107,7 @@ STRATEGIES: dict[str, Callable[[Messages, int], Shrunk]] = {
     "trim 1.0": trim(1.0),
     "trim 0.6": trim(0.6),
     "compact 0.5 (summary given)": compact(0.5),
-    f"compact {cs.PROXY_COMPACT_RATIO} (the proxy's)": compact(cs.PROXY_COMPACT_RATIO),
+    f"compact {cs.Policy().compact_ratio} (the proxy's)": compact(cs.Policy().compact_ratio),
 }
 GENERATED = ("codex", "giant_before_question", "claude", "tau", "mixed")
 

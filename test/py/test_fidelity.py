@@ -10,8 +10,10 @@ from typing import Any
 import anyio
 import pytest
 from fake_openai import FakeOpenAI, serve
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mcp import Client
-from planted import IDENTIFIERS, planted_conversation
+from planted import IDENTIFIERS, planted_conversation, prose_conversation
 from test_tools import ok
 
 import context_shrink as cs
@@ -42,6 +44,66 @@ def test_identifiers_are_extracted_newest_first(count: Any) -> None:
     assert len(found) == len(set(found))
     assert "bash: pytest -x tests/test_parser.py" in found and "read_file: src/parser/core.py" in found
     assert not any(item.startswith("file_") for item in found)  # a listing's names are not identifiers
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**32 - 1))
+def test_identifiers_written_in_prose_are_extracted(seed: int) -> None:
+    """Kinds x sentence templates x any seed: every planted command, commit, reference, path, error and
+    setting is among the anchored identifiers, within the default anchor budget."""
+    count = cs.resolve_tokenizer("tiktoken:cl100k_base").count
+    messages, planted = prose_conversation(seed)
+    found = cs.extract_identifiers(messages, count)
+    assert [p for p in planted if not any(p[1] in item for item in found)] == []
+
+
+UNSEEN_PHRASINGS = [  # written after the extractor, in forms its generator does not produce
+    ("Then I ran nox -s tests-3.12 and everything passed.", "nox -s tests-3.12"),
+    ("mix test test/billing_test.exs:42 fails locally", "mix test test/billing_test.exs:42"),
+    ("Use yarn workspace web build before deploying.", "yarn workspace web build"),
+    ("Did you run rake db:migrate on staging?", "rake db:migrate"),
+    ("I'll do helm upgrade api ./chart --set image.tag=1.4.2 later", "helm upgrade api ./chart --set image.tag=1.4.2"),
+    ("terraform plan -target=module.db shows two changes.", "terraform plan -target=module.db"),
+    ("Run make lint before pushing.", "make lint"),
+    ("The fix landed in 3fa9c01 yesterday.", "3fa9c01"),
+    ("git cherry-pick 9c1e2 onto the release branch", "9c1e2"),
+    ("Following up on ticket OPS-4411 here.", "OPS-4411"),
+    ("It's in gitlab MR !87 actually", "MR !87"),
+    ("Closes #12 and relates to acme/widgets#3310.", "acme/widgets#3310"),
+    ("the log is at /var/log/nginx/error.log now", "/var/log/nginx/error.log"),
+    ("I moved it to packages/core/src/index.ts", "packages/core/src/index.ts"),
+    ("postgres says FATAL: too many connections for role app", "FATAL: too many connections"),
+    ("We hit a panic: runtime error: index out of range", "panic: runtime error: index out of range"),
+    ("the request returned 429 Too Many Requests", "429 Too Many Requests"),
+    ("Set workers: 8 in gunicorn.conf.py", "gunicorn.conf.py"),
+    ("export NODE_OPTIONS=--max-old-space-size=4096 first", "NODE_OPTIONS=--max-old-space-size=4096"),
+    ("I added retry_backoff_ms = 250 to the client config", "retry_backoff_ms = 250"),
+    ("Run ctest -R parser --output-on-failure to see it.", "ctest -R parser --output-on-failure"),
+    ("kubectl rollout restart deploy/api fixed it", "kubectl rollout restart deploy/api"),
+    ("The segfault (SIGSEGV) happens in libfoo.so", "SIGSEGV"),
+    ("python scripts/migrate.py --dry-run reports 3 rows", "python scripts/migrate.py --dry-run"),
+]
+
+
+@pytest.mark.parametrize(("text", "identifier"), UNSEEN_PHRASINGS)
+def test_identifiers_in_unseen_phrasings(count: Any, text: str, identifier: str) -> None:
+    found = cs.extract_identifiers([{"role": "user", "content": text}], count)
+    assert any(identifier in item for item in found), found
+
+
+def test_prose_is_not_taken_for_commands(count: Any) -> None:
+    text = (
+        "I just found it quite strange. Let's make other mistakes later; a python script or bash commands "
+        "would make sense. We go to the office and make sure it works, then go back."
+    )
+    assert cs.extract_identifiers([{"role": "user", "content": text}], count) == []
+    # a bare hex word with no digit and no verb that names a commit is not taken for a hash (a known limit)
+    assert cs.extract_identifiers([{"role": "user", "content": "Bisect points at deadbeef."}], count) == []
+    # code in tool arguments and output is not read as prose: assignments are not settings
+    code = {"path": "a.py", "content": "if page_opts == None:\n    session_ids = load(x)\n"}
+    call = {"id": "c1", "type": "function", "function": {"name": "write", "arguments": json.dumps(code)}}
+    found = cs.extract_identifiers([{"role": "assistant", "content": None, "tool_calls": [call]}], count)
+    assert found == ["write: a.py", "a.py"]
 
 
 def test_identifier_budget(count: Any) -> None:

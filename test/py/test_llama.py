@@ -60,21 +60,23 @@ def test_model_mode_compacts_in_chunks(llama_url: str, tmp_path: Path) -> None:
     assert result["tokens_after"] < result["tokens_before"]
 
 
-def test_overflow_refusal_is_learned_and_retried(llama_url: str, tmp_path: Path) -> None:
+def test_overflow_refusal_is_learned_and_retried(
+    llama_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def cannot_count(self: cs.Backend, *args: object, **kwargs: object) -> tuple[int, str]:
+        raise cs.BackendError("no counting endpoint", url=self.base_url, status=404)
+
+    monkeypatch.setattr(cs.Backend, "count_tokens", cannot_count)
     server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", model="tiny", base_url=llama_url))
     messages = session()
-    # Claim a window far larger than the server's: the first chunk is refused for length, the refusal
-    # is parsed, and the summary is retried with chunks sized to the server's real window.
-    result = ok(
-        run(
-            call(
-                server,
-                "compact_context",
-                {"messages": messages, "max_context_tokens": 60000, "max_summary_tokens": 96, "force": True},
-            )
-        )
-    )
+    # Claim a summariser window far larger than the server's, on a server that cannot count: the first
+    # chunk is refused for length, the refusal is parsed (prompt tokens vs window), and the summary is
+    # retried with chunks re-split at the learnt ratio and window.
+    arguments = {"messages": messages, "max_summary_tokens": 96, "force": True, "summary_context_tokens": 60000}
+    result = ok(run(call(server, "compact_context", arguments)))
     assert result["compacted"], result["reason"]
+    assert result["summary_refusals"] == 1
+    assert result["summary_window_tokens"] == 8192
     refused = [w for w in result["warnings"] if "refused a request for its length" in w]
     assert refused and "exceeds the available context size (8192 tokens)" in refused[0]
 

@@ -5,6 +5,7 @@ llama.cpp server, driven by the official openai client, is in test_proxy_llama.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -94,7 +95,8 @@ def test_archive_round_trip_and_search(tmp_path: Path) -> None:
 
 
 def args(**given: Any) -> argparse.Namespace:
-    names = ("upstream", "host", "port", "window", "summary_url", "summary_model", "archive_dir", "max_body_bytes")
+    names = ("upstream", "host", "port", "window", "summary_url", "summary_model", "archive_dir", "max_body_bytes",
+             "keep_last", "max_summary_tokens", "timeout")  # fmt: skip
     return argparse.Namespace(**{**dict.fromkeys(names), "no_archive": False, **given})
 
 
@@ -115,10 +117,20 @@ def test_proxy_config_flags_environment_and_errors(tmp_path: Path) -> None:
         cs.proxy_config(args(), {})
     with pytest.raises(cs.ContextShrinkError, match="upstream"):
         cs.proxy_config(args(upstream="ftp://x"), {})
-    with pytest.raises(cs.ContextShrinkError, match="port"):
+    with pytest.raises(cs.ConfigError, match="port") as raised:
         cs.proxy_config(args(port="http"), env)
-    with pytest.raises(cs.ContextShrinkError, match="window"):
+    assert raised.value.variable == "--port"
+    with pytest.raises(cs.ConfigError, match="window"):
         cs.proxy_config(args(window="12"), env)
+    for name, value in (("PORT", "70000"), ("KEEP_LAST", "-1"), ("TIMEOUT", "0"), ("MAX_SUMMARY_TOKENS", "x")):
+        with pytest.raises(cs.ConfigError) as raised:
+            cs.proxy_config(args(), {**env, f"CONTEXT_SHRINK_PROXY_{name}": value})
+        assert raised.value.variable == f"CONTEXT_SHRINK_PROXY_{name}"
+    tuned = cs.proxy_config(
+        args(keep_last="2", timeout="30"), {**env, "CONTEXT_SHRINK_PROXY_MAX_SUMMARY_TOKENS": "300"}
+    )
+    assert (tuned.keep_last, tuned.timeout, tuned.max_summary_tokens) == (2, 30.0, 300)
+    assert tuned.policy.keep_last == 2 and tuned.policy.max_summary_tokens == 300
 
 
 def test_cli_rejects_a_missing_upstream(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,13 +204,17 @@ def test_over_the_window_compacts_then_reuses_the_summary(tmp_path: Path) -> Non
     entries = cs.read_archive(archive)
     assert history[1] in [e["message"] for e in entries]  # what was folded away is on disk, verbatim
     assert len({e["hash"] for e in entries}) == len(entries)
+    # the MCP server reads the same setting the proxy's --archive-dir names: recall finds what it wrote
+    config = cs.Config.from_env({"CONTEXT_SHRINK_ARCHIVE_DIR": str(archive), "CONTEXT_SHRINK_ROOT": str(tmp_path)})
+    recalled = ok(run(call(cs.build_server(config), "recall_context", {"query": "file_0.py"})))
+    assert recalled["archive"] == str(archive) and history[1] in [e["message"] for e in recalled["entries"]]
 
 
-def test_recall_context_fetches_archived_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recall_context_fetches_archived_messages(tmp_path: Path) -> None:
     history = conversation(3, size=5)
     cs.archive_messages(tmp_path, "b" * 16, list(enumerate(history[1:6], 1)), set(), "compact")
-    monkeypatch.setenv("CONTEXT_SHRINK_ARCHIVE_DIR", str(tmp_path))
-    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken"))
+    config = cs.Config.from_env({"CONTEXT_SHRINK_ARCHIVE_DIR": str(tmp_path), "CONTEXT_SHRINK_TOKENIZER": "tiktoken"})
+    server = cs.build_server(dataclasses.replace(config, root=tmp_path))
     result = ok(run(call(server, "recall_context", {"query": "file_0.py"})))
     assert result["found"] == 1 and result["entries"][0]["message"] == history[1]
     assert result["entries"][0]["conversation"] == "b" * 16

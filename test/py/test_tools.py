@@ -292,8 +292,10 @@ def listed(config: cs.Config) -> list[Any]:
 
 
 def test_tools_subset_from_the_environment(tmp_path: Path) -> None:
-    config, warnings = cs.Config.from_env({"CONTEXT_SHRINK_TOOLS": "core, shrink_text, bogus"})
-    assert config.tools == (*cs.CORE_TOOLS, "shrink_text") and "bogus" in warnings[0]
+    config = cs.Config.from_env({"CONTEXT_SHRINK_TOOLS": "core, shrink_text, core"})
+    assert config.tools == (*cs.CORE_TOOLS, "shrink_text")
+    with pytest.raises(cs.ConfigError, match="bogus"):
+        cs.Config.from_env({"CONTEXT_SHRINK_TOOLS": "core, shrink_text, bogus"})
     names = [t.name for t in listed(dataclasses.replace(config, root=tmp_path))]
     assert names == ["estimate_context", "trim_context", "compact_context", "shrink_text"]
 

@@ -33,14 +33,14 @@ CORPUS = (
 
 def _bytes_to_unicode() -> dict[int, str]:
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
+    codes = bs[:]
     n = 0
     for b in range(256):
         if b not in bs:
             bs.append(b)
-            cs.append(256 + n)
+            codes.append(256 + n)
             n += 1
-    return dict(zip(bs, [chr(c) for c in cs], strict=True))
+    return dict(zip(bs, [chr(c) for c in codes], strict=True))
 
 
 def _learn_merges(text: str, count: int) -> list[tuple[str, str]]:
@@ -148,8 +148,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def llama_server(model: Path, n_ctx: int = 2048, alias: str = "tiny", threads: int = 1) -> Iterator[str]:
-    """Serve ``model`` with llama.cpp's own server on 127.0.0.1; yields the base URL (ending in ``/v1``)."""
+def llama_server(
+    model: Path, n_ctx: int = 2048, alias: str = "tiny", threads: int = 1, grammar: str | None = None
+) -> Iterator[str]:
+    """Serve ``model`` with llama.cpp's own server on 127.0.0.1; yields the base URL (ending in ``/v1``).
+    A server-wide ``grammar`` (GBNF) makes every reply short and deterministic."""
     import httpx2
     import xllamacpp
 
@@ -165,6 +168,11 @@ def llama_server(model: Path, n_ctx: int = 2048, alias: str = "tiny", threads: i
     params.model_alias = {alias}
     params.endpoint_slots = True
     params.ui = False
+    if grammar is not None:
+        rule = xllamacpp.CommonGrammar()
+        rule.grammar = grammar
+        rule.type = xllamacpp.common_grammar_type.COMMON_GRAMMAR_TYPE_USER
+        params.sampling.grammar = rule
     server = xllamacpp.Server(params)
     try:
         deadline = time.monotonic() + 60
