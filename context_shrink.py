@@ -142,13 +142,14 @@ import os
 import random
 import re
 import shutil
+import stat
 import struct
 import sys
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -223,6 +224,36 @@ class BackendError(ContextShrinkError):
     def missing(self) -> bool:
         """The server has no such endpoint (404, 405, 501), as opposed to refusing this request."""
         return self.status in (404, 405, 501)
+
+
+REDACTED = "***"
+
+
+def secret_forms(credential: str | None) -> list[str]:
+    """The ways a credential can show up in text: the header value itself, the token after its scheme
+    (``Bearer``, ``Basic``, any), and for ``Basic`` the decoded ``user:password`` and the password."""
+    value = (credential or "").strip()
+    if len(value) < 4:
+        return []
+    forms = [value]
+    scheme, _, token = value.partition(" ")
+    if token.strip():
+        forms.append(token.strip())
+        if scheme.lower() == "basic":
+            with contextlib.suppress(ValueError, UnicodeDecodeError):
+                decoded = base64.b64decode(token.strip(), validate=True).decode()
+                forms += [decoded, decoded.partition(":")[2]]
+    return [f for f in dict.fromkeys(forms) if len(f) >= 4]
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every secret replaced by ``***`` (longest first). Call it before any truncation: a cut
+    secret no longer matches."""
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+        if (escaped := json.dumps(secret)[1:-1]) != secret:  # as it appears inside JSON text
+            text = text.replace(escaped, REDACTED)
+    return text
 
 
 def _type_name(value: Any) -> str:
@@ -3913,7 +3944,7 @@ def parse_overflow(error: Any) -> Overflow | None:
 
 
 def _upstream_message(body: Any, text: str, reason: str) -> str:
-    """The error text of an upstream reply, whatever its shape."""
+    """The error text of an upstream reply, whatever its shape (whole: the caller redacts, then cuts)."""
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and error.get("message"):
@@ -3921,8 +3952,8 @@ def _upstream_message(body: Any, text: str, reason: str) -> str:
         for value in (error, body.get("message"), body.get("detail")):
             if isinstance(value, str) and value:
                 return value
-        return json.dumps(body)[:300]
-    return text.strip()[:300] or reason
+        return json.dumps(body)
+    return text.strip() or reason
 
 
 @dataclasses.dataclass
@@ -3958,6 +3989,7 @@ class Backend:
         *,
         retry_base_delay: float = 0.5,
         caches: BackendCaches | None = None,
+        secrets: Iterable[str] = (),
     ) -> None:
         self.client = client
         self.base_url = base_url.rstrip("/")
@@ -3969,9 +4001,12 @@ class Backend:
         self.retry_base_delay = retry_base_delay
         self.caches = caches or BackendCaches()
         self.setting = "CONTEXT_SHRINK_BASE_URL"  # what to check when it cannot be reached
+        header_values = [v for v in self.headers.values() if isinstance(v, str)]
+        self.secrets = [*secret_forms(api_key), *(f for v in header_values for f in secret_forms(v)), *secrets]
 
-    def _redact(self, text: str) -> str:
-        return text.replace(self.api_key, "***") if self.api_key else text
+    def _redact(self, text: str, limit: int = 600) -> str:
+        """Every secret this backend holds taken out, then cut to ``limit`` characters."""
+        return _one_line(redact(text, self.secrets), limit)
 
     async def _send(
         self, method: str, url: str, body: Any = None, *, retries: int = MAX_RETRIES, timeout: float | None = None
@@ -4180,23 +4215,45 @@ def resolve_path(root: Path, path: str) -> Path:
     return target
 
 
+def read_file_text(path: Path, cap: int | None = None, setting: str = "", errors: str = "strict") -> str:
+    """A regular file's text (UTF-8, line endings as written), at most ``cap`` bytes. FIFOs, devices and
+    sockets are refused before anything is read (opened non-blocking, checked with ``fstat``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise ContextShrinkError(f"{str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise ContextShrinkError(f"cannot read {path}: {exc.strerror or exc}") from None
+    cap = MAX_FILE_BYTES if cap is None else cap  # one cap for every file input (prune_context's too)
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ContextShrinkError(f"{path} is not a regular file (a FIFO, device, socket or folder is never read)")
+        data = handle.read(cap + 1) if info.st_size <= cap else b""
+        if info.st_size > cap or len(data) > cap:
+            limit = f"{cap:,} bytes" + (f" ({setting})" if setting else "")
+            raise ContextShrinkError(f"{path} is larger than the limit of {limit}")
+    try:
+        return data.decode("utf-8", errors)
+    except UnicodeDecodeError as exc:
+        raise ContextShrinkError(f"cannot read {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _lines(text: str) -> list[str]:
+    """Lines split on ``\n`` only, each with its ending (``\r\n`` kept): a JSON string may hold U+2028."""
+    return re.findall(r"[^\n]*\n|[^\n]+$", text)
+
+
 def load_messages_file(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Read messages from JSON (a list, or an object with ``messages``) or JSONL (one message a line).
 
     Returns the messages and, for a request-body object, the object itself (to keep its other keys).
     """
-    try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise ContextShrinkError(f"{path} is larger than {MAX_FILE_BYTES // 2**20} MiB")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ContextShrinkError(f"messages_path {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ContextShrinkError(f"cannot read {path}: {exc}") from None
+    text = read_file_text(path)
     try:
         data = json.loads(text)
     except ValueError as json_error:
-        lines = [(k, line) for k, line in enumerate(text.splitlines(), 1) if line.strip()]
+        lines = [(k, line) for k, line in enumerate(_lines(text), 1) if line.strip()]
         if len(lines) < 2:
             raise ContextShrinkError(f"{path} is not valid JSON: {json_error}") from None
         data = []
@@ -4220,17 +4277,14 @@ def read_jsonl_lines(path: Path) -> list[tuple[str, dict[str, Any] | None]] | No
     None when the file is one JSON document instead. Used where a file is rewritten in place, so that a
     line that does not parse is kept byte for byte.
     """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ContextShrinkError(f"cannot read {path}: {exc}") from None
+    text = read_file_text(path)
     try:
         json.loads(text)
         return None
     except ValueError:
         pass
     lines: list[tuple[str, dict[str, Any] | None]] = []
-    for line in text.splitlines(keepends=True):
+    for line in _lines(text):
         try:
             parsed = json.loads(line) if line.strip() else None
         except ValueError:
@@ -4255,24 +4309,42 @@ def render_jsonl(
             out.append(raw)
             continue
         new, original, k = fate[k], originals[k], k + 1
-        if new is not None:
-            out.append(raw if new is original else json.dumps(new, ensure_ascii=False) + "\n" * raw.endswith("\n"))
+        if new is not None:  # a changed line keeps the ending it had (CRLF included)
+            out.append(raw if new is original else json.dumps(new, ensure_ascii=False) + raw[len(raw.rstrip("\r\n")) :])
     return "".join(out)
 
 
+def _backup(path: Path) -> Path:
+    """Copy ``path`` to a new ``<file>.pre-shrink-<UTC stamp>[-n]``: never one that exists already."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for n in itertools.count():
+        saved = path.with_name(f"{path.name}.pre-shrink-{stamp}" + (f"-{n}" if n else ""))
+        try:
+            fd = os.open(saved, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IMODE(path.stat().st_mode))
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "wb") as out, path.open("rb") as source:
+            shutil.copyfileobj(source, out)
+        return saved
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def write_text_atomic(path: Path, text: str, backup: bool = False) -> Path | None:
-    """Write ``text`` to ``path`` atomically; with ``backup``, first copy an existing file to
-    ``<file>.pre-shrink-<UTC stamp>``. Returns the backup's path."""
+    """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename), keeping an existing
+    file's mode; with ``backup``, first copy the existing file to a new ``<file>.pre-shrink-<UTC stamp>``.
+    Only regular files are written. Returns the backup's path."""
     saved = None
     try:
+        if path.is_dir() or (path.exists() and not path.is_file()):
+            raise ContextShrinkError(f"{path} is not a regular file: nothing written")
         path.parent.mkdir(parents=True, exist_ok=True)
+        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask()
         if backup and path.exists():
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            saved = path.with_name(f"{path.name}.pre-shrink-{stamp}")
-            shutil.copy2(path, saved)
+            saved = _backup(path)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            os.chmod(tmp, mode)
+            with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
                 handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -4284,6 +4356,14 @@ def write_text_atomic(path: Path, text: str, backup: bool = False) -> Path | Non
     except OSError as exc:
         raise ContextShrinkError(f"cannot write {path}: {exc}") from None
     return saved
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux); 022 where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    return 0o022
 
 
 def write_messages_file(
@@ -4300,18 +4380,7 @@ def write_messages_file(
 def load_text(text: str | None, path: Path | None, config: Config) -> str:
     """A text given inline or read from ``path`` (already confined to the root), within the configured caps."""
     if path is not None:
-        try:
-            size = path.stat().st_size
-            if size > config.max_text_bytes:
-                raise ContextShrinkError(
-                    f"{path} is {size:,} bytes, over the limit of {config.max_text_bytes:,} "
-                    "(CONTEXT_SHRINK_MAX_TEXT_BYTES)"
-                )
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            raise ContextShrinkError(f"path {str(path)!r} does not exist") from None
-        except OSError as exc:
-            raise ContextShrinkError(f"cannot read {path}: {exc}") from None
+        text = read_file_text(path, config.max_text_bytes, "CONTEXT_SHRINK_MAX_TEXT_BYTES", errors="replace")
     if not isinstance(text, str):
         raise ContextShrinkError(f"text must be a string, got {_type_name(text)}")
     size = len(text.encode())
@@ -4384,9 +4453,13 @@ def archive_messages(
                 "message": message,
             }
             lines.append(json.dumps(entry, ensure_ascii=False, default=str))
-    if lines:
-        directory.mkdir(parents=True, exist_ok=True)
-        with path.open("a", encoding="utf-8") as out:
+    if lines:  # conversation content: private to the user (folder 0700, files 0600)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(directory, 0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as out:
+            os.fchmod(out.fileno(), 0o600)
             out.write("\n".join(lines) + "\n")
     return len(lines)
 
@@ -4521,6 +4594,16 @@ async def window_for(backend: Backend, model: str | None, window: int | str) -> 
         return DEFAULT_MAX_CONTEXT_TOKENS, f"default {DEFAULT_MAX_CONTEXT_TOKENS} ({exc})"
 
 
+def backend_for(state: ServerState, base_url: str | None, api_key: str | None) -> Backend:
+    """The backend a call names. The configured key and extra headers belong to the configured URL only: a
+    caller-given ``base_url`` gets only a caller-given ``api_key`` (a prompt-injected call cannot steal it)."""
+    config = state.config
+    foreign = base_url is not None and base_url.rstrip("/") != config.base_url.rstrip("/")
+    key, headers = (api_key, {}) if foreign else (api_key or config.api_key, config.extra_headers)
+    secrets = secret_forms(config.api_key) + [f for v in config.extra_headers.values() for f in secret_forms(v)]
+    return Backend(state.http, base_url or config.base_url, key, headers, caches=state.caches, secrets=secrets)
+
+
 async def prepare(
     state: ServerState,
     messages: Any,
@@ -4540,8 +4623,7 @@ async def prepare(
     if tools is None and container is not None:
         tools = container.get("tools")  # a request body's own tools count too
     tools = validate_tools(tools or [])
-    url, key = base_url or config.base_url, api_key or config.api_key
-    backend = Backend(state.http, url, key, config.extra_headers, caches=state.caches)
+    backend = backend_for(state, base_url, api_key)
     spec, model = parse_tokenizer_spec(tokenizer or config.tokenizer), model or config.model
     local = await anyio.to_thread.run_sync(resolve_tokenizer, spec, model, config.chat_format)
     on_server = spec == "server" or (spec == "auto" and bool(base_url or config.base_url_configured))
@@ -5079,6 +5161,7 @@ def compact_schema(schema: Any) -> Any:
 
 PROXY_PORT = 8787
 PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
+PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is relayed as it arrives
 PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 PROXY_TIMEOUT = 600.0
 CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
@@ -5190,17 +5273,26 @@ class ProxyState:
             key, headers = (
                 (token, {}) if scheme.lower() == "bearer" and token else (None, {"Authorization": authorization})
             )
-        backend = Backend(self.http, url, key, headers, caches=self.caches)
+        secrets = secret_forms(authorization) + secret_forms(self.config.api_key)
+        backend = Backend(self.http, url, key, headers, caches=self.caches, secrets=secrets)
         backend.setting = "--upstream" if url == self.config.base else "--summary-url"
         return backend
 
     def learn_refusal(
         self, model: str | None, overflow: Overflow, report: Mapping[str, Any], estimate: int
-    ) -> tuple[int, int]:
+    ) -> tuple[int | None, int]:
         """Remember what a length refusal taught (the model's window; its count calibrates ours) and return
-        ``(limit, refused)``: the window to retry in and the size of the request it refused."""
+        ``(limit, refused)``: the window to retry in (None for a limit not worth believing: below 256, or above
+        twice the window configured or discovered) and the size of the request it refused."""
         refused = overflow.prompt_tokens if overflow.prompt_tokens and not overflow.at_least else estimate
         limit = overflow.limit or int(0.75 * estimate)
+        known = [self.config.window] + [w for (url, m), (w, *_) in self.caches.windows.items() if m == model]
+        ceiling = 2 * max(w for w in known if w) if any(known) else MAX_CONTEXT_TOKENS_LIMIT
+        if not 256 <= limit <= ceiling:
+            log.warning(
+                "proxy: ignored a refusal's window of %s tokens for %s (outside 256..%s)", limit, model, ceiling
+            )
+            return None, refused
         if overflow.prompt_tokens and not overflow.at_least and report["tokens_after"]:
             sent = round(report["tokens_after"] / self.factors.get(model, 1.0))
             self.remember(self.factors, model, calibrated(None, sent, overflow.prompt_tokens))
@@ -5362,6 +5454,15 @@ def _reply_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
 
 
+def scrub(data: bytes, secrets: Sequence[str]) -> bytes:
+    """A reply body with the proxy's own key taken out (an upstream that echoes it in an error must not
+    hand it to clients); bytes without a secret are returned as they are."""
+    forms = [f for s in secrets for f in (s, json.dumps(s)[1:-1])]
+    if not any(f.encode() in data for f in forms):
+        return data
+    return redact(data.decode("utf-8", "replace"), secrets).encode()
+
+
 def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
     """The proxy as an ASGI app (starlette): ``POST .../chat/completions`` is shrunk, the rest relayed."""
     import anyio
@@ -5372,6 +5473,7 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
     from starlette.routing import Route
 
     holder: dict[str, ProxyState] = {}
+    secrets = secret_forms(config.api_key)  # never relayed back to a client
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -5428,6 +5530,21 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
             chunks(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(upstream.aclose)
         )
 
+    async def read_whole(upstream: httpx2.Response) -> bytes:
+        """A non-streamed reply, decoded; an upstream that breaks off mid-body is a 502 naming it."""
+        try:
+            return await upstream.aread()
+        except httpx2.TransportError as exc:
+            raise ContextShrinkError(f"upstream {config.base} broke off its reply ({type(exc).__name__})") from None
+        finally:
+            await upstream.aclose()
+
+    async def error_reply(upstream: httpx2.Response, extra: Mapping[str, str] | None = None) -> Response:
+        """An upstream error, read whole (decoded) with the proxy's key taken out."""
+        content = scrub(await read_whole(upstream), secrets)
+        headers = {k: v for k, v in _reply_headers(upstream.headers).items() if k.lower() != "content-encoding"}
+        return Response(content, upstream.status_code, headers={**headers, **(extra or {})})
+
     async def passthrough(request: Request, body: bytes) -> Response:
         headers = _forward_headers(request.headers, config, chat=False)
         url = config.target(request.url.path, request.url.query)
@@ -5435,7 +5552,7 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
             upstream = await open_upstream(request.method, url, headers, body)
         except ContextShrinkError as exc:
             return failure(502, f"context-shrink proxy: {exc}", "upstream_error")
-        return relay(upstream)
+        return await error_reply(upstream) if upstream.status_code >= 400 and secrets else relay(upstream)
 
     async def chat(request: Request, raw: bytes) -> Response:
         try:
@@ -5468,15 +5585,14 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
                 return failure(502, f"context-shrink proxy: {exc}", "upstream_error")
             if upstream.status_code < 400 or attempt:
                 break
-            error = await upstream.aread()
-            await upstream.aclose()
+            error = scrub(await read_whole(upstream), secrets)
             overflow = parse_overflow(error)
             said = {**_reply_headers(upstream.headers), "x-context-shrink": shrink_header(report)}
             if overflow is None:  # not about length: the client gets the upstream's answer
                 return Response(error, upstream.status_code, headers=said)
             estimate = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
             limit, refused = st.learn_refusal(model, overflow, report, estimate)
-            retry, retry_report = await shrunk(limit)
+            retry, retry_report = await shrunk(limit) if limit else (sent, report)
             smaller = retry is not sent and (retry_report["tokens_after"] or refused) < refused
             if not smaller:  # the same or a larger request would be refused again: the client gets the refusal
                 log.warning(
@@ -5501,14 +5617,18 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
         extra = {"x-context-shrink": shrink_header(report)}
         if body.get("stream") is True and upstream.status_code < 400:
             return relay(upstream, extra, lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail)))
-        reply = await upstream.aread()
-        await upstream.aclose()
+        if upstream.status_code < 400 and int(upstream.headers.get("content-length") or 0) > PROXY_BUFFER_BYTES:
+            return relay(upstream, extra)  # too large to hold in memory: streamed through, not read
+        reply = await read_whole(upstream)
+        reply = scrub(reply, secrets) if upstream.status_code >= 400 else reply
         with contextlib.suppress(ValueError, AttributeError, TypeError):
             if note := st.learn_usage(model, estimate, json.loads(reply).get("usage", {}).get("prompt_tokens")):
                 extra["x-context-shrink-warning"] = note
         return Response(reply, upstream.status_code, headers={**_reply_headers(upstream.headers), **extra})
 
     async def endpoint(request: Request) -> Response:
+        if any(part in (".", "..") for part in request.url.path.split("/")):  # decoded: %2e%2e too
+            return failure(400, "context-shrink proxy: a path may not hold . or .. segments", "invalid_request_error")
         try:
             body = await read_body(request)
         except ClientDisconnect:
@@ -5520,9 +5640,13 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
                 "(CONTEXT_SHRINK_PROXY_MAX_BODY_BYTES)",
                 "request_too_large",
             )
-        if request.method == "POST" and request.url.path.endswith("/chat/completions"):
-            return await chat(request, body)
-        return await passthrough(request, body)
+        try:
+            if request.method == "POST" and request.url.path.endswith("/chat/completions"):
+                return await chat(request, body)
+            return await passthrough(request, body)
+        except ContextShrinkError as exc:  # the upstream broke off: say so, no traceback
+            log.warning("proxy: %s", exc)
+            return failure(502, f"context-shrink proxy: {exc}", "upstream_error")
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
     return Starlette(routes=[Route("/{path:path}", endpoint, methods=methods)], lifespan=lifespan)
