@@ -54,6 +54,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "Overflow",
     "Policy",
     "ProxyConfig",
+    "ProxyState",
     "Reply",
     "Settings",
     "Summariser",
@@ -102,10 +103,15 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "proxy_config",
     "prune_messages",
     "read_archive",
+    "read_file_text",
+    "read_jsonl_lines",
+    "redact",
+    "render_jsonl",
     "render_message",
     "resolve_path",
     "resolve_tokenizer",
     "search_archive",
+    "secret_forms",
     "shrink",
     "shrink_header",
     "shrink_text",
@@ -121,6 +127,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "without_images",
     "without_reasoning",
     "write_messages_file",
+    "write_text_atomic",
 ]
 
 import argparse

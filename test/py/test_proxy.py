@@ -261,9 +261,11 @@ def test_a_refusal_is_learnt_and_retried_once(tmp_path: Path) -> None:
 
 
 def test_a_refusal_after_the_retry_reaches_the_client(tmp_path: Path) -> None:
-    fake = FakeOpenAI(window=50)  # nothing fits: the second refusal is the client's answer
+    fake = FakeOpenAI(window=300)  # nothing fits: the second refusal is the client's answer
+    messages = [{"role": "user", "content": "why " * 200}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "and " * 400}]  # fmt: skip
     with serve(fake) as upstream, proxy(upstream, "--window", "100000", "--no-archive", log=tmp_path / "log") as url:
-        reply = chat(url, {"model": "m", "messages": conversation(3, size=60), "max_tokens": 10})
+        reply = chat(url, {"model": "m", "messages": messages, "max_tokens": 10})
     assert reply.status_code == 400 and "maximum context length" in reply.text
     assert len(fake.oversized) == 2  # tried once more, not in a loop
     assert "retried=1" in reply.headers["x-context-shrink"]
