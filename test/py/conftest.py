@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -54,10 +55,18 @@ def llama_url(tiny_model: Path) -> Iterator[str]:
     The tiny model's byte-level tokenizer needs 2-3 times as many tokens as cl100k for the same text,
     so tests size the summariser's window in cl100k tokens well below 8192.
     """
+    with served_llama(tiny_model, n_ctx=8192) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def served_llama(model: Path, **options: Any) -> Iterator[str]:
+    """A real llama.cpp server for ``model`` (``tiny_llama.llama_server`` options); the test is skipped when
+    ``CONTEXT_SHRINK_NO_LLAMA`` is set or the xllamacpp wheel is missing."""
     if os.environ.get("CONTEXT_SHRINK_NO_LLAMA"):
         pytest.skip("CONTEXT_SHRINK_NO_LLAMA is set")
     pytest.importorskip("xllamacpp", reason="the xllamacpp wheel is not installable here")
     from tiny_llama import llama_server
 
-    with llama_server(tiny_model, n_ctx=8192) as url:
+    with llama_server(model, **options) as url:
         yield url

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import httpx2
 import pytest
+from conftest import served_llama
 from proxy_helpers import proxy
 from tiny_llama import free_port
 
@@ -24,14 +25,7 @@ WORDS = "the parser reads the file and the tests check every function in src/app
 @pytest.fixture(scope="module")
 def small_llama(tiny_model: Path) -> Iterator[str]:
     """A real llama.cpp server with a 2048-token window (the tiny model needs ~2.5x cl100k's tokens)."""
-    import os
-
-    if os.environ.get("CONTEXT_SHRINK_NO_LLAMA"):
-        pytest.skip("CONTEXT_SHRINK_NO_LLAMA is set")
-    pytest.importorskip("xllamacpp", reason="the xllamacpp wheel is not installable here")
-    from tiny_llama import llama_server
-
-    with llama_server(tiny_model, n_ctx=2048, alias="tiny", threads=2) as url:
+    with served_llama(tiny_model, n_ctx=2048, alias="tiny", threads=2) as url:
         yield url
 
 

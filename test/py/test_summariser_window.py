@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx2
 import pytest
-from conftest import LOCAL_SESSIONS
+from conftest import LOCAL_SESSIONS, served_llama
 from fake_openai import serve
 from test_tools import call, ok, run
 
@@ -31,14 +31,7 @@ REFUSAL = "exceeds the available context size"
 
 @pytest.fixture(scope="module")
 def llama_2k(tiny_model: Path) -> Iterator[str]:
-    import os
-
-    if os.environ.get("CONTEXT_SHRINK_NO_LLAMA"):
-        pytest.skip("CONTEXT_SHRINK_NO_LLAMA is set")
-    pytest.importorskip("xllamacpp", reason="the xllamacpp wheel is not installable here")
-    from tiny_llama import llama_server
-
-    with llama_server(tiny_model, n_ctx=2048, alias="tiny", threads=2, grammar=f'root ::= "{SENTENCE}"') as url:
+    with served_llama(tiny_model, n_ctx=2048, alias="tiny", threads=2, grammar=f'root ::= "{SENTENCE}"') as url:
         yield url
 
 
