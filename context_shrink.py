@@ -23,28 +23,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 __all__ = [  # the public API: what the tests, the benchmarks and the examples use
-    "ANCHOR_HEADING",
-    "CALIBRATION_LIMITS",
-    "CORE_TOOLS",
-    "COUNT_METHODS",
-    "DEFAULT_BASE_URL",
-    "HEURISTIC",
-    "HEURISTIC_NON_ASCII_WEIGHTS",
-    "HEURISTIC_SAFETY",
-    "HEURISTIC_WEIGHTS",
-    "IMAGE_TOKENS_DEFAULT",
-    "MAX_CONTEXT_TOKENS_LIMIT",
-    "MAX_RETRY_AFTER",
-    "MERGE_PROMPT",
-    "PROXY_MAX_RESERVE",
-    "REASONING_KEYS",
-    "RESULT_ROLES",
-    "SUMMARY_MARKER",
-    "SUMMARY_PROMPT",
-    "SYSTEM_ROLES",
-    "TOOL_NAMES",
-    "TRANSCRIPT_BEGIN",
-    "TRANSCRIPT_END",
     "Backend",
     "BackendCaches",
     "BackendError",
@@ -94,6 +72,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "hf_cache_dir",
     "history_shape",
     "image_tokens",
+    "listening",
     "load_messages_file",
     "main",
     "message_ids",
@@ -128,9 +107,32 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "without_reasoning",
     "write_messages_file",
     "write_text_atomic",
+    "ANCHOR_HEADING",
+    "CALIBRATION_LIMITS",
+    "CORE_TOOLS",
+    "COUNT_METHODS",
+    "DEFAULT_BASE_URL",
+    "HEURISTIC",
+    "HEURISTIC_NON_ASCII_WEIGHTS",
+    "HEURISTIC_SAFETY",
+    "HEURISTIC_WEIGHTS",
+    "IMAGE_TOKENS_DEFAULT",
+    "MAX_CONTEXT_TOKENS_LIMIT",
+    "MAX_RETRY_AFTER",
+    "MERGE_PROMPT",
+    "PROXY_MAX_RESERVE",
+    "REASONING_KEYS",
+    "RESULT_ROLES",
+    "SUMMARY_MARKER",
+    "SUMMARY_PROMPT",
+    "SYSTEM_ROLES",
+    "TOOL_NAMES",
+    "TRANSCRIPT_BEGIN",
+    "TRANSCRIPT_END",
 ]
 
 import argparse
+import asyncio
 import base64
 import binascii
 import bisect
@@ -160,7 +162,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import anyio
+import h11
 import httpx2
+import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.mcpserver.tools import Tool
@@ -175,6 +180,12 @@ from mcp_types import (
 )
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import Field
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:  # optional: exact OpenAI token counts
     import tiktoken
@@ -3091,7 +3102,11 @@ def anchor_within(
     text = summary.split(f"\n\n{ANCHOR_HEADING}")[0].rstrip() if listed else summary
     room = min(ANCHOR_TOKENS, budget - count(text) - count(ANCHOR_HEADING))
     candidates = [*extract_identifiers(messages, count, max(0, room)), *listed, *anchored_in(previous)]
-    anchored = anchor_summary(text, fit_identifiers([i for i in candidates if i not in text], count, room))
+    chosen = fit_identifiers([i for i in candidates if i not in text], count, room)
+    anchored = anchor_summary(text, chosen)
+    while chosen and count(anchored) > budget:  # the parts were counted apart: the whole decides
+        chosen = chosen[: len(chosen) * 3 // 4]
+        anchored = anchor_summary(text, chosen)
     return anchored, len(anchored_in(anchored))
 
 
@@ -3226,7 +3241,6 @@ async def summarise_messages(
     passes :func:`guard_summary`: repetitions are trimmed, and a copied or cut-off reply or a tool call is
     asked for once more with a stricter instruction; what was detected is counted in ``guard``.
     """
-    import anyio
 
     replies = {} if replies is None else replies
     report = {} if guard is None else guard
@@ -3486,7 +3500,7 @@ class SummaryCache:
 
     spans: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)  # (filed, span hash) -> summary
     replies: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # summariser -> key -> reply
-    failures: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)  # filed -> (when, why)
+    failures: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)  # summariser -> (when, why)
     ratios: dict[str, float] = dataclasses.field(default_factory=dict)  # summariser | tokenizer -> ratio
     clock: Callable[[], float] = time.monotonic
 
@@ -3515,10 +3529,17 @@ class SummaryCache:
         while len(self.failures) > SUMMARY_CACHE_SPANS:
             self.failures.pop(next(iter(self.failures)))
 
-    def failing(self, filed: str) -> str | None:
-        """Why ``filed``'s summariser failed within the last :data:`SUMMARY_BACKOFF` seconds, else None."""
-        when, why = self.failures.get(filed, (-math.inf, ""))
+    def failing(self, name: str) -> str | None:
+        """Why the summariser ``name`` failed within the last :data:`SUMMARY_BACKOFF` seconds, else None."""
+        when, why = self.failures.get(name, (-math.inf, ""))
         return why if self.clock() - when < SUMMARY_BACKOFF else None
+
+    def failed(self, name: str, why: str | None) -> None:
+        """Record that the summariser ``name`` failed (``why``), or that it answered (None)."""
+        self.failures.pop(name, None)
+        if why is not None:
+            self.failures[name] = (self.clock(), why)
+        self.bound()
 
 
 def span_items(messages: Sequence[Mapping[str, Any]], plan: Mapping[str, Any]) -> tuple[list[Any], str | None]:
@@ -3670,11 +3691,12 @@ async def summarise_span(
             if not extract:
                 raise
             text, stats["fallback"], stats["error"] = extracted_notes(span, str(exc)), "extract", str(exc)
-    if anchor:  # what the summary must not lose is appended when the model dropped it, within its budget
-        scale = tokenizer.scale
-        text, stats["anchored"] = anchor_within(
-            text, span, previous, lambda s: math.ceil(tokenizer.count(s) * scale), max_summary_tokens
-        )
+    # What the summary dropped is appended, within its budget. A cached text was anchored when it was filed:
+    # it is sent as it was while it fits (anchored again at another calibration, it would change a prefix the
+    # server has cached).
+    size = lambda s: math.ceil(tokenizer.count(s) * tokenizer.scale)  # noqa: E731
+    if anchor and not (stats["summary_cached"] and size(text) <= max_summary_tokens):
+        text, stats["anchored"] = anchor_within(text, span, previous, size, max_summary_tokens)
     if stats["fallback"] is None:  # extracted notes are not filed: the model may do better next time
         pins = plan["pinned_indices"]  # a later span also holds the pinned message: filed by the part before it
         cache.file(filed, chain, text, None if not pins else sum(1 for i, _ in items if i < pins[0]))
@@ -3694,7 +3716,7 @@ async def _summarise_fresh(
     **options: Any,
 ) -> str:
     """One model summary of ``span`` (backing off from a failing summariser), its costs put in ``stats``."""
-    why = cache.failing(filed)
+    why = cache.failing(summariser.name)
     if why is not None:
         raise ContextShrinkError(f"{why} (not asked again for {SUMMARY_BACKOFF:g} s)")
     known = cache.replies.setdefault(summariser.name, {})
@@ -3707,12 +3729,9 @@ async def _summarise_fresh(
         raise
     except BackendError as exc:
         if exc.overflow is None:  # the server fails (not this request's length): not asked again for a while
-            cache.failures.pop(filed, None)
-            cache.failures[filed] = (cache.clock(), str(exc))
-            cache.bound()
+            cache.failed(summariser.name, str(exc))
         raise
-    cache.failures.pop(filed, None)
-    cache.bound()
+    cache.failed(summariser.name, None)
     calls = calls if summariser.call else len(replies or {})  # deferred: the client answered them all
     stats.update(counted, model_calls=calls, map_chunks=plan.chunks, reduce_steps=plan.reduce_steps)
     stats["summary_cached"] = calls == 0
@@ -3795,7 +3814,6 @@ async def shrink(
     to trimming with the reason kept. Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
     ``tokens_before``/``tokens_after``, ``fits``, ``reason`` and ``summary_cached``; the heavy work runs in a
     worker thread."""
-    import anyio
 
     run = anyio.to_thread.run_sync
     tools_tokens = count_tools(tools, tokenizer)
@@ -3844,7 +3862,6 @@ async def _compact_rung(
 ) -> tuple[list[dict[str, Any]], str | None, dict[str, Any] | None]:
     """The compact rung: ``(messages, reason, result)``; ``result`` is set when the compacted request fits
     (else the messages are what the next rung starts from and ``reason`` says why)."""
-    import anyio
 
     plan = await anyio.to_thread.run_sync(compact_rung, messages, tokenizer, budget, tools, policy, None)
     if not plan["needs_summary"]:
@@ -4016,14 +4033,14 @@ class Backend:
         return _one_line(redact(text, self.secrets), limit)
 
     async def _send(
-        self, method: str, url: str, body: Any = None, *, retries: int = MAX_RETRIES, timeout: float | None = None
+        self, method: str, url: str, body: Any = None, *, retries: int = MAX_RETRIES, wait: float | None = None
     ) -> Any:
         """Send a JSON request with bounded retries; return the parsed JSON reply of a 2xx answer."""
         options: dict[str, Any] = {"headers": self.headers}
         if body is not None:
             options["json"] = body
-        if timeout is not None:
-            options["timeout"] = httpx2.Timeout(timeout, connect=min(10.0, timeout))
+        if wait is not None:  # this request's own timeout
+            options["timeout"] = httpx2.Timeout(wait, connect=min(10.0, wait))
         for attempt in range(retries + 1):
             delay = self.retry_base_delay * 2**attempt * (0.5 + random.random())
             try:
@@ -4086,7 +4103,7 @@ class Backend:
         return text
 
     async def _count_with(self, method: str, body: dict[str, Any]) -> int:
-        probe = {"retries": 0, "timeout": PROBE_TIMEOUT}
+        probe = {"retries": 0, "wait": PROBE_TIMEOUT}
         if method == COUNT_METHODS[0]:
             return int(
                 (await self._send("POST", f"{self.base_url}/chat/completions/input_tokens", body, **probe))[
@@ -4134,7 +4151,7 @@ class Backend:
         raise ContextShrinkError(reason)
 
     async def _window_from(self, probe: str, model: str | None) -> int | None:
-        get = {"retries": 0, "timeout": PROBE_TIMEOUT}
+        get = {"retries": 0, "wait": PROBE_TIMEOUT}
 
         def pick(entries: Any, *keys: str) -> Any:
             entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
@@ -4187,8 +4204,9 @@ class Backend:
                 window = await self._window_from(probe, model)
             except BackendError as exc:
                 reasons.append(f"{probe}: {exc}")
-                if exc.unreachable:
-                    break
+                if exc.unreachable:  # no server there: the other probes would fail the same way
+                    message = f"backend unreachable: {self.base_url} (asked {probe} for its context window)"
+                    raise BackendError(message, url=self.base_url, unreachable=True) from None
                 continue
             except (KeyError, TypeError, ValueError, AttributeError):
                 reasons.append(f"{probe}: unexpected reply")
@@ -4201,7 +4219,6 @@ class Backend:
 
 
 async def _sleep(seconds: float) -> None:
-    import anyio
 
     await anyio.sleep(max(0.0, seconds))
 
@@ -4559,7 +4576,6 @@ async def exact_count(
 ) -> tuple[Tokenizer, int | None, Callable[[list[dict[str, Any]]], Awaitable[int]] | None]:  # fmt: skip
     """The exact count of the request, by the server (``on_server``) or the model's own chat template, and a
     counter for shrunk versions; the local tokenizer is scaled so per-message counts add up to it."""
-    import anyio
 
     exact, counter, name = None, None, local.name
     if on_server:
@@ -4623,7 +4639,6 @@ async def prepare(
     api_key: str | None = None,
 ) -> Prepared:
     """Load the messages, pick the tokenizer (exact on the server when it can count) and the window."""
-    import anyio
 
     config = state.config
     loaded, container, source = load_input(config, messages, messages_path)
@@ -4643,7 +4658,6 @@ async def recount(
     req: Prepared, result: dict[str, Any], reserve: int, redo: Callable[[int], dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     """Replace estimated sizes by the server's exact count; shrink again (at most twice) if it is over."""
-    import anyio
 
     result = {**result, "max_context_source": req.window_source}
     if req.counter is None or req.exact is None or result.get("messages") is None:
@@ -4768,7 +4782,6 @@ async def compact_request(
 ) -> dict[str, Any] | InputRequiredResult:
     """compact_context's work: plan, get the summary from the chosen summariser (:func:`summarise_span`), fall
     back as asked, compact and recount. ``mode`` is summary, model, sampling or plan."""
-    import anyio
 
     o, diet, before = options, None, None
     if o.diet_tool_results:
@@ -4818,7 +4831,6 @@ async def compact_failed(
     req: Prepared, result: dict[str, Any], o: CompactOptions, exc: ContextShrinkError
 ) -> dict[str, Any]:
     """The messages untouched and why, or (``fallback="trim"``) the pipeline's trim rung's result."""
-    import anyio
 
     log.warning("compaction failed, messages returned untouched: %s", exc)
     failed = {**result, "needs_summary": False, "messages": req.messages, "reason": f"summary failed: {exc}"}
@@ -4852,7 +4864,6 @@ def read_text(config: Config, text: str | None, path: str | None) -> str:
 
 async def prune_request(state: ServerState, req: Prepared, arguments: dict[str, Any]) -> dict[str, Any]:
     """prune_context's work after loading: prune, then report, or write (JSONL line by line) unless dry."""
-    import anyio
 
     a, config = arguments, state.config
     result = await anyio.to_thread.run_sync(
@@ -4930,7 +4941,6 @@ ModelArg = Annotated[str | None, Field()]
 def build_server(config: Config | None = None) -> MCPServer:
     """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`. Each tool loads its
     input, calls the core and delivers the result; the work is in the functions above."""
-    import anyio
 
     config = config or Config.from_env()
     default_window = config.max_context_tokens
@@ -5171,6 +5181,8 @@ PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
 PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is relayed as it arrives
 PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 PROXY_TIMEOUT = 600.0
+HEADER_TIMEOUT = 30.0  # seconds a client has to send a request's headers (slow-header clients are cut off)
+IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
 CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
 CALIBRATION_MODELS = 64  # models remembered (calibration factors and learnt windows)
 TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
@@ -5196,6 +5208,8 @@ class ProxyConfig:
     keep_last: int = DEFAULT_KEEP_LAST
     max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
     timeout: float = PROXY_TIMEOUT
+    header_timeout: float = HEADER_TIMEOUT
+    idle_timeout: float = IDLE_TIMEOUT
 
     @property
     def policy(self) -> Policy:
@@ -5323,8 +5337,6 @@ class ProxyState:
 
     async def archive(self, original: list[dict[str, Any]], sent: list[dict[str, Any]], action: str) -> str | None:
         """Append what ``sent`` no longer carries to the archive; the conversation's id, or None."""
-        import anyio
-
         if self.config.archive_dir is None:
             return None
         conversation = conversation_id(original)
@@ -5368,8 +5380,13 @@ async def proxy_summariser(
         key = f"summariser {url} {model}"
         if key not in state.windows:  # probed once, whatever the answer
             found = None
-            with contextlib.suppress(ContextShrinkError):
+            try:
                 found = (await backend.context_window(model))[0]
+            except BackendError as exc:  # not there at all: backed off at once, no request waits on retries
+                if exc.unreachable:
+                    state.summaries.failed(f"model {model} @ {url}", str(exc))
+            except ContextShrinkError:
+                pass
             state.remember(state.windows, key, found)
         window = state.windows[key] or window
 
@@ -5379,7 +5396,7 @@ async def proxy_summariser(
     async def count(prompt: list[dict[str, Any]]) -> int:
         return (await backend.count_tokens(prompt, [], model))[0]
 
-    summariser = Summariser(f"model {model} @ {url}", call, window, count)
+    summariser = Summariser(f"model {model} @ {url}", call, window, count)  # the name its failures are filed by
 
     async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int) -> dict[str, Any]:
         return await summarise_span(messages, plan, tokenizer, summariser, state.summaries, max_summary_tokens=limit)
@@ -5461,6 +5478,11 @@ def _reply_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
 
 
+def _decoded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The reply headers for a body the proxy read decoded (no ``content-encoding`` left to claim)."""
+    return {k: v for k, v in _reply_headers(headers).items() if k.lower() != "content-encoding"}
+
+
 def scrub(data: bytes, secrets: Sequence[str]) -> bytes:
     """A reply body with the proxy's own key taken out (an upstream that echoes it in an error must not
     hand it to clients); bytes without a secret are returned as they are."""
@@ -5470,63 +5492,243 @@ def scrub(data: bytes, secrets: Sequence[str]) -> bytes:
     return redact(data.decode("utf-8", "replace"), secrets).encode()
 
 
-def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
-    """The proxy as an ASGI app (starlette): ``POST .../chat/completions`` is shrunk, the rest relayed."""
-    import anyio
-    from starlette.applications import Starlette
-    from starlette.background import BackgroundTask
-    from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route
+def _failure(status: int, message: str, kind: str) -> JSONResponse:
+    """An error in the OpenAI shape, from the proxy itself."""
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
-    holder: dict[str, ProxyState] = {}
-    secrets = secret_forms(config.api_key)  # never relayed back to a client
+
+class ProxyFront:
+    """The proxy's HTTP front: ``POST .../chat/completions`` is shrunk (:func:`shrink_request`) and retried
+    once, strictly smaller, after a length refusal; every other request is relayed as it is. Replies are
+    streamed through; a non-streamed one is read (to calibrate on its ``usage``) up to
+    :data:`PROXY_BUFFER_BYTES`, and streamed beyond that. The proxy's own key never reaches a client."""
+
+    def __init__(self, config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.secrets = secret_forms(config.api_key)
+        self.held: ProxyState | None = None  # set while the app runs (its lifespan)
+
+    @property
+    def state(self) -> ProxyState:
+        if self.held is None:
+            raise RuntimeError("the proxy is not running (its lifespan has not started)")
+        return self.held
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: Any) -> AsyncIterator[None]:
-        timeout = httpx2.Timeout(config.timeout, connect=10.0)
+    async def lifespan(self, _: Any) -> AsyncIterator[None]:
+        timeout = httpx2.Timeout(self.config.timeout, connect=10.0)
         limits = httpx2.Limits(max_connections=256, max_keepalive_connections=32)
         async with httpx2.AsyncClient(timeout=timeout, limits=limits) as http:
-            holder["state"] = ProxyState(
-                config, http, tokenizer or resolve_tokenizer("auto"), config.policy, lock=anyio.Lock()
-            )
+            tokenizer = self.tokenizer or resolve_tokenizer("auto")
+            self.held = ProxyState(self.config, http, tokenizer, self.config.policy, lock=anyio.Lock())
             yield
+            self.held = None
 
-    def failure(status: int, message: str, kind: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    def app(self) -> Starlette:
+        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+        return Starlette(routes=[Route("/{path:path}", self.endpoint, methods=methods)], lifespan=self.lifespan)
 
-    async def read_body(request: Request) -> bytes | None:
+    async def endpoint(self, request: Request) -> Response:
+        if any(part in (".", "..") for part in request.url.path.split("/")):  # decoded: %2e%2e too
+            return _failure(400, "context-shrink proxy: a path may not hold . or .. segments", "invalid_request_error")
+        try:
+            body = await self.read_body(request)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        if body is None:
+            limit = self.config.max_body_bytes
+            message = (
+                f"context-shrink proxy: the request body is over {limit} bytes (CONTEXT_SHRINK_PROXY_MAX_BODY_BYTES)"
+            )
+            return _failure(413, message, "request_too_large")
+        try:
+            if request.method == "POST" and request.url.path.endswith("/chat/completions"):
+                return await self.chat(request, body)
+            return await self.passthrough(request, body)
+        except ContextShrinkError as exc:  # the upstream is unreachable or broke off: say so, no traceback
+            log.warning("proxy: %s", exc)
+            return _failure(502, f"context-shrink proxy: {exc}", "upstream_error")
+
+    async def read_body(self, request: Request) -> bytes | None:
+        """The request body, or None when it is over the limit (not read further)."""
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > config.max_body_bytes:
+            if size > self.config.max_body_bytes:
                 return None
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def open_upstream(method: str, url: str, headers: dict[str, str], content: bytes) -> httpx2.Response:
-        request = state().http.build_request(method, url, headers=headers, content=content)
-        try:
-            return await state().http.send(request, stream=True)
-        except httpx2.TimeoutException as exc:
-            raise ContextShrinkError(f"upstream {config.base} did not answer in time ({type(exc).__name__})") from None
-        except httpx2.TransportError as exc:
-            raise ContextShrinkError(f"upstream {config.base} unreachable: {exc}") from None
+    async def passthrough(self, request: Request, body: bytes) -> Response:
+        headers = _forward_headers(request.headers, self.config, chat=False)
+        url = self.config.target(request.url.path, request.url.query)
+        upstream = await self.open_upstream(request.method, url, headers, body)
+        if upstream.status_code >= 400 and self.secrets:
+            return await self.error_reply(upstream)
+        return self.relay(upstream)
 
-    def state() -> ProxyState:
-        return holder["state"]
+    async def chat(self, request: Request, raw: bytes) -> Response:
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                raise ValueError
+        except ValueError:
+            return await self.passthrough(request, raw)  # not a body we understand: the upstream answers it
+        authorization = request.headers.get("authorization")
+        url = self.config.target(request.url.path, request.url.query)
+        headers = _forward_headers(request.headers, self.config, chat=True)
+        sent, report = await self.shrunk(body, authorization, None)
+        for attempt in range(2):
+            if report["action"] != "none":
+                log.info("proxy: %s %s", body.get("model"), shrink_header(report))
+            content = raw if sent is body else json.dumps(sent, ensure_ascii=False).encode()
+            upstream = await self.open_upstream("POST", url, headers, content)
+            if upstream.status_code < 400 or attempt:
+                break
+            retry = await self.after_refusal(upstream, body, sent, report, authorization)
+            if isinstance(retry, Response):
+                return retry
+            sent, report = retry
+        return await self.deliver(upstream, body, sent, report)
+
+    async def shrunk(
+        self, body: dict[str, Any], authorization: str | None, window: int | None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """:func:`shrink_request`, failing open: the original goes out, and the log says why."""
+        try:
+            return await shrink_request(self.state, body, authorization, window)
+        except ContextShrinkError as exc:
+            log.warning("proxy: not shrunk, forwarded as is: %s", exc)
+            return body, {"tokens_before": None, "tokens_after": None, "action": "none", "reason": str(exc)}
+
+    async def after_refusal(
+        self,
+        upstream: httpx2.Response,
+        body: dict[str, Any],
+        sent: dict[str, Any],
+        report: dict[str, Any],
+        authorization: str | None,
+    ) -> Response | tuple[dict[str, Any], dict[str, Any]]:
+        """After an upstream error: a strictly smaller request to retry with, when it refused for length and
+        one can be made; else the reply for the client (the upstream's answer)."""
+        st, model = self.state, body.get("model") if isinstance(body.get("model"), str) else None
+        error = scrub(await self.read_whole(upstream), self.secrets)
+        said = {**_decoded_headers(upstream.headers), "x-context-shrink": shrink_header(report)}
+        overflow = parse_overflow(error)
+        if overflow is None:  # not about length
+            return Response(error, upstream.status_code, headers=said)
+        estimate = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
+        limit, refused = st.learn_refusal(model, overflow, report, estimate)
+        retry, retried = await self.shrunk(body, authorization, limit) if limit else (sent, report)
+        if retry is sent or (retried["tokens_after"] or refused) >= refused:  # it would be refused again
+            log.warning("proxy: %s refused the request for length (window %s); nothing smaller to send",
+                        self.config.base, limit)  # fmt: skip
+            reason = f"refused for length; a retry would not be smaller than the {refused} tokens refused"
+            said["x-context-shrink"] = shrink_header({**report, "reason": reason})
+            return Response(error, upstream.status_code, headers=said)
+        log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
+                    "of %s", self.config.base, limit, retried["tokens_after"], refused)  # fmt: skip
+        return retry, {**retried, "retried": 1}
+
+    async def deliver(
+        self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: dict[str, Any]
+    ) -> Response:
+        """The upstream's reply to what was sent, with the ``x-context-shrink`` header; what the shrunk
+        request no longer carries is archived first, and the reply's ``usage`` calibrates the count."""
+        st, model = self.state, body.get("model") if isinstance(body.get("model"), str) else None
+        if sent is not body and (
+            conversation := await st.archive(body["messages"], sent["messages"], report["action"])
+        ):
+            report["conversation"] = conversation  # what was folded away stays on disk
+        extra = {"x-context-shrink": shrink_header(report)}
+        if upstream.status_code >= 400:
+            return await self.error_reply(upstream, extra)
+        estimate = report.get("tokens_after")
+        if body.get("stream") is True:
+            return self.relay(upstream, extra, lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail)))
+        head, rest = await self.read_head(upstream)
+        if rest is not None:  # too large to hold in memory: streamed through, not read
+            return self.relay(upstream, extra, chunks=rest)
+        reply = b"".join(head)
+        if upstream.headers.get("content-encoding", "identity") == "identity":
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                if note := st.learn_usage(model, estimate, json.loads(reply).get("usage", {}).get("prompt_tokens")):
+                    extra["x-context-shrink-warning"] = note
+        return Response(reply, upstream.status_code, headers={**_reply_headers(upstream.headers), **extra})
+
+    async def open_upstream(self, method: str, url: str, headers: dict[str, str], content: bytes) -> httpx2.Response:
+        http = self.state.http
+        try:
+            return await http.send(http.build_request(method, url, headers=headers, content=content), stream=True)
+        except httpx2.TimeoutException as exc:
+            raise ContextShrinkError(
+                f"upstream {self.config.base} did not answer in time ({type(exc).__name__})"
+            ) from None
+        except httpx2.TransportError as exc:
+            raise ContextShrinkError(f"upstream {self.config.base} unreachable: {exc}") from None
+
+    def broke_off(self, exc: Exception) -> ContextShrinkError:
+        return ContextShrinkError(f"upstream {self.config.base} broke off its reply ({type(exc).__name__})")
+
+    async def read_whole(self, upstream: httpx2.Response) -> bytes:
+        """An error reply, decoded, its first :data:`PROXY_BUFFER_BYTES` (the rest is not read)."""
+        chunks, size = [], 0
+        try:
+            async for chunk in upstream.aiter_bytes():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > PROXY_BUFFER_BYTES:
+                    break
+        except httpx2.TransportError as exc:
+            raise self.broke_off(exc) from None
+        finally:
+            await upstream.aclose()
+        return b"".join(chunks)[:PROXY_BUFFER_BYTES]
+
+    async def read_head(self, upstream: httpx2.Response) -> tuple[list[bytes], AsyncIterator[bytes] | None]:
+        """A reply as sent (not decoded) up to :data:`PROXY_BUFFER_BYTES`, and None when that was all of it,
+        else the whole reply to stream (what was read, then the rest)."""
+        chunks, size, stream = [], 0, upstream.aiter_raw()
+        try:
+            async for chunk in stream:
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > PROXY_BUFFER_BYTES:
+                    return chunks, _chained(chunks, stream)
+        except httpx2.TransportError as exc:
+            await upstream.aclose()
+            raise self.broke_off(exc) from None
+        await upstream.aclose()
+        return chunks, None
+
+    async def error_reply(self, upstream: httpx2.Response, extra: Mapping[str, str] | None = None) -> Response:
+        """An upstream error, decoded, with the proxy's key taken out."""
+        content = scrub(await self.read_whole(upstream), self.secrets)
+        return Response(content, upstream.status_code, headers={**_decoded_headers(upstream.headers), **(extra or {})})
 
     def relay(
-        upstream: httpx2.Response, extra: Mapping[str, str] | None = None, on_end: Callable[[bytes], Any] | None = None
+        self,
+        upstream: httpx2.Response,
+        extra: Mapping[str, str] | None = None,
+        on_end: Callable[[bytes], Any] | None = None,
+        chunks: AsyncIterator[bytes] | None = None,
     ) -> StreamingResponse:
-        """Relay an upstream reply as it arrives; a client that goes away closes the upstream request."""
+        """Relay a reply as it arrives (``chunks``, else the upstream's raw body); ``on_end`` gets its last
+        64 KiB. A client that goes away closes the upstream request; an upstream that breaks off ends it."""
 
-        async def chunks() -> AsyncIterator[bytes]:
+        async def body() -> AsyncIterator[bytes]:
             tail = b""
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in chunks or upstream.aiter_raw():
                     tail = (tail + chunk)[-65536:]
                     yield chunk
+            except httpx2.TransportError as exc:  # the status is sent: an event stream ends with an error event
+                log.warning("proxy: %s", error := self.broke_off(exc))
+                if "text/event-stream" in upstream.headers.get("content-type", ""):
+                    event = {"error": {"message": f"context-shrink proxy: {error}", "type": "upstream_error"}}
+                    yield f"data: {json.dumps(event)}\n\n".encode()
+                return
             finally:
                 await upstream.aclose()
             if on_end is not None:
@@ -5534,129 +5736,20 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Any:
 
         headers = {**_reply_headers(upstream.headers), **(extra or {})}
         return StreamingResponse(
-            chunks(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(upstream.aclose)
+            body(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(upstream.aclose)
         )
 
-    async def read_whole(upstream: httpx2.Response) -> bytes:
-        """A non-streamed reply, decoded; an upstream that breaks off mid-body is a 502 naming it."""
-        try:
-            return await upstream.aread()
-        except httpx2.TransportError as exc:
-            raise ContextShrinkError(f"upstream {config.base} broke off its reply ({type(exc).__name__})") from None
-        finally:
-            await upstream.aclose()
 
-    async def error_reply(upstream: httpx2.Response, extra: Mapping[str, str] | None = None) -> Response:
-        """An upstream error, read whole (decoded) with the proxy's key taken out."""
-        content = scrub(await read_whole(upstream), secrets)
-        headers = {k: v for k, v in _reply_headers(upstream.headers).items() if k.lower() != "content-encoding"}
-        return Response(content, upstream.status_code, headers={**headers, **(extra or {})})
+async def _chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in head:
+        yield chunk
+    async for chunk in rest:
+        yield chunk
 
-    async def passthrough(request: Request, body: bytes) -> Response:
-        headers = _forward_headers(request.headers, config, chat=False)
-        url = config.target(request.url.path, request.url.query)
-        try:
-            upstream = await open_upstream(request.method, url, headers, body)
-        except ContextShrinkError as exc:
-            return failure(502, f"context-shrink proxy: {exc}", "upstream_error")
-        return await error_reply(upstream) if upstream.status_code >= 400 and secrets else relay(upstream)
 
-    async def chat(request: Request, raw: bytes) -> Response:
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-                raise ValueError
-        except ValueError:
-            return await passthrough(request, raw)  # not a body we understand: the upstream answers it
-        authorization = request.headers.get("authorization")
-        model = body.get("model") if isinstance(body.get("model"), str) else None
-        url = config.target(request.url.path, request.url.query)
-        headers = _forward_headers(request.headers, config, chat=True)
-        st = state()
-
-        async def shrunk(window: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
-            try:
-                return await shrink_request(st, body, authorization, window)
-            except ContextShrinkError as exc:  # fail open: the original goes out, and the log says why
-                log.warning("proxy: not shrunk, forwarded as is: %s", exc)
-                return body, {"tokens_before": None, "tokens_after": None, "action": "none", "reason": str(exc)}
-
-        sent, report = await shrunk(None)
-        for attempt in range(2):
-            if report["action"] != "none":
-                log.info("proxy: %s %s", model, shrink_header(report))
-            content = raw if sent is body else json.dumps(sent, ensure_ascii=False).encode()
-            try:
-                upstream = await open_upstream("POST", url, headers, content)
-            except ContextShrinkError as exc:
-                return failure(502, f"context-shrink proxy: {exc}", "upstream_error")
-            if upstream.status_code < 400 or attempt:
-                break
-            error = scrub(await read_whole(upstream), secrets)
-            overflow = parse_overflow(error)
-            said = {**_reply_headers(upstream.headers), "x-context-shrink": shrink_header(report)}
-            if overflow is None:  # not about length: the client gets the upstream's answer
-                return Response(error, upstream.status_code, headers=said)
-            estimate = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
-            limit, refused = st.learn_refusal(model, overflow, report, estimate)
-            retry, retry_report = await shrunk(limit) if limit else (sent, report)
-            smaller = retry is not sent and (retry_report["tokens_after"] or refused) < refused
-            if not smaller:  # the same or a larger request would be refused again: the client gets the refusal
-                log.warning(
-                    "proxy: %s refused the request for length (window %s); nothing smaller to send", config.base, limit
-                )
-                reason = f"refused for length; a retry would not be smaller than the {refused} tokens refused"
-                said["x-context-shrink"] = shrink_header({**report, "reason": reason})
-                return Response(error, upstream.status_code, headers=said)
-            log.warning(
-                "proxy: %s refused the request for length (window %s); retrying once with %s tokens instead of %s",
-                config.base,
-                limit,
-                retry_report["tokens_after"],
-                refused,
-            )
-            sent, report = retry, {**retry_report, "retried": 1}
-        if sent is not body and (
-            conversation := await st.archive(body["messages"], sent["messages"], report["action"])
-        ):
-            report["conversation"] = conversation  # what was folded away stays on disk
-        estimate = report.get("tokens_after") if upstream.status_code < 400 else None
-        extra = {"x-context-shrink": shrink_header(report)}
-        if body.get("stream") is True and upstream.status_code < 400:
-            return relay(upstream, extra, lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail)))
-        if upstream.status_code < 400 and int(upstream.headers.get("content-length") or 0) > PROXY_BUFFER_BYTES:
-            return relay(upstream, extra)  # too large to hold in memory: streamed through, not read
-        reply = await read_whole(upstream)
-        reply = scrub(reply, secrets) if upstream.status_code >= 400 else reply
-        with contextlib.suppress(ValueError, AttributeError, TypeError):
-            if note := st.learn_usage(model, estimate, json.loads(reply).get("usage", {}).get("prompt_tokens")):
-                extra["x-context-shrink-warning"] = note
-        return Response(reply, upstream.status_code, headers={**_reply_headers(upstream.headers), **extra})
-
-    async def endpoint(request: Request) -> Response:
-        if any(part in (".", "..") for part in request.url.path.split("/")):  # decoded: %2e%2e too
-            return failure(400, "context-shrink proxy: a path may not hold . or .. segments", "invalid_request_error")
-        try:
-            body = await read_body(request)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        if body is None:
-            return failure(
-                413,
-                f"context-shrink proxy: the request body is over {config.max_body_bytes} bytes "
-                "(CONTEXT_SHRINK_PROXY_MAX_BODY_BYTES)",
-                "request_too_large",
-            )
-        try:
-            if request.method == "POST" and request.url.path.endswith("/chat/completions"):
-                return await chat(request, body)
-            return await passthrough(request, body)
-        except ContextShrinkError as exc:  # the upstream broke off: say so, no traceback
-            log.warning("proxy: %s", exc)
-            return failure(502, f"context-shrink proxy: {exc}", "upstream_error")
-
-    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
-    return Starlette(routes=[Route("/{path:path}", endpoint, methods=methods)], lifespan=lifespan)
+def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Starlette:
+    """The proxy as an ASGI app (starlette): ``POST .../chat/completions`` is shrunk, the rest relayed."""
+    return ProxyFront(config, tokenizer).app()
 
 
 def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ProxyConfig:
@@ -5686,6 +5779,8 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         "keep_last": read.integer("KEEP_LAST", 0, 10_000, "keep_last", proxy),
         "max_summary_tokens": read.integer("MAX_SUMMARY_TOKENS", 32, 100_000, "max_summary_tokens", proxy),
         "timeout": read.seconds("TIMEOUT", "timeout", proxy),
+        "header_timeout": read.seconds("HEADER_TIMEOUT", None, proxy),
+        "idle_timeout": read.seconds("IDLE_TIMEOUT", None, proxy),
     }
     archive = (
         None if getattr(args, "no_archive", False) else read.archive_dir("archive_dir") or default_archive_dir(environ)
@@ -5696,8 +5791,6 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
 
 def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
     """Serve the proxy with uvicorn until interrupted."""
-    import uvicorn
-
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per shrunk request is enough
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
@@ -5713,7 +5806,52 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
         config.base,
         config.archive_dir or "off",
     )
-    uvicorn.run(build_proxy(config, tokenizer), host=config.host, port=config.port, log_level="warning")
+    app = build_proxy(config, tokenizer)
+    uvicorn.Server(listening(app, config.host, config.port, config.header_timeout, config.idle_timeout)).run()
+
+
+class HeaderDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, which uvicorn lacks: a client
+    that has not sent them within ``timeout`` seconds of connecting (or of starting its next request on a
+    kept-alive connection) is disconnected, so slow-header clients cannot hold connections open."""
+
+    timeout = HEADER_TIMEOUT
+    deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.deadline = self.loop.call_later(self.timeout, self.expire)
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self.deadline is None:  # a new request begins
+            self.deadline = self.loop.call_later(self.timeout, self.expire)
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # its headers are in
+            self.cancel()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cancel()
+        super().connection_lost(exc)
+
+    def cancel(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def expire(self) -> None:
+        self.deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("closed a connection that sent no complete request headers in %g s", self.timeout)
+            self.transport.close()
+
+
+def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeout: float) -> uvicorn.Config:
+    """uvicorn's settings for an HTTP front: a deadline for request headers (:class:`HeaderDeadline`) and one
+    for idle kept-alive connections."""
+    protocol = type("HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout})
+    return uvicorn.Config(
+        app, host=host, port=port, log_level="warning", http=protocol, timeout_keep_alive=math.ceil(idle_timeout)
+    )
 
 
 # =============================================================================

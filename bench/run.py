@@ -1,7 +1,7 @@
 """Side by side: context-shrink against the trimmers people use today, on real and synthetic sessions.
 
     pip install -e '.[dev,bench]'        # langchain-core and litellm are optional; absent ones are skipped
-    python bench/run.py [--runs 3] [--quick]
+    python bench/run.py [--runs 3] [--quick] [--only NAME ...] [--slow-max MESSAGES]
 
 Workloads: every transcript in ../shared/data/sessions and synthetic sessions of 200, 2,000 and
 10,000 messages from ../shared/bench/gen_session.py, ending mid agent loop and on a user turn;
@@ -41,7 +41,7 @@ import context_shrink as cs  # noqa: E402
 REFERENCE = cs.resolve_tokenizer("tiktoken:cl100k_base")
 RAW_COUNT = REFERENCE.count.__self__._count  # the same encoder without context-shrink's cache, for the others
 Messages = list[dict[str, Any]]
-SLOW = ("hand-written loop", "LiteLLM trim_messages")  # skipped on the 10,000-message sessions
+SLOW = ("hand-written loop", "LiteLLM trim_messages")  # quadratic: skipped above --slow-max messages
 
 
 # --------------------------------------------------------------------------- workloads
@@ -274,6 +274,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="skip the 10,000-message sessions")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="trimmers whose name contains one of these")
+    parser.add_argument(
+        "--slow-max", type=int, default=2000, metavar="MESSAGES", help=f"skip {' and '.join(SLOW)} above this"
+    )
     args = parser.parse_args()
     sessions = workloads(args.quick)
     trimmers: dict[str, Callable[[Messages, int], Messages]] = {
@@ -282,14 +286,16 @@ def main() -> int:
         **litellm_tools(),
         "hand-written loop": hand_written,
     }
+    if args.only:
+        trimmers = {k: v for k, v in trimmers.items() if any(n.lower() in k.lower() for n in args.only)}
     budgets = (16384, 32768)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in ["context-shrink (MCP stdio)", *trimmers]}
     speed: dict[tuple[str, str, int], float] = {}
     for wname, messages in sessions.items():
         for budget in budgets:
             for tname, fn in trimmers.items():
-                if tname in SLOW and len(messages) > 2000:
-                    continue  # minutes per call on 10,000 messages
+                if tname in SLOW and len(messages) > args.slow_max:
+                    continue  # minutes per call on long sessions
                 try:
                     seconds, out = timed(fn, messages, budget, args.runs)
                 except Exception as exc:  # a trimmer that crashes on real input is a result too
@@ -300,8 +306,9 @@ def main() -> int:
                 )
                 speed[tname, wname, budget] = seconds
             print(f"  done: {wname} @ {budget}", file=sys.stderr, flush=True)
+    stdio = not args.only or any(n.lower() in "context-shrink (mcp stdio)" for n in args.only)
     with tempfile.TemporaryDirectory() as folder:
-        jobs = [(w, m, b) for w, m in sessions.items() for b in budgets]
+        jobs = [] if not stdio else [(w, m, b) for w, m in sessions.items() for b in budgets]
         for (wname, budget), (seconds, out) in StdioTrimmer(Path(folder)).run_many(jobs, args.runs).items():
             rows["context-shrink (MCP stdio)"].append(
                 {"workload": wname, "budget": budget, "seconds": seconds, **checks(sessions[wname], out, budget)}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +171,31 @@ def test_a_moved_cut_folds_the_earlier_summary(tmp_path: Path) -> None:
         assert fold.startswith(head)  # folded, first
         # Only the newly evicted messages were summarised again, in one request.
         assert after["model_calls"] == 1 and before["summary"].split("\n")[0] not in fold[len(head) :]
+
+
+def test_a_cached_summary_is_sent_byte_identical_at_another_calibration(tok: cs.Tokenizer) -> None:
+    """The proxy recalibrates after every reply; a summary filed for a span must come back as it was sent
+    (re-anchoring it at the new scale changed its identifier list, and the server re-read the whole prompt)."""
+    history = [{"role": "system", "content": "s"}]
+    for t in range(12):
+        history += [{"role": "user", "content": f"look at src/module_{t}.py and run `pytest -k case_{t}` " * 8}]
+        history += [{"role": "assistant", "content": f"ok, fixed src/module_{t}.py " * 8}]
+    plan = cs.compact_messages(history, tok, summary=None, max_context_tokens=1500, threshold=0)
+    assert plan["needs_summary"]
+
+    async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
+        return "The user asked for fixes; several modules were fixed."  # no identifiers: anchoring appends them
+
+    summariser = cs.Summariser("fake", call, 100_000)
+    cache = cs.SummaryCache()
+    out = []
+    for scale in (1.0, 0.8, 0.6, 3.0):
+        scaled = dataclasses.replace(tok, scale=scale)
+        out.append(
+            anyio.run(lambda t=scaled: cs.summarise_span(history, plan, t, summariser, cache, max_summary_tokens=300))
+        )
+    first = out[0]["summary"]
+    assert "src/module_10.py" in first and not out[0]["summary_cached"]  # anchored when written
+    assert all(o["summary"] == first and o["summary_cached"] for o in out[1:3])  # sent as filed while it fits
+    bigger = out[3]["summary"]  # at three times the size it no longer fits: anchored again, within the budget
+    assert bigger != first and math.ceil(tok.count(bigger) * 3.0) <= 300

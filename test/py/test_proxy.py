@@ -233,6 +233,7 @@ def test_a_dead_summariser_falls_back_to_trimming(tmp_path: Path) -> None:
     assert reply.status_code == 200, reply.text
     header = reply.headers["x-context-shrink"]
     assert "action=trim" in header and "summary failed" in header and dead in header
+    assert "not asked again" in header  # its window probe found no server: no request waits on retries
     assert not fake.oversized and cs.api_problems(fake.requests[-1]["body"]["messages"]) == []
     assert "trimming instead" in (tmp_path / "log").read_text()
 

@@ -8,10 +8,11 @@ import base64
 import contextlib
 import json
 import os
+import socket
 import stat
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,17 +147,10 @@ def proxied(upstream: str, **settings: Any) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def broken_upstream() -> Iterator[str]:
-    """A server that promises 1,000 bytes, sends 10 and closes the connection."""
+def raw_upstream(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]) -> Iterator[str]:
+    """A server that answers with raw bytes, as ``handle`` writes them (a thread, its own event loop)."""
     port = free_port()
     loop = asyncio.new_event_loop()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{"choices')
-        await writer.drain()
-        writer.close()
-
     server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", port))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -168,6 +162,20 @@ def broken_upstream() -> Iterator[str]:
         server.close()
 
 
+@contextlib.contextmanager
+def broken_upstream(head: bytes = b"content-type: application/json\r\ncontent-length: 1000") -> Iterator[str]:
+    """A server that promises more than it sends, then closes the connection."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\n" + head + b'\r\n\r\n{"choices')
+        await writer.drain()
+        writer.close()
+
+    with raw_upstream(handle) as url:
+        yield url
+
+
 def test_an_upstream_that_breaks_off_mid_body_is_a_502(capfd: pytest.CaptureFixture[str]) -> None:
     with broken_upstream() as url, proxied(url, window=8192) as front:
         reply = httpx2.post(
@@ -175,6 +183,50 @@ def test_an_upstream_that_breaks_off_mid_body_is_a_502(capfd: pytest.CaptureFixt
         )
     assert reply.status_code == 502 and url in reply.json()["error"]["message"]
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_streamed_reply_that_breaks_off_ends_with_an_error_event(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    head = b"content-type: text/event-stream\r\ntransfer-encoding: chunked"
+    with broken_upstream(head) as url, proxied(url, window=8192) as front:
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        reply = httpx2.post(f"{front}/chat/completions", json=body)
+    last = reply.text.strip().splitlines()[-1]
+    assert reply.status_code == 200 and last.startswith("data: ")  # the status was sent before the cut
+    assert url in json.loads(last[6:])["error"]["message"]
+    assert "Traceback" not in capfd.readouterr().err and "broke off" in caplog.text
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_large_reply_is_streamed_through_not_held(monkeypatch: pytest.MonkeyPatch, chunked: bool) -> None:
+    """Above the buffer size a non-streamed reply is relayed as it arrives, with or without a content-length:
+    the client reads its first bytes while the upstream is still holding back the rest."""
+    monkeypatch.setattr(cs, "PROXY_BUFFER_BYTES", 64 * 1024)
+    part = b"x" * (256 * 1024)
+    client_reading = threading.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        length = b"transfer-encoding: chunked" if chunked else b"content-length: %d" % (2 * len(part))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + length + b"\r\n\r\n")
+        frame = (lambda b: b"%x\r\n%s\r\n" % (len(b), b)) if chunked else (lambda b: b)
+        writer.write(frame(part))
+        await writer.drain()
+        await asyncio.get_running_loop().run_in_executor(None, client_reading.wait, 20)
+        writer.write(frame(part) + (b"0\r\n\r\n" if chunked else b""))
+        await writer.drain()
+        writer.close()
+
+    with raw_upstream(handle) as url, proxied(url, window=8192) as front:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        with httpx2.stream("POST", f"{front}/chat/completions", json=body, timeout=60) as reply:
+            chunks = reply.iter_raw()
+            first = next(chunks)
+            early = not client_reading.is_set()
+            client_reading.set()
+            received = first + b"".join(chunks)
+    assert reply.status_code == 200 and early and received == 2 * part
 
 
 def test_an_absurd_refused_window_is_not_learnt() -> None:
@@ -266,3 +318,46 @@ def test_the_archive_is_private(tmp_path: Path) -> None:
     assert cs.archive_messages(archive, "c" * 16, list(enumerate(history[1:4], 1)), set(), "trim") == 3
     assert stat.S_IMODE(archive.stat().st_mode) == 0o700
     assert [stat.S_IMODE(p.stat().st_mode) for p in archive.iterdir()] == [0o600]
+
+
+@contextlib.contextmanager
+def listening(header_timeout: float, idle_timeout: float) -> Iterator[int]:
+    """The proxy's uvicorn settings (:func:`cs.listening`) around a tiny app, in a thread; yields the port."""
+    import uvicorn
+
+    port = free_port()
+    app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])
+    server = uvicorn.Server(cs.listening(app, "127.0.0.1", port, header_timeout, idle_timeout))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        threading.Event().wait(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True when the server closes ``sock`` within ``seconds`` (whatever it sent first)."""
+    sock.settimeout(seconds)
+    with contextlib.suppress(TimeoutError):
+        while sock.recv(65536):
+            pass
+        return True
+    return False
+
+
+def test_slow_header_and_idle_connections_are_closed() -> None:
+    with listening(header_timeout=0.5, idle_timeout=1) as port:
+        silent = socket.create_connection(("127.0.0.1", port))
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+        kept = socket.create_connection(("127.0.0.1", port))
+        kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert kept.recv(65536).startswith(b"HTTP/1.1 200")  # a complete request is answered
+        assert closed_within(silent, 10) and closed_within(slow, 10)
+        assert closed_within(kept, 10)  # then closed once idle
+        for sock in (silent, slow, kept):
+            sock.close()
