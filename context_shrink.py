@@ -23,6 +23,28 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 __all__ = [  # the public API: what the tests, the benchmarks and the examples use
+    "ANCHOR_HEADING",
+    "CALIBRATION_LIMITS",
+    "CORE_TOOLS",
+    "COUNT_METHODS",
+    "DEFAULT_BASE_URL",
+    "HEURISTIC",
+    "HEURISTIC_NON_ASCII_WEIGHTS",
+    "HEURISTIC_SAFETY",
+    "HEURISTIC_WEIGHTS",
+    "IMAGE_TOKENS_DEFAULT",
+    "MAX_CONTEXT_TOKENS_LIMIT",
+    "MAX_RETRY_AFTER",
+    "MERGE_PROMPT",
+    "PROXY_MAX_RESERVE",
+    "REASONING_KEYS",
+    "RESULT_ROLES",
+    "SUMMARY_MARKER",
+    "SUMMARY_PROMPT",
+    "SYSTEM_ROLES",
+    "TOOL_NAMES",
+    "TRANSCRIPT_BEGIN",
+    "TRANSCRIPT_END",
     "Backend",
     "BackendCaches",
     "BackendError",
@@ -42,6 +64,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "anchor_summary",
     "anchored_in",
     "api_problems",
+    "archive_files",
     "archive_messages",
     "build_proxy",
     "build_server",
@@ -72,6 +95,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "hf_cache_dir",
     "history_shape",
     "image_tokens",
+    "jsonrpc_id",
     "listening",
     "load_messages_file",
     "main",
@@ -107,28 +131,6 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "without_reasoning",
     "write_messages_file",
     "write_text_atomic",
-    "ANCHOR_HEADING",
-    "CALIBRATION_LIMITS",
-    "CORE_TOOLS",
-    "COUNT_METHODS",
-    "DEFAULT_BASE_URL",
-    "HEURISTIC",
-    "HEURISTIC_NON_ASCII_WEIGHTS",
-    "HEURISTIC_SAFETY",
-    "HEURISTIC_WEIGHTS",
-    "IMAGE_TOKENS_DEFAULT",
-    "MAX_CONTEXT_TOKENS_LIMIT",
-    "MAX_RETRY_AFTER",
-    "MERGE_PROMPT",
-    "PROXY_MAX_RESERVE",
-    "REASONING_KEYS",
-    "RESULT_ROLES",
-    "SUMMARY_MARKER",
-    "SUMMARY_PROMPT",
-    "SYSTEM_ROLES",
-    "TOOL_NAMES",
-    "TRANSCRIPT_BEGIN",
-    "TRANSCRIPT_END",
 ]
 
 import argparse
@@ -165,15 +167,23 @@ from typing import Annotated, Any, Literal
 import anyio
 import h11
 import httpx2
+import pydantic
 import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.mcpserver.tools import Tool
+from mcp.server.stdio import stdio_server
+from mcp.shared._context_streams import create_context_streams
 from mcp.shared.exceptions import MCPDeprecationWarning
+from mcp.shared.message import SessionMessage
 from mcp_types import (
+    INVALID_REQUEST,
+    PARSE_ERROR,
     CreateMessageRequest,
     CreateMessageRequestParams,
+    ErrorData,
     InputRequiredResult,
+    JSONRPCError,
     SamplingMessage,
     TextContent,
     ToolAnnotations,
@@ -223,8 +233,9 @@ class ConfigError(ContextShrinkError):
 
 class BackendError(ContextShrinkError):
     """An OpenAI-compatible backend did not answer as asked. ``url`` is what was asked; ``status`` the HTTP
-    status (None when nothing came back); ``unreachable`` says no connection could be made; ``overflow`` is
-    set when it refused the request for its length (see :func:`parse_overflow`)."""
+    status (None when nothing came back); ``unreachable`` says no connection could be made, ``timed_out``
+    that nothing came back in time; ``overflow`` is set when it refused the request for its length (see
+    :func:`parse_overflow`)."""
 
     def __init__(
         self,
@@ -233,10 +244,17 @@ class BackendError(ContextShrinkError):
         url: str,
         status: int | None = None,
         unreachable: bool = False,
+        timed_out: bool = False,
         overflow: Overflow | None = None,
     ) -> None:
         super().__init__(message)
         self.url, self.status, self.unreachable, self.overflow = url, status, unreachable, overflow
+        self.timed_out = timed_out
+
+    @property
+    def down(self) -> bool:
+        """No server answers there (unreachable or silent): other endpoints of it would fail the same way."""
+        return self.unreachable or self.timed_out
 
     @property
     def missing(self) -> bool:
@@ -4032,6 +4050,12 @@ class Backend:
         """Every secret this backend holds taken out, then cut to ``limit`` characters."""
         return _one_line(redact(text, self.secrets), limit)
 
+    @property
+    def probe_wait(self) -> float:
+        """Seconds a count or window probe waits: :data:`PROBE_TIMEOUT`, or the client's timeout if shorter."""
+        read = self.client.timeout.read
+        return PROBE_TIMEOUT if read is None else min(PROBE_TIMEOUT, read)
+
     async def _send(
         self, method: str, url: str, body: Any = None, *, retries: int = MAX_RETRIES, wait: float | None = None
     ) -> Any:
@@ -4057,9 +4081,12 @@ class Backend:
                     f"backend timeout: no reply from {url} within the timeout ({type(exc).__name__}); "
                     "raise CONTEXT_SHRINK_TIMEOUT",
                     url=url,
+                    timed_out=True,
                 ) from None
             except httpx2.TransportError as exc:
                 raise BackendError(self._redact(f"backend connection to {url} failed: {exc}"), url=url) from None
+            except (httpx2.HTTPError, httpx2.InvalidURL) as exc:  # a reply that cannot be decoded, a bad URL
+                raise BackendError(self._redact(f"backend reply from {url} unusable: {exc}"), url=url) from None
             if response.status_code in RETRY_STATUSES and attempt < retries:
                 with contextlib.suppress(ValueError):
                     delay = min(float(response.headers.get("retry-after", "")), MAX_RETRY_AFTER)
@@ -4103,7 +4130,7 @@ class Backend:
         return text
 
     async def _count_with(self, method: str, body: dict[str, Any]) -> int:
-        probe = {"retries": 0, "wait": PROBE_TIMEOUT}
+        probe = {"retries": 0, "wait": self.probe_wait}
         if method == COUNT_METHODS[0]:
             return int(
                 (await self._send("POST", f"{self.base_url}/chat/completions/input_tokens", body, **probe))[
@@ -4134,7 +4161,7 @@ class Backend:
                 tokens = await self._count_with(method, body)
             except BackendError as exc:
                 reasons.append(f"{method}: {exc}")
-                if exc.unreachable:  # no point probing the other endpoints
+                if exc.down:  # no point probing the other endpoints
                     break
                 unsupported = unsupported and exc.missing  # anything else may be about this request only
                 continue
@@ -4151,7 +4178,7 @@ class Backend:
         raise ContextShrinkError(reason)
 
     async def _window_from(self, probe: str, model: str | None) -> int | None:
-        get = {"retries": 0, "wait": PROBE_TIMEOUT}
+        get = {"retries": 0, "wait": self.probe_wait}
 
         def pick(entries: Any, *keys: str) -> Any:
             entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
@@ -4204,9 +4231,12 @@ class Backend:
                 window = await self._window_from(probe, model)
             except BackendError as exc:
                 reasons.append(f"{probe}: {exc}")
-                if exc.unreachable:  # no server there: the other probes would fail the same way
-                    message = f"backend unreachable: {self.base_url} (asked {probe} for its context window)"
-                    raise BackendError(message, url=self.base_url, unreachable=True) from None
+                if exc.down:  # no server answers there: the other probes would fail the same way
+                    state = "unreachable" if exc.unreachable else "silent"
+                    message = f"backend {state}: {self.base_url} (asked {probe} for its context window)"
+                    raise BackendError(
+                        message, url=self.base_url, unreachable=exc.unreachable, timed_out=exc.timed_out
+                    ) from None
                 continue
             except (KeyError, TypeError, ValueError, AttributeError):
                 reasons.append(f"{probe}: unexpected reply")
@@ -4249,10 +4279,15 @@ def read_file_text(path: Path, cap: int | None = None, setting: str = "", errors
     except OSError as exc:
         raise ContextShrinkError(f"cannot read {path}: {exc.strerror or exc}") from None
     cap = MAX_FILE_BYTES if cap is None else cap  # one cap for every file input (prune_context's too)
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ContextShrinkError(f"{path} is not a regular file (a FIFO, device, socket or folder is never read)")
+        handle = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with handle:
         data = handle.read(cap + 1) if info.st_size <= cap else b""
         if info.st_size > cap or len(data) > cap:
             limit = f"{cap:,} bytes" + (f" ({setting})" if setting else "")
@@ -4453,55 +4488,116 @@ def folded_away(
     return [(i, m) for i, m in enumerate(original) if message_hash(m) not in kept]
 
 
+ARCHIVE_MAX_BYTES = 256 * 1024 * 1024  # the whole archive; the oldest files go first beyond it
+ARCHIVE_MAX_DAYS = 30  # files not written for this long are removed
+ARCHIVE_NAME = re.compile(r"([0-9a-f]{16})(?:\.(\d+))?\.jsonl")  # a conversation's live file, or a rotated one
+
+
+def archive_files(directory: Path, conversation: str | None = None) -> list[Path]:
+    """The archive's files (of one conversation), each conversation's oldest first: its rotated files in
+    the order they were rotated, then its live file."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            match = ARCHIVE_NAME.fullmatch(entry.name)
+            if match and (conversation is None or match[1] == conversation) and entry.is_file(follow_symlinks=False):
+                found.append((match[1], int(match[2]) if match[2] else math.inf, Path(entry.path)))
+    return [path for *_, path in sorted(found)]
+
+
 def archive_messages(
-    directory: Path, conversation: str, folded: Sequence[tuple[int, Mapping[str, Any]]], seen: set[str], action: str
+    directory: Path,
+    conversation: str,
+    folded: Sequence[tuple[int, Mapping[str, Any]]],
+    seen: set[str],
+    action: str,
+    *,
+    max_bytes: int = ARCHIVE_MAX_BYTES,
+    max_days: float = ARCHIVE_MAX_DAYS,
 ) -> int:
     """Append what a request no longer carries to ``<directory>/<conversation>.jsonl`` (each message once);
-    returns how many entries were written. ``seen`` holds the hashes already there and is updated."""
+    returns how many entries were written. ``seen`` holds the hashes already archived and is updated. The
+    archive stays private (folder 0700, files 0600) and bounded: a live file that reaches an eighth of
+    ``max_bytes`` is rotated (renamed, never rewritten: no line is lost), and then files older than
+    ``max_days`` and, beyond ``max_bytes``, the oldest files are removed (:func:`prune_archive`)."""
     path = directory / f"{conversation}.jsonl"
-    if not seen and path.exists():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            with contextlib.suppress(ValueError, AttributeError):
-                seen.add(json.loads(line)["hash"])
+    if not seen:
+        seen.update(e["hash"] for e in read_archive(directory, conversation) if isinstance(e.get("hash"), str))
     lines = []
     for index, message in folded:
         digest = message_hash(message)
         if digest not in seen:
             seen.add(digest)
-            entry = {
-                "id": digest[:12],
-                "hash": digest,
-                "index": index,
-                "action": action,
-                "time": int(time.time()),
-                "message": message,
-            }
+            entry = {"id": digest[:12], "hash": digest, "index": index, "action": action, "time": int(time.time()),
+                     "message": message}  # fmt: skip
             lines.append(json.dumps(entry, ensure_ascii=False, default=str))
-    if lines:  # conversation content: private to the user (folder 0700, files 0600)
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            os.chmod(directory, 0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "a", encoding="utf-8") as out:
-            os.fchmod(out.fileno(), 0o600)
-            out.write("\n".join(lines) + "\n")
+    if not lines:
+        return 0
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        os.chmod(directory, 0o700)
+    data = ("\n".join(lines) + "\n").encode()
+    with contextlib.suppress(FileNotFoundError):
+        if path.stat().st_size + len(data) > max(64 * 1024, max_bytes // 8):
+            _rotate(path)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "ab") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(data)
+    prune_archive(directory, max_bytes, max_days, keep=path)
     return len(lines)
 
 
+def _rotate(path: Path) -> None:
+    """Rename a live archive file to ``<conversation>.<n>.jsonl``, ``n`` unused and above every earlier one."""
+    n = time.time_ns()
+    while True:
+        try:
+            os.link(path, path.with_suffix(f".{n}.jsonl"))  # fails if the name is taken: never overwritten
+        except FileExistsError:
+            n += 1
+            continue
+        path.unlink()
+        return
+
+
+def prune_archive(directory: Path, max_bytes: int, max_days: float, keep: Path | None = None) -> list[Path]:
+    """Remove archive files not written for ``max_days``, then the oldest until the archive is within
+    ``max_bytes``; ``keep`` (the file just written) stays. Returns what was removed."""
+    files = []
+    for path in archive_files(directory):
+        with contextlib.suppress(OSError):
+            info = path.stat()
+            files.append((info.st_mtime, info.st_size, path))
+    files.sort()
+    total = sum(size for _, size, _ in files)
+    cutoff = time.time() - max_days * 86400
+    removed = []
+    for mtime, size, path in files:
+        if path != keep and (mtime < cutoff or total > max_bytes):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            total -= size
+            removed.append(path)
+    if removed:
+        log.info("archive: removed %d old file(s) to stay within %d bytes and %g days", len(removed), max_bytes,
+                 max_days)  # fmt: skip
+    return removed
+
+
 def read_archive(directory: Path, conversation: str | None = None) -> list[dict[str, Any]]:
-    """Every entry of the archive (or of one conversation), oldest first within each file."""
+    """Every entry of the archive (or of one conversation), oldest first within each conversation, rotated
+    files included."""
     if conversation is not None and not re.fullmatch(r"[0-9a-f]{16}", conversation):
         raise ContextShrinkError(f"conversation must be a 16-character id from the archive, got {conversation!r}")
-    files = [directory / f"{conversation}.jsonl"] if conversation else sorted(directory.glob("*.jsonl"))
     entries = []
-    for path in files:
-        if not path.is_file():
-            continue
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                entry = json.loads(line)
-                if isinstance(entry, dict) and "message" in entry:
-                    entries.append({**entry, "conversation": path.stem})
+    for path in archive_files(directory, conversation):
+        with contextlib.suppress(OSError):
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    entry = json.loads(line)
+                    if isinstance(entry, dict) and "message" in entry:
+                        entries.append({**entry, "conversation": path.name[:16]})
     return entries
 
 
@@ -5172,6 +5268,80 @@ def compact_schema(schema: Any) -> Any:
     return out
 
 
+# --- the stdio transport, screened: every request gets an answer ---------------------------------------
+
+_JSON_SCALAR = re.compile(r'\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+|null)')
+
+
+def jsonrpc_id(raw: str) -> str | int | None:
+    """The ``id`` of a JSON-RPC message that could not be parsed, found by scanning its top level without
+    recursion (any nesting depth, any size); None when it has none that can be sent back."""
+    depth, i, n = 0, 0, len(raw)
+    while i < n:
+        c = raw[i]
+        if c == '"':
+            j = i + 1
+            while j < n and raw[j] != '"':
+                j += 2 if raw[j] == "\\" else 1
+            if depth == 1 and raw[i : j + 1] == '"id"' and (value := _JSON_SCALAR.match(raw, j + 1)):
+                with contextlib.suppress(ValueError):
+                    found = json.loads(value[1])
+                    if isinstance(found, int) or (isinstance(found, str) and found.isprintable()):
+                        return found
+                return None
+            i = j + 1
+            continue
+        depth += (c in "{[") - (c in "}]")
+        i += 1
+    return None
+
+
+def transport_error(exc: Exception) -> JSONRPCError | None:
+    """The JSON-RPC error answering a line the SDK could not read (it would drop it without a word): a parse
+    error naming the problem (a lone surrogate, nesting too deep, broken JSON) or an invalid request, with
+    the request's id when one can be found. None for an exception that is not about a line."""
+    if not isinstance(exc, pydantic.ValidationError) or not exc.errors():
+        return None
+    errors = exc.errors()
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        hint = ""
+        if "escape" in first["msg"] or "surrogate" in first["msg"]:
+            hint = " (a lone UTF-16 surrogate such as \\ud800 is not a character: send valid Unicode)"
+        elif "recursion" in first["msg"]:
+            hint = " (nested too deeply)"
+        code, message = PARSE_ERROR, f"Parse error: {first['msg']}{hint}"
+        found = jsonrpc_id(first["input"]) if isinstance(first.get("input"), str) else None
+    else:  # valid JSON, not a JSON-RPC message: the message itself is among the inputs the errors quote
+        code, message = INVALID_REQUEST, f"Invalid request: {first['msg']} at {'.'.join(map(str, first['loc']))}"
+        ids = [e["input"].get("id") for e in errors if isinstance(e.get("input"), dict)]
+        found = next((i for i in ids if isinstance(i, int) or (isinstance(i, str) and i.isprintable())), None)
+    return JSONRPCError(jsonrpc="2.0", id=found, error=ErrorData(code=code, message=message[:500]))
+
+
+async def serve_stdio(server: MCPServer) -> None:
+    """Serve ``server`` over stdio like :meth:`MCPServer.run_stdio_async`, except that a line the SDK cannot
+    read is answered with :func:`transport_error` instead of being dropped (the client would wait forever)."""
+    lowlevel = server._lowlevel_server
+    async with stdio_server() as (read_stream, write_stream):
+        screened_writer, screened = create_context_streams[SessionMessage | Exception](0)
+
+        async def screen() -> None:
+            async with screened_writer:
+                async for item in read_stream:
+                    reply = transport_error(item) if isinstance(item, Exception) else None
+                    if reply is None:
+                        await screened_writer.send(item)
+                    else:
+                        log.warning("stdio: %s", reply.error.message[:200])
+                        await write_stream.send(SessionMessage(reply))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(screen)
+            await lowlevel.run(screened, write_stream, lowlevel.create_initialization_options())
+            tg.cancel_scope.cancel()
+
+
 # =============================================================================
 # 13. Front door two: the proxy (an OpenAI-compatible HTTP front that shrinks every chat request)
 # =============================================================================
@@ -5204,6 +5374,8 @@ class ProxyConfig:
     summary_model: str | None = None  # None: the request's own model
     api_key: str | None = dataclasses.field(default=None, repr=False)  # replaces the client's Authorization
     archive_dir: Path | None = None  # None: no archive
+    archive_max_bytes: int = ARCHIVE_MAX_BYTES
+    archive_max_days: int = ARCHIVE_MAX_DAYS
     max_body_bytes: int = PROXY_MAX_BODY_BYTES
     keep_last: int = DEFAULT_KEEP_LAST
     max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
@@ -5344,8 +5516,9 @@ class ProxyState:
         try:
             async with self.lock:
                 seen = self.archived.setdefault(conversation, set())
+                limits = {"max_bytes": self.config.archive_max_bytes, "max_days": self.config.archive_max_days}
                 write = functools.partial(archive_messages, self.config.archive_dir, conversation, folded, seen)
-                await anyio.to_thread.run_sync(write, action)
+                await anyio.to_thread.run_sync(functools.partial(write, action, **limits))
         except OSError as exc:
             log.warning("proxy: archive not written (%s)", exc)
             return None
@@ -5382,8 +5555,8 @@ async def proxy_summariser(
             found = None
             try:
                 found = (await backend.context_window(model))[0]
-            except BackendError as exc:  # not there at all: backed off at once, no request waits on retries
-                if exc.unreachable:
+            except BackendError as exc:  # no server answers: backed off at once, no request waits on retries
+                if exc.down:
                     state.summaries.failed(f"model {model} @ {url}", str(exc))
             except ContextShrinkError:
                 pass
@@ -5666,9 +5839,11 @@ class ProxyFront:
                 f"upstream {self.config.base} did not answer in time ({type(exc).__name__})"
             ) from None
         except httpx2.TransportError as exc:
-            raise ContextShrinkError(f"upstream {self.config.base} unreachable: {exc}") from None
+            raise ContextShrinkError(f"upstream {self.config.base} unreachable: {exc or type(exc).__name__}") from None
 
     def broke_off(self, exc: Exception) -> ContextShrinkError:
+        if isinstance(exc, httpx2.DecodingError):
+            return ContextShrinkError(f"upstream {self.config.base} sent a reply that cannot be decoded ({exc})")
         return ContextShrinkError(f"upstream {self.config.base} broke off its reply ({type(exc).__name__})")
 
     async def read_whole(self, upstream: httpx2.Response) -> bytes:
@@ -5680,7 +5855,7 @@ class ProxyFront:
                 size += len(chunk)
                 if size > PROXY_BUFFER_BYTES:
                     break
-        except httpx2.TransportError as exc:
+        except (httpx2.TransportError, httpx2.DecodingError) as exc:
             raise self.broke_off(exc) from None
         finally:
             await upstream.aclose()
@@ -5779,6 +5954,10 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         "keep_last": read.integer("KEEP_LAST", 0, 10_000, "keep_last", proxy),
         "max_summary_tokens": read.integer("MAX_SUMMARY_TOKENS", 32, 100_000, "max_summary_tokens", proxy),
         "timeout": read.seconds("TIMEOUT", "timeout", proxy),
+        "archive_max_bytes": read.integer(
+            "ARCHIVE_MAX_BYTES", 1 << 20, 1 << 50, "archive_max_bytes", ("CONTEXT_SHRINK_",)
+        ),
+        "archive_max_days": read.integer("ARCHIVE_MAX_DAYS", 1, 36500, "archive_max_days", ("CONTEXT_SHRINK_",)),
         "header_timeout": read.seconds("HEADER_TIMEOUT", None, proxy),
         "idle_timeout": read.seconds("IDLE_TIMEOUT", None, proxy),
     }
@@ -5962,6 +6141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     proxy.add_argument("--summary-url", help="base URL of the summariser (default: the upstream)")
     proxy.add_argument("--summary-model", help="summariser model (default: the request's model)")
     proxy.add_argument("--archive-dir", help="where folded-away messages go (default CONTEXT_SHRINK_ARCHIVE_DIR)")
+    proxy.add_argument("--archive-max-bytes", type=int, help="the archive's size limit (default 256 MiB)")
+    proxy.add_argument("--archive-max-days", type=int, help="days an archive file is kept (default 30)")
     proxy.add_argument("--no-archive", action="store_true", help="keep no archive of folded-away messages")
     proxy.add_argument("--max-body-bytes", help=f"request body cap (default {PROXY_MAX_BODY_BYTES})")
     proxy.add_argument("--keep-last", help=f"newest messages always kept (default {DEFAULT_KEEP_LAST})")
@@ -5997,7 +6178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info(
         "context-shrink %s: root %s, backend %s, model %s", __version__, config.root, config.base_url, config.model
     )
-    build_server(config).run("stdio")
+    anyio.run(serve_stdio, build_server(config))
     return 0
 
 

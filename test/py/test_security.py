@@ -3,6 +3,7 @@ inside its upstream. Each test is one reproduction from the attack report."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import contextlib
@@ -268,8 +269,13 @@ def test_only_regular_files_are_read(tmp_path: Path) -> None:
     for read in (cs.load_messages_file, cs.read_jsonl_lines):
         with pytest.raises(cs.ContextShrinkError, match="not a regular file"):
             read(fifo)  # returns at once: opened non-blocking, refused by fstat
-    with pytest.raises(cs.ContextShrinkError, match="not a regular file"):
-        cs.read_file_text(Path("/dev/zero"))
+    for special in (Path("/dev/zero"), tmp_path):  # a device; a folder (found by the fuzz suite)
+        with pytest.raises(cs.ContextShrinkError, match="not a regular file"):
+            cs.read_file_text(special)
+    opened = len(os.listdir("/proc/self/fd"))
+    with contextlib.suppress(cs.ContextShrinkError):
+        cs.read_file_text(tmp_path)
+    assert len(os.listdir("/proc/self/fd")) == opened  # the descriptor was closed
     server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken"))
     reply = run(call(server, "estimate_context", {"messages_path": "pipe.json"}))
     assert reply.is_error and "not a regular file" in reply.content[0].text
@@ -318,6 +324,50 @@ def test_the_archive_is_private(tmp_path: Path) -> None:
     assert cs.archive_messages(archive, "c" * 16, list(enumerate(history[1:4], 1)), set(), "trim") == 3
     assert stat.S_IMODE(archive.stat().st_mode) == 0o700
     assert [stat.S_IMODE(p.stat().st_mode) for p in archive.iterdir()] == [0o600]
+
+
+def test_the_archive_rotates_without_losing_lines_and_recall_finds_rotated_ones(tmp_path: Path) -> None:
+    archive, seen = tmp_path / "archive", set[str]()
+    messages = [{"role": "user", "content": f"note {i}: look at zq{i}q " + "x" * 4000} for i in range(600)]
+    for start in range(0, 600, 20):  # 30 requests, each folding away 20 more messages
+        batch = list(enumerate(messages[start : start + 20], start))
+        assert cs.archive_messages(archive, "d" * 16, batch, seen, "trim", max_bytes=8 << 20) == 20
+    files = cs.archive_files(archive)
+    assert len(files) >= 3 and files[-1].name == "d" * 16 + ".jsonl"  # rotated, the live file last
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    entries = cs.read_archive(archive, "d" * 16)
+    assert [e["message"] for e in entries] == messages  # every line, once, in order, across the rotated files
+    assert cs.archive_messages(archive, "d" * 16, list(enumerate(messages)), set(), "trim") == 0  # seen on disk
+    config = cs.Config.from_env({"CONTEXT_SHRINK_ARCHIVE_DIR": str(archive), "CONTEXT_SHRINK_ROOT": str(tmp_path)})
+    recalled = ok(run(call(cs.build_server(config), "recall_context", {"query": "zq3q"})))
+    assert recalled["found"] == 1 and recalled["entries"][0]["message"] == messages[3]  # in the oldest file
+
+
+def test_the_archive_is_bounded_by_size_and_age(tmp_path: Path) -> None:
+    archive = tmp_path / "archive"
+    big = [{"role": "tool", "tool_call_id": "t", "content": "y" * 100_000}] * 1
+    for n in range(40):  # 40 conversations of ~100 KB each: 4 MB against a 1 MiB limit
+        cs.archive_messages(archive, f"{n:016x}", list(enumerate(big)), set(), "trim", max_bytes=1 << 20)
+    sizes = [p.stat().st_size for p in cs.archive_files(archive)]
+    assert sum(sizes) <= 1 << 20 and f"{39:016x}.jsonl" in [p.name for p in cs.archive_files(archive)]
+    old = cs.archive_files(archive)[0]
+    os.utime(old, (0, 0))  # not written since 1970
+    cs.archive_messages(archive, "e" * 16, list(enumerate(big)), set(), "trim", max_days=30)
+    assert not old.exists()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("CONTEXT_SHRINK_ARCHIVE_MAX_BYTES", "12"), ("CONTEXT_SHRINK_ARCHIVE_MAX_DAYS", "soon")]
+)
+def test_archive_limits_are_settings_checked_at_start(variable: str, value: str) -> None:
+    args = argparse.Namespace(upstream="http://127.0.0.1:1/v1", no_archive=False)
+    config = cs.proxy_config(
+        args, {"CONTEXT_SHRINK_ARCHIVE_MAX_BYTES": "2097152", "CONTEXT_SHRINK_ARCHIVE_MAX_DAYS": "7"}
+    )
+    assert (config.archive_max_bytes, config.archive_max_days) == (2097152, 7)
+    with pytest.raises(cs.ConfigError, match=variable) as caught:
+        cs.proxy_config(args, {variable: value})
+    assert caught.value.variable == variable
 
 
 @contextlib.contextmanager
