@@ -5034,22 +5034,9 @@ ReserveArg = Annotated[int, Field(ge=0)]
 ModelArg = Annotated[str | None, Field()]
 
 
-def build_server(config: Config | None = None) -> MCPServer:
-    """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`. Each tool loads its
-    input, calls the core and delivers the result; the work is in the functions above."""
-
-    config = config or Config.from_env()
-    default_window = config.max_context_tokens
-    default_reserve = config.reserve_tokens
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: MCPServer) -> AsyncIterator[ServerState]:
-        timeout = httpx2.Timeout(config.timeout, connect=min(10.0, config.timeout))
-        async with httpx2.AsyncClient(timeout=timeout) as http:
-            yield ServerState(config, http)
-
-    registry: dict[str, Tool] = {}
-    tool = functools.partial(register, registry)
+def history_tools(tool: Callable[..., Any], config: Config) -> None:
+    """Register the tools that measure and cut a history: estimate, trim, analyze, prune."""
+    default_window, default_reserve = config.max_context_tokens, config.reserve_tokens
 
     @tool(read_only=True, idempotent=True, open_world=False)
     async def estimate_context(
@@ -5154,6 +5141,10 @@ def build_server(config: Config | None = None) -> MCPServer:
                      "source": source, "lines": lines}  # fmt: skip
         return await prune_request(state_of(ctx), req, arguments)
 
+
+def text_tools(tool: Callable[..., Any], config: Config) -> None:
+    """Register the tools for one long text (a log, a tool output): shrink_text, check_text."""
+
     @tool("shrink_text", read_only=True, idempotent=True)
     def shrink_text_tool(
         text: Annotated[str | None, Field(description="Text (or path).")] = None,
@@ -5182,6 +5173,11 @@ def build_server(config: Config | None = None) -> MCPServer:
         fails = ["FAIL"] if fail_markers is None else fail_markers
         return check_text(read_text(config, text, path), plan, markers=markers or [], fail_markers=fails,
                           skipped=skipped or [])  # fmt: skip
+
+
+def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
+    """Register the tools that summarise and recall: compact_context, recall_context."""
+    default_window, default_reserve = config.max_context_tokens, config.reserve_tokens
 
     @tool("recall_context", read_only=True, idempotent=True)
     def recall_context(
@@ -5241,6 +5237,21 @@ def build_server(config: Config | None = None) -> MCPServer:
         result = await compact_request(ctx, req, compact_mode(ctx, summary, model, model_name), model_name, options)
         return result if isinstance(result, InputRequiredResult) else deliver(config, result, output_path, req)
 
+
+def build_server(config: Config | None = None) -> MCPServer:
+    """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`. Each tool loads its
+    input, calls the core and delivers the result; the work is in the functions above."""
+    config = config or Config.from_env()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: MCPServer) -> AsyncIterator[ServerState]:
+        timeout = httpx2.Timeout(config.timeout, connect=min(10.0, config.timeout))
+        async with httpx2.AsyncClient(timeout=timeout) as http:
+            yield ServerState(config, http)
+
+    registry: dict[str, Tool] = {}
+    for add in (history_tools, text_tools, compaction_tools):
+        add(functools.partial(register, registry), config)
     chosen = [registry[name] for name in TOOL_NAMES if config.tools is None or name in config.tools]
     return MCPServer(
         "context-shrink", version=__version__, instructions=SERVER_INSTRUCTIONS, lifespan=lifespan, tools=chosen
