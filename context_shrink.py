@@ -141,6 +141,7 @@ import bisect
 import collections
 import contextlib
 import dataclasses
+import datetime
 import functools
 import hashlib
 import inspect
@@ -153,6 +154,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import stat
 import struct
 import sys
@@ -3839,7 +3841,7 @@ async def shrink(
     trigger = int(policy.trigger * budget)
     result: dict[str, Any] = {"messages": list(messages), "action": "none", "tokens_before": before,
                               "tokens_after": before, "fits": before <= budget, "reason": None,
-                              "summary_cached": None}  # fmt: skip
+                              "summary_cached": None, "summary_calls": 0}  # fmt: skip
     if before <= trigger:
         return result
 
@@ -3862,10 +3864,14 @@ async def shrink(
     if reason is None:
         lighter, reason, compacted = await _compact_rung(lighter, tokenizer, budget, tools, policy, summarise)
         if compacted is not None:
-            return done(compacted["messages"], "compact", summary_cached=compacted["summary_cached"])
+            return done(compacted["messages"], "compact", summary_cached=compacted["summary_cached"],
+                        summary_calls=compacted["summary_calls"])  # fmt: skip
     if "trim" not in policy.rungs:
         return {**done(lighter, "+".join(used) or "none"), "reason": reason}
     trimmed = await run(trim_rung, lighter, tokenizer, budget, tools, policy)
+    if trimmed["messages"] == result["messages"]:  # said as it is: nothing was cut
+        why = reason or "nothing can be cut without touching the newest request"
+        return {**result, "action": "unchanged (still too long)", "reason": why}
     action = "trim" if trimmed["tokens_after"] <= budget else "trim (still too long)"
     return done(trimmed["messages"], action, reason=reason)
 
@@ -3891,7 +3897,11 @@ async def _compact_rung(
         return messages, f"summary failed: {exc}", None
     compacted = compact_rung(messages, tokenizer, budget, tools, policy, got["summary"])
     if compacted["fits"] and not api_problems(compacted["messages"]):
-        return messages, None, {**compacted, "summary_cached": got["summary_cached"]}
+        return (
+            messages,
+            None,
+            {**compacted, "summary_cached": got["summary_cached"], "summary_calls": got["model_calls"]},
+        )
     return compacted["messages"], "the compacted request still did not fit", None
 
 
@@ -5362,6 +5372,7 @@ PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
 PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is relayed as it arrives
 PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 PROXY_TIMEOUT = 600.0
+STATS_CONVERSATIONS = 1024  # conversations the proxy's stats keep (the least recently seen go first)
 HEADER_TIMEOUT = 30.0  # seconds a client has to send a request's headers (slow-header clients are cut off)
 IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
 CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
@@ -5450,6 +5461,91 @@ def usage_in_stream(tail: bytes) -> int | None:
 
 
 @dataclasses.dataclass
+class ProxyStats:
+    """What the proxy did since it started, per model and conversation: ``GET /context-shrink/stats`` serves
+    it as JSON and ``GET /metrics`` by model in Prometheus's format. Bounded: the least recently seen
+    conversations go first beyond :data:`STATS_CONVERSATIONS`."""
+
+    COUNTERS = ("requests", "shrunk", "forwarded_unchanged", "tokens_before", "tokens_after", "tokens_saved",
+                "summariser_calls", "summaries_reused", "refusals", "retried", "errors", "exact_counts",
+                "estimated_counts")  # fmt: skip
+    started: float = dataclasses.field(default_factory=time.time)
+    rows: dict[tuple[str, str], dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def record(self, model: str | None, conversation: str | None, report: Mapping[str, Any], status: int) -> None:
+        """Count one chat request: its report (see :func:`shrink_request`) and the status the client got."""
+        key = (model or "-", conversation or "-")
+        row = self.rows.pop(key, None) or {**dict.fromkeys(self.COUNTERS, 0), "actions": {}}
+        self.rows[key] = row  # the most recent last
+        action = str(report.get("action") or "none")
+        before, after = report.get("tokens_before") or 0, report.get("tokens_after") or 0
+        row["actions"][action] = row["actions"].get(action, 0) + 1
+        row["requests"] += 1
+        row["shrunk"] += action != "none" and not action.startswith("forwarded unchanged")
+        row["forwarded_unchanged"] += action.startswith("forwarded unchanged")
+        row["tokens_before"] += before
+        row["tokens_after"] += after
+        row["tokens_saved"] += max(0, before - after)
+        row["summariser_calls"] += report.get("summary_calls") or 0
+        row["summaries_reused"] += bool(report.get("summary_cached"))
+        row["refusals"] += report.get("refusals") or 0
+        row["retried"] += report.get("retried") or 0
+        row["errors"] += status >= 400
+        row["exact_counts" if report.get("count") == "exact" else "estimated_counts"] += 1
+        while len(self.rows) > STATS_CONVERSATIONS:
+            self.rows.pop(next(iter(self.rows)))
+
+    def by_model(self) -> dict[str, dict[str, Any]]:
+        """The counters summed per model (actions too)."""
+        models: dict[str, dict[str, Any]] = {}
+        for (model, _), row in self.rows.items():
+            total = models.setdefault(model, {**dict.fromkeys(self.COUNTERS, 0), "actions": {}})
+            for name in self.COUNTERS:
+                total[name] += row[name]
+            for action, n in row["actions"].items():
+                total["actions"][action] = total["actions"].get(action, 0) + n
+        return models
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, as plain JSON: totals, then per model with its conversations."""
+        models = self.by_model()
+        for model, total in models.items():
+            total["conversations"] = {c: dict(row) for (m, c), row in self.rows.items() if m == model}
+        totals = {name: sum(m[name] for m in models.values()) for name in self.COUNTERS}
+        return {"since": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
+                "uptime_s": round(time.time() - self.started), "totals": totals, "models": models}  # fmt: skip
+
+    def prometheus(self) -> bytes:
+        """The counters per model in Prometheus's text format (``prometheus-client``)."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self
+
+        class Collector:
+            def collect(self) -> Iterable[CounterMetricFamily]:
+                models = stats.by_model()
+                for name in ProxyStats.COUNTERS:
+                    family = CounterMetricFamily(
+                        f"context_shrink_{name}", f"{name.replace('_', ' ')}", labels=["model"]
+                    )
+                    for model, total in models.items():
+                        family.add_metric([model], total[name])
+                    yield family
+                actions = CounterMetricFamily(
+                    "context_shrink_actions", "requests by action", labels=["model", "action"]
+                )
+                for model, total in models.items():
+                    for action, n in total["actions"].items():
+                        actions.add_metric([model, action], n)
+                yield actions
+
+        registry = CollectorRegistry()
+        registry.register(Collector())  # type: ignore[arg-type]
+        return generate_latest(registry)
+
+
+@dataclasses.dataclass
 class ProxyState:
     """What lives as long as the proxy: settings, one HTTP client, and what the upstream taught us."""
 
@@ -5462,6 +5558,7 @@ class ProxyState:
     windows: dict[str | None, int | None] = dataclasses.field(default_factory=dict)  # model -> learnt window
     factors: dict[str | None, float] = dataclasses.field(default_factory=dict)  # model -> calibration
     archived: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # conversation -> hashes
+    stats: ProxyStats = dataclasses.field(default_factory=ProxyStats)
     lock: Any = dataclasses.field(default=None)  # an anyio.Lock around archive writes
 
     def remember(self, table: dict[str | None, Any], model: str | None, value: Any) -> None:
@@ -5595,15 +5692,19 @@ async def calibrate(
     model: str | None,
     window: int,
     authorization: str | None,
-) -> None:
+) -> bool:
     """Learn ``model``'s calibration from the upstream's own count of a request over a quarter of the window,
-    when the upstream can count (llama.cpp, vLLM, TGI), so the first shrunk request is sized right."""
+    when the upstream can count (llama.cpp, vLLM, TGI), so the first shrunk request is sized right. True when
+    the upstream counted it."""
     raw = count_messages(messages, state.tokenizer)[1] + count_tools(tools, state.tokenizer)
     if raw <= window // 4:
-        return
-    with contextlib.suppress(ContextShrinkError):
+        return False
+    try:
         exact = (await state.backend(state.config.base, authorization).count_tokens(messages, tools, model))[0]
-        state.remember(state.factors, model, calibrated(None, raw, exact))
+    except ContextShrinkError:
+        return False
+    state.remember(state.factors, model, calibrated(None, raw, exact))
+    return True
 
 
 async def shrink_request(
@@ -5617,11 +5718,13 @@ async def shrink_request(
     tools = validate_tools(body.get("tools") or [])
     model = body.get("model") if isinstance(body.get("model"), str) else None
     window = window or await proxy_window(state, model, authorization)
+    counted = False
     if window and model not in state.factors:  # first sight of a long request: the upstream counts it, if it can
-        await calibrate(state, messages, tools, model, window, authorization)
+        counted = await calibrate(state, messages, tools, model, window, authorization)
     tokenizer = dataclasses.replace(state.tokenizer, scale=state.factors.get(model, 1.0))
     before = count_messages(messages, tokenizer)[1] + count_tools(tools, tokenizer)
-    report: dict[str, Any] = {"tokens_before": before, "tokens_after": before, "action": "none", "window": window}
+    report: dict[str, Any] = {"tokens_before": before, "tokens_after": before, "action": "none", "window": window,
+                              "count": "exact" if counted else "estimated"}  # fmt: skip
     if window is None:
         return body, {**report, "reason": "window unknown"}
     asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
@@ -5640,7 +5743,9 @@ async def shrink_request(
         return await shrink_request(state, body, authorization, window)
     if result["action"] == "none":
         return body, report
-    report.update({k: result[k] for k in ("tokens_after", "action", "reason", "summary_cached")})
+    if result["action"].startswith("unchanged"):  # nothing could be cut: the original goes out, and says why
+        return body, {**report, "action": "forwarded unchanged", "reason": result["reason"]}
+    report.update({k: result[k] for k in ("tokens_after", "action", "reason", "summary_cached", "summary_calls")})
     report["ms"] = round(1000 * (time.perf_counter() - started))
     return {**body, "messages": result["messages"]}, report
 
@@ -5711,7 +5816,24 @@ class ProxyFront:
 
     def app(self) -> Starlette:
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
-        return Starlette(routes=[Route("/{path:path}", self.endpoint, methods=methods)], lifespan=self.lifespan)
+        routes = [
+            Route("/context-shrink/stats", self.stats, methods=["GET"]),  # the proxy's own paths: never relayed
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/{path:path}", self.endpoint, methods=methods),
+        ]
+        return Starlette(routes=routes, lifespan=self.lifespan)
+
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse(self.state.stats.snapshot())
+
+    async def metrics(self, request: Request) -> Response:
+        try:
+            return Response(self.state.stats.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        except ImportError:
+            message = (
+                "context-shrink proxy: /metrics needs prometheus-client: pip install 'context-shrink-mcp[metrics]'"
+            )
+            return _failure(501, message, "not_implemented")
 
     async def endpoint(self, request: Request) -> Response:
         if any(part in (".", "..") for part in request.url.path.split("/")):  # decoded: %2e%2e too
@@ -5763,18 +5885,31 @@ class ProxyFront:
         url = self.config.target(request.url.path, request.url.query)
         headers = _forward_headers(request.headers, self.config, chat=True)
         sent, report = await self.shrunk(body, authorization, None)
-        for attempt in range(2):
-            if report["action"] != "none":
-                log.info("proxy: %s %s", body.get("model"), shrink_header(report))
-            content = raw if sent is body else json.dumps(sent, ensure_ascii=False).encode()
-            upstream = await self.open_upstream("POST", url, headers, content)
-            if upstream.status_code < 400 or attempt:
-                break
-            retry = await self.after_refusal(upstream, body, sent, report, authorization)
-            if isinstance(retry, Response):
-                return retry
-            sent, report = retry
-        return await self.deliver(upstream, body, sent, report)
+        try:
+            for attempt in range(2):
+                content = raw if sent is body else json.dumps(sent, ensure_ascii=False).encode()
+                upstream = await self.open_upstream("POST", url, headers, content)
+                if upstream.status_code < 400 or attempt:
+                    break
+                retry = await self.after_refusal(upstream, body, sent, report, authorization)
+                if isinstance(retry, Response):
+                    return self.finish(body, report, retry)
+                sent, report = retry
+            return self.finish(body, report, await self.deliver(upstream, body, sent, report))
+        except ContextShrinkError:  # the endpoint answers with a 502
+            self.count(body, report, 502)
+            raise
+
+    def finish(self, body: dict[str, Any], report: dict[str, Any], response: Response) -> Response:
+        self.count(body, report, response.status_code)
+        return response
+
+    def count(self, body: dict[str, Any], report: dict[str, Any], status: int) -> None:
+        """Count a chat request in the stats and log it, one line, whatever happened to it."""
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        conversation = conversation_id(body["messages"]) if body["messages"] else None
+        self.state.stats.record(model, conversation, report, status)
+        log.info("proxy: %s %s status=%s", model, shrink_header(report), status)
 
     async def shrunk(
         self, body: dict[str, Any], authorization: str | None, window: int | None
@@ -5798,10 +5933,11 @@ class ProxyFront:
         one can be made; else the reply for the client (the upstream's answer)."""
         st, model = self.state, body.get("model") if isinstance(body.get("model"), str) else None
         error = scrub(await self.read_whole(upstream), self.secrets)
-        said = {**_decoded_headers(upstream.headers), "x-context-shrink": shrink_header(report)}
+        said = {**self.reply_headers(upstream, decoded=True), "x-context-shrink": shrink_header(report)}
         overflow = parse_overflow(error)
         if overflow is None:  # not about length
             return Response(error, upstream.status_code, headers=said)
+        report["refusals"] = report.get("refusals", 0) + 1
         estimate = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
         limit, refused = st.learn_refusal(model, overflow, report, estimate)
         retry, retried = await self.shrunk(body, authorization, limit) if limit else (sent, report)
@@ -5813,7 +5949,7 @@ class ProxyFront:
             return Response(error, upstream.status_code, headers=said)
         log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
                     "of %s", self.config.base, limit, retried["tokens_after"], refused)  # fmt: skip
-        return retry, {**retried, "retried": 1}
+        return retry, {**retried, "retried": 1, "refusals": report["refusals"]}
 
     async def deliver(
         self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: dict[str, Any]
@@ -5827,7 +5963,10 @@ class ProxyFront:
             report["conversation"] = conversation  # what was folded away stays on disk
         extra = {"x-context-shrink": shrink_header(report)}
         if upstream.status_code >= 400:
-            return await self.error_reply(upstream, extra)
+            error = scrub(await self.read_whole(upstream), self.secrets)
+            report["refusals"] = report.get("refusals", 0) + (parse_overflow(error) is not None)
+            headers = {**self.reply_headers(upstream, decoded=True), **extra}
+            return Response(error, upstream.status_code, headers=headers)
         estimate = report.get("tokens_after")
         if body.get("stream") is True:
             return self.relay(upstream, extra, lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail)))
@@ -5839,7 +5978,7 @@ class ProxyFront:
             with contextlib.suppress(ValueError, AttributeError, TypeError):
                 if note := st.learn_usage(model, estimate, json.loads(reply).get("usage", {}).get("prompt_tokens")):
                     extra["x-context-shrink-warning"] = note
-        return Response(reply, upstream.status_code, headers={**_reply_headers(upstream.headers), **extra})
+        return Response(reply, upstream.status_code, headers={**self.reply_headers(upstream), **extra})
 
     async def open_upstream(self, method: str, url: str, headers: dict[str, str], content: bytes) -> httpx2.Response:
         http = self.state.http
@@ -5851,6 +5990,14 @@ class ProxyFront:
             ) from None
         except httpx2.TransportError as exc:
             raise ContextShrinkError(f"upstream {self.config.base} unreachable: {exc or type(exc).__name__}") from None
+
+    def reply_headers(self, upstream: httpx2.Response, *, decoded: bool = False) -> dict[str, str]:
+        """The upstream's reply headers for the client: hop-by-hop ones dropped (``content-encoding`` too for a
+        body read decoded); a ``Keep-Alive`` it sent is answered with the proxy's own idle timeout."""
+        headers = (_decoded_headers if decoded else _reply_headers)(upstream.headers)
+        if "keep-alive" in upstream.headers:
+            headers["keep-alive"] = f"timeout={math.ceil(self.config.idle_timeout)}"
+        return headers
 
     def broke_off(self, exc: Exception) -> ContextShrinkError:
         if isinstance(exc, httpx2.DecodingError):
@@ -5891,7 +6038,9 @@ class ProxyFront:
     async def error_reply(self, upstream: httpx2.Response, extra: Mapping[str, str] | None = None) -> Response:
         """An upstream error, decoded, with the proxy's key taken out."""
         content = scrub(await self.read_whole(upstream), self.secrets)
-        return Response(content, upstream.status_code, headers={**_decoded_headers(upstream.headers), **(extra or {})})
+        return Response(
+            content, upstream.status_code, headers={**self.reply_headers(upstream, decoded=True), **(extra or {})}
+        )
 
     def relay(
         self,
@@ -5920,7 +6069,7 @@ class ProxyFront:
             if on_end is not None:
                 on_end(tail)
 
-        headers = {**_reply_headers(upstream.headers), **(extra or {})}
+        headers = {**self.reply_headers(upstream), **(extra or {})}
         return StreamingResponse(
             body(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(upstream.aclose)
         )
@@ -5945,7 +6094,13 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     read = Settings(environ, vars(args))
     proxy = ("CONTEXT_SHRINK_PROXY_",)
     found = read.find("UPSTREAM", "upstream", proxy)
-    if not found or not re.match(r"https?://[^/\s]+", found[1]):
+    if not found:
+        raise ConfigError(
+            "the proxy needs its upstream: --upstream URL or CONTEXT_SHRINK_PROXY_UPSTREAM, the base URL of the "
+            "server it fronts, e.g. http://127.0.0.1:8080/v1 (llama.cpp) or http://127.0.0.1:11434/v1 (Ollama)",
+            variable="--upstream",
+        )
+    if not re.match(r"https?://[^/\s]+", found[1]):
         source = found[0] if found else "--upstream"
         raise ConfigError(
             f"{source} (or CONTEXT_SHRINK_PROXY_UPSTREAM) must be an http(s) URL such as http://127.0.0.1:8080/v1, "
@@ -5988,16 +6143,25 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
             "the upstream with the key it holds",
             config.host,
         )
+    app = build_proxy(config, tokenizer)
+    server = uvicorn.Server(listening(app, config.host, config.port, config.header_timeout, config.idle_timeout))
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((config.host, config.port))  # bound before it says it serves: a taken port is an error
+    except OSError:
+        listener.close()
+        raise
     log.info(
         "context-shrink proxy %s: http://%s:%d/v1 -> %s (archive: %s)",
         __version__,
         config.host,
-        config.port,
+        listener.getsockname()[1],
         config.base,
         config.archive_dir or "off",
     )
-    app = build_proxy(config, tokenizer)
-    uvicorn.Server(listening(app, config.host, config.port, config.header_timeout, config.idle_timeout)).run()
+    server.run(sockets=[listener])
 
 
 class HeaderDeadline(H11Protocol):
@@ -6040,8 +6204,14 @@ def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeou
     for idle kept-alive connections."""
     protocol = type("HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout})
     return uvicorn.Config(
-        app, host=host, port=port, log_level="warning", http=protocol, timeout_keep_alive=math.ceil(idle_timeout)
-    )
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        http=protocol,
+        server_header=False,
+        timeout_keep_alive=math.ceil(idle_timeout),
+    )  # fmt: skip (the upstream's server header is relayed)
 
 
 # =============================================================================
@@ -6162,7 +6332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"summary size cap (default {DEFAULT_MAX_SUMMARY_TOKENS}, and at most 1/16 of the window)",
     )
     proxy.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # told by the subcommand's own parser, with its usage
+        (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:  # every setting is read and checked here, at start-up, for the server and the proxy alike
         config = Config.from_env()
         settings = proxy_config(args) if args.command == "proxy" else None
@@ -6178,7 +6350,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ContextShrinkError as exc:
             print(f"context-shrink proxy: {exc}", file=sys.stderr)
             return 2
-        run_proxy(settings, tokenizer)
+        try:
+            run_proxy(settings, tokenizer)
+        except OSError as exc:  # the port is taken or the address cannot be bound: said before anything is served
+            print(f"context-shrink proxy: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}"
+                  " (--host, --port)", file=sys.stderr)  # fmt: skip
+            return 2
         return 0
     if args.command:
         try:

@@ -48,6 +48,7 @@ class FakeOpenAI:
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         tokens = cs.count_messages(body["messages"], self.tokenizer)[1] + int(body.get("max_tokens") or 0)
+        tokens += cs.count_tools(body.get("tools") or [], self.tokenizer)  # a template that renders tools
         self.requests.append({"body": body, "tokens": tokens, "auth": request.headers.get("authorization")})
         self.active += 1
         self.max_active = max(self.max_active, self.active)

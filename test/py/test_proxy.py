@@ -7,6 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,8 +18,10 @@ from typing import Any
 import httpx2
 import pytest
 from fake_openai import FakeOpenAI, serve
-from proxy_helpers import proxy
+from proxy_helpers import MODULE, proxy
+from starlette.responses import JSONResponse
 from test_core import conversation
+from test_security import SUMMARY, Recorder
 from test_tools import call, ok, run
 from tiny_llama import free_port
 
@@ -372,3 +378,89 @@ def test_concurrent_requests_through_the_proxy(tmp_path: Path) -> None:
     assert len(replies) == 6 and all(r.status_code == 200 for r in replies)
     assert fake.max_active > 1  # really at the same time
     assert all(json.loads(r.text)["choices"] for r in replies)
+
+
+def opencode_request(turns: int = 3, file_lines: int = 50) -> dict[str, Any]:
+    """OpenCode's shape: a system prompt and ten tool definitions that take most of an 8k window, then
+    ``u a u a u`` with a file attached to every user message."""
+    system = {"role": "system", "content": "You are opencode, an interactive CLI agent. " + "Follow the rules. " * 900}
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": "Does one thing. " * 60,
+              "parameters": schema}} for i in range(10)]  # fmt: skip
+    messages: list[dict[str, Any]] = [system]
+    for t in range(turns):
+        attached = {"type": "text", "text": f"<file path='src/m{t}.py'>\n" + "def f():\n    return 1\n" * file_lines}
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"question {t}"}, attached]})
+        if t < turns - 1:
+            messages.append({"role": "assistant", "content": f"answer {t} " * 150})
+    return {"model": "m", "messages": messages, "tools": tools, "max_tokens": 1024}
+
+
+def test_an_opencode_shaped_request_is_shrunk_around_its_fixed_part(tmp_path: Path) -> None:
+    """The system prompt and tools fill ~85 % of the budget: the proxy counts that fixed part, keeps the
+    newest user turn whole and reduces or drops the older turns until the request fits."""
+    fake = FakeOpenAI(window=8192)
+    body = opencode_request()
+    tok = fake.tokenizer
+    fixed = cs.count_messages(body["messages"][:1], tok)[1] + cs.count_tools(body["tools"], tok)
+    assert 0.8 < fixed / (8192 - 1024) < 0.9 and cs.count_messages(body["messages"], tok)[1] + fixed > 8192
+    with serve(fake) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=tmp_path / "log") as url:
+        reply = chat(url, body)
+    assert reply.status_code == 200, reply.text
+    assert not fake.oversized and "action=none" not in reply.headers["x-context-shrink"]
+    sent = fake.requests[-1]["body"]
+    assert sent["messages"][-1] == body["messages"][-1] and sent["tools"] == body["tools"]
+    assert cs.api_problems(sent["messages"]) == []
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("CONTEXT_SHRINK_PROXY_")}
+    return subprocess.run([sys.executable, str(MODULE), *args], capture_output=True, text=True, timeout=60,
+                          env={**environment, **(env or {})})  # fmt: skip
+
+
+def test_rough_edges_at_start_up() -> None:
+    """A taken port is an error before anything is announced; a misspelt flag gets the subcommand's usage;
+    a missing upstream says what to give."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = run_cli("proxy", "--upstream", "http://127.0.0.1:1/v1", "--port", str(taken.getsockname()[1]))
+    assert busy.returncode == 2 and "cannot listen on 127.0.0.1" in busy.stderr and "-> http" not in busy.stderr
+    typo = run_cli("proxy", "--upstrem", "http://127.0.0.1:1/v1")
+    assert typo.returncode == 2 and "usage: context-shrink proxy" in typo.stderr and "--upstrem" in typo.stderr
+    missing = run_cli("proxy")
+    assert missing.returncode == 2 and "needs its upstream" in missing.stderr and "None" not in missing.stderr
+
+
+def test_one_server_header_and_keep_alive_answered(tmp_path: Path) -> None:
+    upstream = Recorder(lambda request, body: JSONResponse(SUMMARY, headers={"keep-alive": "timeout=60"}))
+    with serve(upstream) as url, proxy(url, "--window", "8192", "--no-archive", log=tmp_path / "log") as front:
+        reply = chat(front, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 200 and reply.headers.get_list("server") == ["uvicorn"]  # the upstream's, once
+    assert reply.headers["keep-alive"] == "timeout=5"  # the proxy's own idle timeout, not the upstream's
+
+
+def test_stats_metrics_and_one_log_line_per_request(tmp_path: Path) -> None:
+    """Every chat request is logged (one line) and counted; /context-shrink/stats and /metrics are the
+    proxy's own paths (never relayed); a request that cannot be cut is said to be forwarded unchanged."""
+    fake = FakeOpenAI(window=6000)
+    log = tmp_path / "log"
+    huge = [{"role": "user", "content": "word " * 9000}]  # the newest request alone is over the window
+    with serve(fake) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=log) as url:
+        small = chat(url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100})
+        shrunk = chat(url, {"model": "m", "messages": chat_history(14, size=200), "max_tokens": 200})
+        stuck = chat(url, {"model": "m", "messages": huge, "max_tokens": 100})
+        stats = httpx2.get(url.removesuffix("/v1") + "/context-shrink/stats").json()
+        metrics = httpx2.get(url.removesuffix("/v1") + "/metrics")
+    assert small.status_code == shrunk.status_code == 200 and stuck.status_code == 400
+    assert "action=forwarded unchanged" in stuck.headers["x-context-shrink"]
+    assert fake.requests[-1]["body"]["messages"] == huge  # sent once as it was, not retried the same
+    totals = stats["totals"]
+    assert (totals["requests"], totals["shrunk"], totals["forwarded_unchanged"], totals["errors"]) == (3, 1, 1, 1)
+    assert totals["tokens_saved"] > 0 and totals["refusals"] == 1 and totals["summariser_calls"] >= 1
+    assert len(stats["models"]["m"]["conversations"]) == 3
+    assert metrics.status_code == 200 and 'context_shrink_requests_total{model="m"} 3.0' in metrics.text
+    assert 'context_shrink_actions_total{action="compact",model="m"} 1.0' in metrics.text
+    lines = [line for line in log.read_text().splitlines() if "proxy: m " in line and "status=" in line]
+    assert len(lines) == 3 and all("action=" in line for line in lines)
