@@ -5559,6 +5559,8 @@ class ProxyState:
     factors: dict[str | None, float] = dataclasses.field(default_factory=dict)  # model -> calibration
     archived: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # conversation -> hashes
     stats: ProxyStats = dataclasses.field(default_factory=ProxyStats)
+    counts: dict[Any, tuple[int, int]] = dataclasses.field(default_factory=dict)  # request -> upstream's count
+    tool_costs: dict[Any, int] = dataclasses.field(default_factory=dict)  # (model, tools) -> upstream tokens
     lock: Any = dataclasses.field(default=None)  # an anyio.Lock around archive writes
 
     def remember(self, table: dict[str | None, Any], model: str | None, value: Any) -> None:
@@ -5600,8 +5602,11 @@ class ProxyState:
         self.remember(self.windows, model, limit)
         return limit, refused
 
-    def learn_usage(self, model: str | None, estimate: int | None, prompt_tokens: int | None) -> str | None:
-        """Calibrate on a reply's ``usage.prompt_tokens``; a warning when the upstream dropped part of it."""
+    def learn_usage(
+        self, model: str | None, estimate: int | None, prompt_tokens: int | None, tools_tokens: int | None = None
+    ) -> str | None:
+        """Calibrate the messages' count on a reply's ``usage.prompt_tokens`` (less ``tools_tokens``, what the
+        upstream said the tools cost, when it said); a warning when the upstream dropped part of it."""
         if prompt_tokens is None or not estimate:
             return None
         if silently_truncated(estimate, prompt_tokens):
@@ -5611,8 +5616,9 @@ class ProxyState:
             )
             log.warning("proxy: %s", note)
             return note
-        raw = round(estimate / self.factors.get(model, 1.0))
-        self.remember(self.factors, model, calibrated(self.factors.get(model), raw, prompt_tokens))
+        fixed = tools_tokens or 0
+        raw = round((estimate - fixed) / self.factors.get(model, 1.0))
+        self.remember(self.factors, model, calibrated(self.factors.get(model), raw, max(1, prompt_tokens - fixed)))
         return None
 
     async def archive(self, original: list[dict[str, Any]], sent: list[dict[str, Any]], action: str) -> str | None:
@@ -5707,35 +5713,97 @@ async def calibrate(
     return True
 
 
+EXACT_ZONE = (0.5, 4.0)  # estimates from half the trigger to 4x the budget are counted by the upstream, if it can
+
+
+async def upstream_count(
+    state: ProxyState,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    model: str | None,
+    authorization: str | None,
+    tokenizer: Tokenizer,
+) -> tuple[int, int] | None:
+    """The upstream's own count of this request as ``(messages, what the tools add)`` — the tools' part is 0
+    when its chat template drops them — or None when it cannot count. Counts are remembered by message
+    prefix: a request that extends one counted before costs no call while what it adds (estimated with
+    ``tokenizer``) is under a quarter of the counted part."""
+    chain, tools_print = span_hashes(messages), fingerprint(tools)
+    known = next((k for k in range(len(messages), 0, -1) if (model, tools_print, chain[k]) in state.counts), 0)
+    if known:
+        bare, cost = state.counts[model, tools_print, chain[known]]
+        added = count_messages(messages[known:], tokenizer)[1] if known < len(messages) else 0
+        if added <= bare // 4:
+            return bare + added, cost
+    backend = state.backend(state.config.base, authorization)
+    try:
+        total = (await backend.count_tokens(messages, tools, model))[0]
+        bare = (await backend.count_tokens(messages, [], model))[0] if tools else total
+    except ContextShrinkError:
+        return None
+    state.remember(state.counts, (model, tools_print, chain[-1]), (bare, max(0, total - bare)))
+    return bare, max(0, total - bare)
+
+
+def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, str | None]:
+    """The prompt's budget in ``window``: what the reply's ``max_tokens`` (else a reserve) leaves, and why
+    there is none when it leaves nothing."""
+    asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
+    reserve = asked if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
+    return (
+        window - reserve,
+        None if window > reserve else f"max_tokens {reserve} leaves no room in the window of {window}",
+    )
+
+
 async def shrink_request(
     state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The request body to forward and a report: :func:`shrink` with the proxy's policy, the summariser
-    bound to this request's model. Raises :class:`ContextShrinkError` for a body it does not understand
-    (the caller forwards it as is)."""
+    bound to this request's model. Near the limit the upstream counts the request itself (the messages and
+    the tools apart: a template may drop the tools), and that count decides. Raises
+    :class:`ContextShrinkError` for a body it does not understand (the caller forwards it as is)."""
     started = time.perf_counter()
     messages = validate_messages(body.get("messages"))
     tools = validate_tools(body.get("tools") or [])
     model = body.get("model") if isinstance(body.get("model"), str) else None
     window = window or await proxy_window(state, model, authorization)
-    counted = False
-    if window and model not in state.factors:  # first sight of a long request: the upstream counts it, if it can
-        counted = await calibrate(state, messages, tools, model, window, authorization)
+    tools_key = (model, fingerprint(tools))
+    tools_cost = state.tool_costs.get(tools_key) if tools else 0  # in the upstream's tokens, once it counted them
+    raw = count_messages(messages, state.tokenizer)[1]
     tokenizer = dataclasses.replace(state.tokenizer, scale=state.factors.get(model, 1.0))
-    before = count_messages(messages, tokenizer)[1] + count_tools(tools, tokenizer)
+    before = count_messages(messages, tokenizer)[1] + (
+        count_tools(tools, tokenizer) if tools_cost is None else tools_cost
+    )
     report: dict[str, Any] = {"tokens_before": before, "tokens_after": before, "action": "none", "window": window,
-                              "count": "exact" if counted else "estimated"}  # fmt: skip
+                              "count": "estimated"}  # fmt: skip
     if window is None:
         return body, {**report, "reason": "window unknown"}
-    asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
-    reserve = asked if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
-    budget = window - reserve
-    if budget <= 0:
-        return body, {**report, "reason": f"max_tokens {reserve} leaves no room in the window of {window}"}
+    budget, no_room = request_budget(body, window)
+    if no_room:
+        return body, {**report, "reason": no_room}
+    trigger = state.policy.trigger * budget
+    if EXACT_ZONE[0] * trigger <= before <= EXACT_ZONE[1] * budget:
+        if counts := await upstream_count(state, messages, tools, model, authorization, tokenizer):
+            state.remember(state.factors, model, calibrated(None, raw, counts[0]))
+            tools_cost = counts[1]
+            state.remember(state.tool_costs, tools_key, tools_cost)
+            before = counts[0] + tools_cost
+            report.update(tokens_before=before, tokens_after=before, count="exact")
+    elif model not in state.factors:  # first sight of a long request: the upstream counts it, if it can
+        await calibrate(state, messages, tools, model, window, authorization)
+    report["tools_tokens"] = tools_cost  # None: counted as the messages are
+    if before <= trigger:
+        return body, report
+    tokenizer = dataclasses.replace(state.tokenizer, scale=state.factors.get(model, 1.0))
     summarise = None
     with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
         summarise = await proxy_summariser(state, model, window, authorization, tokenizer)
-    result = await shrink(messages, tools, tokenizer, budget, state.policy, summarise)
+    if tools_cost is None:  # the tools counted as the messages are
+        result = await shrink(messages, tools, tokenizer, budget, state.policy, summarise)
+    else:  # the tools cost what the upstream said: the messages get the rest
+        result = await shrink(messages, [], tokenizer, budget - tools_cost, state.policy, summarise)
+        result["tokens_after"] += tools_cost
     same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
     learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", tokenizer)) if same else None
     if model not in state.factors and learnt and abs(learnt - 1) > 0.1:  # the summariser's tokens are the model's:
@@ -5967,16 +6035,18 @@ class ProxyFront:
             report["refusals"] = report.get("refusals", 0) + (parse_overflow(error) is not None)
             headers = {**self.reply_headers(upstream, decoded=True), **extra}
             return Response(error, upstream.status_code, headers=headers)
-        estimate = report.get("tokens_after")
+        estimate, tools = report.get("tokens_after"), report.get("tools_tokens")
         if body.get("stream") is True:
-            return self.relay(upstream, extra, lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail)))
+            learn = lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail), tools)  # noqa: E731
+            return self.relay(upstream, extra, learn)
         head, rest = await self.read_head(upstream)
         if rest is not None:  # too large to hold in memory: streamed through, not read
             return self.relay(upstream, extra, chunks=rest)
         reply = b"".join(head)
         if upstream.headers.get("content-encoding", "identity") == "identity":
             with contextlib.suppress(ValueError, AttributeError, TypeError):
-                if note := st.learn_usage(model, estimate, json.loads(reply).get("usage", {}).get("prompt_tokens")):
+                usage = json.loads(reply).get("usage", {}).get("prompt_tokens")
+                if note := st.learn_usage(model, estimate, usage, tools):
                     extra["x-context-shrink-warning"] = note
         return Response(reply, upstream.status_code, headers={**self.reply_headers(upstream), **extra})
 
@@ -6134,6 +6204,47 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     return ProxyConfig(upstream=found[1].rstrip("/"), archive_dir=archive, **given)
 
 
+DOCTOR_APIS = {  # what each wire API is probed with (an empty body: 404/405/501 means it is not served)
+    "chat completions": "/chat/completions",
+    "responses": "/responses",
+    "anthropic messages": "/messages",
+    "anthropic count_tokens": "/messages/count_tokens",
+}
+
+
+async def doctor(upstream: str, model: str | None, api_key: str | None, tokenizer: Tokenizer) -> dict[str, Any]:
+    """What the proxy would learn about ``upstream``: its context window (and where it came from), how it
+    counts tokens, its tokens per local token on a sample request, and which wire APIs it serves. Every
+    probe is cheap (no generation); a failed one is reported, not raised."""
+    base = ProxyConfig(upstream=upstream).base
+    asked = "Summarise src/app.py and run `pytest -k parser` (see issue #42)."
+    sample = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": asked}]
+    report: dict[str, Any] = {"upstream": base, "model": model}
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(PROBE_TIMEOUT, connect=5.0)) as http:
+        backend = Backend(http, base, api_key, secrets=secret_forms(api_key))
+        backend.setting = "--upstream"
+        try:
+            report["window"], report["window_source"] = await backend.context_window(model)
+        except ContextShrinkError as exc:
+            report["window"], report["window_source"] = None, str(exc)
+        report.update(counting=None, counting_note=None, tokens_per_local_token=None)
+        try:
+            exact, report["counting"] = await backend.count_tokens(sample, [], model)
+            report["tokens_per_local_token"] = round(exact / count_messages(sample, tokenizer)[1], 3)
+        except ContextShrinkError as exc:
+            report["counting_note"] = str(exc)
+        apis = {}
+        for name, path in DOCTOR_APIS.items():
+            try:
+                status = (await http.post(base + path, json={}, headers=backend.headers)).status_code
+                apis[name] = "not served" if status in (404, 405, 501) else f"served (HTTP {status} to an empty body)"
+            except httpx2.HTTPError as exc:
+                apis[name] = f"unreachable ({type(exc).__name__})"
+        report["apis"] = apis
+    report["reachable"] = not all(v.startswith("unreachable") for v in apis.values())
+    return report
+
+
 def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
     """Serve the proxy with uvicorn until interrupted."""
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per shrunk request is enough
@@ -6278,6 +6389,30 @@ def _cli(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace, config: Config) -> int:
+    """``context-shrink doctor``: the upstream as the proxy would see it; exit 1 when nothing answers."""
+    read = Settings(None, {"upstream": args.upstream})
+    found = read.text("UPSTREAM", "upstream", ("CONTEXT_SHRINK_PROXY_",))
+    if not found or not re.match(r"https?://[^/\s]+", found):
+        print("context-shrink doctor: give --upstream URL (or CONTEXT_SHRINK_PROXY_UPSTREAM), e.g. "
+              "http://127.0.0.1:8080/v1", file=sys.stderr)  # fmt: skip
+        return 2
+    key = read.text("API_KEY", None, ("CONTEXT_SHRINK_PROXY_",))
+    tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
+    report = anyio.run(doctor, found, args.model, key, tokenizer)
+    if args.json:
+        print(json.dumps(report, indent=1, ensure_ascii=False))
+    else:
+        print(f"upstream   {report['upstream']}" + (f" (model {report['model']})" if report["model"] else ""))
+        print(f"window     {report['window'] or 'unknown'}  <- {report['window_source']}")
+        print(f"counting   {report['counting'] or 'none: ' + str(report['counting_note'])}")
+        if report["tokens_per_local_token"]:
+            print(f"ratio      {report['tokens_per_local_token']} upstream tokens per {tokenizer.name} token")
+        for name, verdict in report["apis"].items():
+            print(f"{name:<24} {verdict}")
+    return 0 if report["reachable"] else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``context-shrink``: serve the MCP tools over stdio, or run a text subcommand."""
     parser = argparse.ArgumentParser(
@@ -6286,7 +6421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "a subcommand it serves the MCP tools. Configured by CONTEXT_SHRINK_* environment variables (README).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{count,dedupe,extract,pack,check,proxy}")
+    commands = parser.add_subparsers(dest="command", metavar="{count,dedupe,extract,pack,check,proxy,doctor}")
     for name, purpose in (
         ("count", "count tokens, lines and bytes"),
         ("dedupe", "drop repeated lines and blocks (and 0x-address near-duplicates), verbatim"),
@@ -6332,6 +6467,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"summary size cap (default {DEFAULT_MAX_SUMMARY_TOKENS}, and at most 1/16 of the window)",
     )
     proxy.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
+    check = commands.add_parser(
+        "doctor",
+        help="what the proxy would learn about an upstream: window, counting, token ratio, wire APIs",
+        description="Probe an OpenAI-compatible upstream the way the proxy does (no generation) and print "
+        "its context window, how it counts tokens, its tokens per local token and which wire APIs it serves.",
+    )
+    check.add_argument("--upstream", help="the upstream's base URL (default CONTEXT_SHRINK_PROXY_UPSTREAM)")
+    check.add_argument("--model", help="the model to ask about (default: the only one loaded)")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
     args, extra = parser.parse_known_args(argv)
     if extra:  # told by the subcommand's own parser, with its usage
         (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
@@ -6357,6 +6501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   " (--host, --port)", file=sys.stderr)  # fmt: skip
             return 2
         return 0
+    if args.command == "doctor":
+        return _doctor(args, config)
     if args.command:
         try:
             return _cli(args, config)

@@ -43,12 +43,32 @@ class FakeOpenAI:
         self.max_active = 0
         self.tokenizer = cs.resolve_tokenizer("tiktoken:cl100k_base")
         self.usage_ratio: float | None = None  # when set, replies report usage.prompt_tokens = ratio x our count
-        self.app = Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"])])
+        self.render_tools = True  # False: a chat template that drops the tools (SmolLM2's), in counts and refusals
+        self.counting = False  # True: llama.cpp's /v1/chat/completions/input_tokens answers
+        self.counted: list[dict[str, Any]] = []  # the bodies of the count requests answered
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/chat/completions/input_tokens", self.input_tokens, methods=["POST"]),
+            ]
+        )
+
+    def count_tools(self, body: dict[str, Any]) -> int:
+        return cs.count_tools(body.get("tools") or [], self.tokenizer) if self.render_tools else 0
+
+    async def input_tokens(self, request: Request) -> Response:
+        if not self.counting:
+            return JSONResponse({"error": {"message": "Not Found", "code": 404}}, 404)
+        body = await request.json()
+        self.counted.append(body)
+        return JSONResponse(
+            {"input_tokens": cs.count_messages(body["messages"], self.tokenizer)[1] + self.count_tools(body)}
+        )
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()
         tokens = cs.count_messages(body["messages"], self.tokenizer)[1] + int(body.get("max_tokens") or 0)
-        tokens += cs.count_tools(body.get("tools") or [], self.tokenizer)  # a template that renders tools
+        tokens += self.count_tools(body)
         self.requests.append({"body": body, "tokens": tokens, "auth": request.headers.get("authorization")})
         self.active += 1
         self.max_active = max(self.max_active, self.active)

@@ -464,3 +464,29 @@ def test_stats_metrics_and_one_log_line_per_request(tmp_path: Path) -> None:
     assert 'context_shrink_actions_total{action="compact",model="m"} 1.0' in metrics.text
     lines = [line for line in log.read_text().splitlines() if "proxy: m " in line and "status=" in line]
     assert len(lines) == 3 and all("action=" in line for line in lines)
+
+
+@pytest.mark.parametrize("rendered", [False, True], ids=["template drops the tools", "template renders them"])
+def test_near_the_limit_the_upstreams_own_count_decides(tmp_path: Path, rendered: bool) -> None:
+    """OpenCode's request with a chat template that ignores ``tools`` (SmolLM2's): the estimate with the
+    tools is over the budget, the upstream's count without them is under it, so the request goes as it is
+    and no warning claims the upstream dropped part of it. Where the template renders them, the request is
+    shrunk around what the upstream said the tools cost. Either way: no refusal."""
+    fake = FakeOpenAI(window=8192)
+    fake.render_tools, fake.counting = rendered, True
+    body = opencode_request(turns=3, file_lines=20)
+    estimate = cs.count_messages(body["messages"], fake.tokenizer)[1] + cs.count_tools(body["tools"], fake.tokenizer)
+    assert estimate > 8192 - 1024 > cs.count_messages(body["messages"], fake.tokenizer)[1] + 100
+    log = tmp_path / "log"
+    longer = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "ok"},
+                                   {"role": "user", "content": "and now?"}]}  # fmt: skip
+    with serve(fake) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=log) as url:
+        replies = [chat(url, b) for b in (body, body, longer)]
+    assert [r.status_code for r in replies] == [200, 200, 200] and not fake.oversized
+    header = replies[0].headers["x-context-shrink"]
+    assert ("action=none" in header) != rendered
+    counted = [c for c in fake.counted if c["messages"][0] == body["messages"][0]]  # not the summariser's own
+    assert len(counted) == 2  # with and without the tools, once: the same request and its extension reuse it
+    assert "x-context-shrink-warning" not in replies[1].headers and "dropped part" not in log.read_text()
+    stats_line = [line for line in log.read_text().splitlines() if "status=200" in line]
+    assert len(stats_line) == 3

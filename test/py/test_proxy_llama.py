@@ -4,6 +4,9 @@ driven by the official ``openai`` Python client, as an agent would use it."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +16,7 @@ import anyio
 import httpx2
 import pytest
 from conftest import served_llama
-from proxy_helpers import proxy
+from proxy_helpers import MODULE, proxy
 from tiny_llama import free_port
 
 openai = pytest.importorskip("openai")
@@ -175,3 +178,28 @@ def test_a_client_that_leaves_cancels_the_upstream(shrinking: str, small_llama: 
     slot = httpx2.get(root + "/slots", timeout=10).json()[0]
     decoded = slot.get("next_token", [{}])[0].get("n_decoded") if isinstance(slot.get("next_token"), list) else None
     assert decoded is not None and decoded < 1900, json.dumps(slot)[:500]
+
+
+def test_doctor_reports_what_the_proxy_would_learn(small_llama: str) -> None:
+    """Against the real llama.cpp server: its window from /props, its exact count, the tiny model's tokens
+    per cl100k token, and the wire APIs it serves (xllamacpp answers all four)."""
+    env = {**os.environ, "CONTEXT_SHRINK_TOKENIZER": "tiktoken"}
+    done = subprocess.run([sys.executable, str(MODULE), "doctor", "--upstream", small_llama, "--json"],
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["window"] == 2048 and "props" in report["window_source"]
+    assert report["counting"] and "llama.cpp" in report["counting"]
+    assert 1.5 < report["tokens_per_local_token"] < 6  # the tiny model's byte-level tokenizer
+    assert report["apis"]["chat completions"].startswith("served")
+    assert set(report["apis"]) == {"chat completions", "responses", "anthropic messages", "anthropic count_tokens"}
+    human = subprocess.run([sys.executable, str(MODULE), "doctor", "--upstream", small_llama],
+                           capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert human.returncode == 0 and "window     2048" in human.stdout and "ratio" in human.stdout
+
+
+def test_doctor_says_when_nothing_answers() -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    done = subprocess.run([sys.executable, str(MODULE), "doctor", "--upstream", dead], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "unreachable" in done.stdout and dead in done.stdout
