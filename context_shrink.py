@@ -113,6 +113,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "render_message",
     "resolve_path",
     "resolve_tokenizer",
+    "responses_view",
     "search_archive",
     "secret_forms",
     "shrink",
@@ -5446,13 +5447,23 @@ def shrink_header(report: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def prompt_tokens_in(reply: Any) -> int | None:
+    """The prompt's size a reply reports: chat's ``usage.prompt_tokens`` or the Responses API's
+    ``usage.input_tokens`` (at the top or, in a stream's last event, under ``response``)."""
+    if not isinstance(reply, dict):
+        return None
+    usage = reply.get("usage") or (reply.get("response") or {}).get("usage") or {}
+    tokens = usage.get("prompt_tokens", usage.get("input_tokens")) if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) else None
+
+
 def usage_in_stream(tail: bytes) -> int | None:
-    """``usage.prompt_tokens`` of the last SSE event that carries one (``include_usage``), if any."""
+    """The prompt's size in the last SSE event that reports one (``include_usage``; Responses' completed
+    event), if any."""
     for line in reversed(tail.decode("utf-8", "replace").splitlines()):
         if line.startswith("data:") and '"usage"' in line:
-            with contextlib.suppress(ValueError, AttributeError, TypeError):
-                tokens = (json.loads(line[5:]).get("usage") or {}).get("prompt_tokens")
-                if isinstance(tokens, int):
+            with contextlib.suppress(ValueError):
+                if (tokens := prompt_tokens_in(json.loads(line[5:]))) is not None:
                     return tokens
     return None
 
@@ -5818,6 +5829,125 @@ async def shrink_request(
     return {**body, "messages": result["messages"]}, report
 
 
+# --- the Responses API (Codex CLI): its input items seen as chat messages, and written back --------------
+
+
+@dataclasses.dataclass
+class ResponsesView:
+    """A Responses request seen as a chat request: ``messages`` (the instructions first, as a system message)
+    and ``tools`` in the chat shape, and for each message the indices of the input items it came from (a
+    reasoning item travels with the item after it; -1 is the instructions)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    origins: list[list[int]]
+
+
+def _chat_parts(content: Any) -> str | list[dict[str, Any]]:
+    """Responses content (a string or typed parts) in the chat shape; a part it does not know raises."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ContextShrinkError(f"message content must be text or a list of parts, got {type(content).__name__}")
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url") or "", "detail": "auto"}})
+        else:
+            raise ContextShrinkError(f"content part type {kind!r} is not understood")
+    return parts
+
+
+def responses_view(body: Mapping[str, Any]) -> ResponsesView:
+    """The chat view of a Responses request body. Raises :class:`ContextShrinkError` naming what it does
+    not understand, or when the request continues a stored response (``previous_response_id``: the server
+    holds the earlier turns); such a request is relayed as it is."""
+    if body.get("previous_response_id"):
+        raise ContextShrinkError("it continues a stored response (previous_response_id): the server holds the rest")
+    items = body.get("input")
+    items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ContextShrinkError("input must be text or a list of items")
+    messages: list[dict[str, Any]] = []
+    origins: list[list[int]] = []
+    if isinstance(body.get("instructions"), str) and body["instructions"]:
+        messages.append({"role": "system", "content": body["instructions"]})
+        origins.append([-1])
+    pending: list[int] = []  # reasoning items, waiting for the item they precede
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            pending.append(i)
+            continue
+        if kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}  # fmt: skip
+            if messages and messages[-1].get("tool_calls") and items[origins[-1][-1]].get("type") == "function_call":
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant message, as in chat
+                origins[-1] += [*pending, i]
+                pending = []
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _chat_parts(output)})  # fmt: skip
+        elif kind == "message":
+            messages.append({"role": item.get("role"), "content": _chat_parts(item.get("content"))})
+        else:
+            raise ContextShrinkError(f"input item type {kind!r} is not understood")
+        origins.append([*pending, i])
+        pending = []
+    if pending and origins:
+        origins[-1] += pending
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+             for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]  # fmt: skip
+    return ResponsesView(validate_messages(messages), tools, origins)
+
+
+def _as_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat message the pipeline wrote or changed (a summary, a cleared result), as Responses items."""
+    if message.get("role") == "tool":
+        return [{"type": "function_call_output", "call_id": message.get("tool_call_id"),
+                 "output": _plain_content(message.get("content"))}]  # fmt: skip
+    items = []
+    if text := _plain_content(message.get("content")):
+        kind = "output_text" if message.get("role") == "assistant" else "input_text"
+        items.append({"type": "message", "role": message.get("role"), "content": [{"type": kind, "text": text}]})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        items.append({"type": "function_call", "call_id": call.get("id"), "name": function.get("name"),
+                      "arguments": function.get("arguments") or ""})  # fmt: skip
+    return items
+
+
+def responses_body(body: Mapping[str, Any], view: ResponsesView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``body`` with ``sent`` (the shrunk chat messages) written back as its input: a message the pipeline
+    left as it was goes out as the very items it came from; a changed or new one in the Responses shape."""
+    items = body["input"] if isinstance(body["input"], list) else [{"type": "message", "role": "user",
+                                                                     "content": body["input"]}]  # fmt: skip
+    unchanged: dict[str, collections.deque[list[int]]] = collections.defaultdict(collections.deque)
+    for message, origin in zip(view.messages, view.origins, strict=True):
+        unchanged[fingerprint(message)].append(origin)
+    out: dict[str, Any] = {k: v for k, v in body.items() if k != "instructions"}
+    written: list[dict[str, Any]] = []
+    for message in sent:
+        found = unchanged.get(fingerprint(message))
+        origin = found.popleft() if found else None
+        if origin == [-1]:
+            out["instructions"] = body["instructions"]
+        elif origin is not None:
+            written += [items[i] for i in origin]
+        else:
+            written += _as_items(message)
+    return {**out, "input": written}
+
+
 # --- the HTTP front ----------------------------------------------------------------------------------------
 
 
@@ -5919,6 +6049,8 @@ class ProxyFront:
         try:
             if request.method == "POST" and request.url.path.endswith("/chat/completions"):
                 return await self.chat(request, body)
+            if request.method == "POST" and request.url.path.endswith("/responses"):
+                return await self.responses(request, body)
             return await self.passthrough(request, body)
         except ContextShrinkError as exc:  # the upstream is unreachable or broke off: say so, no traceback
             log.warning("proxy: %s", exc)
@@ -5934,13 +6066,16 @@ class ProxyFront:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def passthrough(self, request: Request, body: bytes) -> Response:
+    async def passthrough(self, request: Request, body: bytes, why: str | None = None) -> Response:
+        """Relay a request as it is (``why``: the reason it was not shrunk, said in the header)."""
         headers = _forward_headers(request.headers, self.config, chat=False)
         url = self.config.target(request.url.path, request.url.query)
         upstream = await self.open_upstream(request.method, url, headers, body)
+        said = {"tokens_before": None, "tokens_after": None, "action": "forwarded unchanged", "reason": why}
+        extra = {"x-context-shrink": shrink_header(said)} if why else {}
         if upstream.status_code >= 400 and self.secrets:
-            return await self.error_reply(upstream)
-        return self.relay(upstream)
+            return await self.error_reply(upstream, extra)
+        return self.relay(upstream, extra)
 
     async def chat(self, request: Request, raw: bytes) -> Response:
         try:
@@ -5949,13 +6084,38 @@ class ProxyFront:
                 raise ValueError
         except ValueError:
             return await self.passthrough(request, raw)  # not a body we understand: the upstream answers it
+        return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent))
+
+    async def responses(self, request: Request, raw: bytes) -> Response:
+        """A Responses API request (Codex CLI): shrunk as its chat view, written back as input items."""
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ContextShrinkError("the body is not a JSON object")
+            view = responses_view(body)
+        except (ValueError, ContextShrinkError) as exc:
+            return await self.passthrough(request, raw, f"not shrunk: {exc}")
+        chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
+                "max_tokens": body.get("max_output_tokens"), "stream": body.get("stream")}  # fmt: skip
+        chat = {k: v for k, v in chat.items() if v is not None}
+
+        def encode(sent: dict[str, Any]) -> bytes:
+            return raw if sent is chat else _encode(responses_body(body, view, sent["messages"]))
+
+        return await self.exchange(request, chat, encode)
+
+    async def exchange(
+        self, request: Request, body: dict[str, Any], encode: Callable[[dict[str, Any]], bytes]
+    ) -> Response:
+        """Shrink a chat-shaped ``body``, send it (``encode`` writes it in the request's own wire format) and
+        retry once, strictly smaller, after a length refusal."""
         authorization = request.headers.get("authorization")
         url = self.config.target(request.url.path, request.url.query)
         headers = _forward_headers(request.headers, self.config, chat=True)
         sent, report = await self.shrunk(body, authorization, None)
         try:
             for attempt in range(2):
-                content = raw if sent is body else json.dumps(sent, ensure_ascii=False).encode()
+                content = encode(sent)
                 upstream = await self.open_upstream("POST", url, headers, content)
                 if upstream.status_code < 400 or attempt:
                     break
@@ -6045,8 +6205,7 @@ class ProxyFront:
         reply = b"".join(head)
         if upstream.headers.get("content-encoding", "identity") == "identity":
             with contextlib.suppress(ValueError, AttributeError, TypeError):
-                usage = json.loads(reply).get("usage", {}).get("prompt_tokens")
-                if note := st.learn_usage(model, estimate, usage, tools):
+                if note := st.learn_usage(model, estimate, prompt_tokens_in(json.loads(reply)), tools):
                     extra["x-context-shrink-warning"] = note
         return Response(reply, upstream.status_code, headers={**self.reply_headers(upstream), **extra})
 
@@ -6143,6 +6302,10 @@ class ProxyFront:
         return StreamingResponse(
             body(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(upstream.aclose)
         )
+
+
+def _encode(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False).encode()
 
 
 async def _chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

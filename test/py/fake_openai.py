@@ -46,11 +46,36 @@ class FakeOpenAI:
         self.render_tools = True  # False: a chat template that drops the tools (SmolLM2's), in counts and refusals
         self.counting = False  # True: llama.cpp's /v1/chat/completions/input_tokens answers
         self.counted: list[dict[str, Any]] = []  # the bodies of the count requests answered
+        self.responses_requests: list[dict[str, Any]] = []  # Responses API bodies received
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/chat/completions/input_tokens", self.input_tokens, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
             ]
+        )
+
+    async def responses(self, request: Request) -> Response:
+        """The Responses API as llama.cpp serves it: the input read through its chat view, a request over the
+        window refused with llama.cpp's own error body; a reply with ``usage.input_tokens``."""
+        body = await request.json()
+        self.responses_requests.append(body)
+        if body.get("previous_response_id"):  # the earlier turns are held here: nothing to count
+            body = {**body, "previous_response_id": None}
+        view = cs.responses_view(body)  # raises on what it does not understand: a test failure
+        tokens = cs.count_messages(view.messages, self.tokenizer)[1] + int(body.get("max_output_tokens") or 0)
+        tokens += self.count_tools({"tools": view.tools})
+        if tokens > self.window:
+            self.oversized.append(tokens)
+            error = {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": tokens, "n_ctx": self.window,
+                     "message": f"request ({tokens} tokens) exceeds the available context size ({self.window} tokens), "
+                     "try increasing it"}  # fmt: skip
+            return JSONResponse({"error": error}, 400)
+        text = {"type": "output_text", "text": "done", "annotations": []}
+        output = [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed", "content": [text]}]
+        usage = {"input_tokens": tokens, "output_tokens": 1, "total_tokens": tokens + 1}
+        return JSONResponse(
+            {"id": "resp_1", "object": "response", "status": "completed", "output": output, "usage": usage}
         )
 
     def count_tools(self, body: dict[str, Any]) -> int:

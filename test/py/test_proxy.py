@@ -490,3 +490,55 @@ def test_near_the_limit_the_upstreams_own_count_decides(tmp_path: Path, rendered
     assert "x-context-shrink-warning" not in replies[1].headers and "dropped part" not in log.read_text()
     stats_line = [line for line in log.read_text().splitlines() if "status=200" in line]
     assert len(stats_line) == 3
+
+
+def codex_request(turns: int, result_size: int, reasoning: bool = True) -> dict[str, Any]:
+    """A Codex CLI Responses request: instructions, a user task, then turns of reasoning, a shell call (two
+    in parallel every third turn) and their outputs, and a final user message."""
+    task = [{"type": "input_text", "text": "fix the failing test in src/app.py"}]
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": task}]
+    for t in range(turns):
+        calls = [f"c{t}a", f"c{t}b"] if t % 3 == 0 else [f"c{t}"]
+        if reasoning:  # (llama.cpp refuses reasoning items without content)
+            items.append({"type": "reasoning", "id": f"rs_{t}", "summary": [], "encrypted_content": "opaque"})
+        arguments = json.dumps({"cmd": f"cat f{t}"})
+        items += [{"type": "function_call", "call_id": c, "name": "shell", "arguments": arguments} for c in calls]
+        items += [{"type": "function_call_output", "call_id": c, "output": f"line {t}\n" * result_size} for c in calls]
+        items.append(
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"step {t}"}]}
+        )
+    items.append({"role": "user", "content": [{"type": "input_text", "text": "and now run the tests"}]})
+    tool = {"type": "function", "name": "shell", "description": "Run a command.", "parameters": {"type": "object"}}
+    return {"model": "m", "instructions": "You are Codex, a coding agent.", "input": items, "tools": [tool],
+            "max_output_tokens": 512, "store": False}  # fmt: skip
+
+
+def responses_problems(body: dict[str, Any]) -> list[str]:
+    """What makes a Responses input invalid: an output without its call, a call without its output."""
+    items = body["input"]
+    calls = [i["call_id"] for i in items if i.get("type") == "function_call"]
+    outputs = [i["call_id"] for i in items if i.get("type") == "function_call_output"]
+    problems = [f"output {c} has no call" for c in outputs if c not in calls]
+    return problems + [f"call {c} has no output" for c in calls if c not in outputs]
+
+
+def test_a_codex_responses_request_is_shrunk_in_its_own_format(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=6000)
+    body = codex_request(turns=24, result_size=40)
+    with serve(fake) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
+        reply = httpx2.post(url + "/responses", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        stored = {**body, "previous_response_id": "resp_0", "input": body["input"][-1:]}
+        relayed = httpx2.post(url + "/responses", json=stored, timeout=60)
+    header = reply.headers["x-context-shrink"]
+    assert "action=none" not in header and not fake.oversized
+    sent = fake.responses_requests[0]
+    assert responses_problems(sent) == [] and sent["input"][-1] == body["input"][-1]
+    assert sent["instructions"] == body["instructions"] and sent["tools"] == body["tools"]
+    changed = [item for item in sent["input"] if item not in body["input"]]  # a summary, cleared outputs
+    assert all(item.get("type") in ("message", "function_call_output") for item in changed), changed
+    kinds = [item.get("type", "message") for item in sent["input"]]
+    assert all(kinds[k + 1] == "function_call" for k, kind in enumerate(kinds) if kind == "reasoning"), kinds
+    assert relayed.status_code == 200 and fake.responses_requests[1] == stored
+    said = relayed.headers["x-context-shrink"]
+    assert "forwarded unchanged" in said and "previous_response_id" in said

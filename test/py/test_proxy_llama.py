@@ -203,3 +203,18 @@ def test_doctor_says_when_nothing_answers() -> None:
     done = subprocess.run([sys.executable, str(MODULE), "doctor", "--upstream", dead], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1 and "unreachable" in done.stdout and dead in done.stdout
+
+
+def test_a_codex_responses_session_is_never_refused(small_llama: str, tmp_path: Path) -> None:
+    """Codex CLI's wire API against the real llama.cpp server (CTX 2048): a growing Responses session with
+    shell calls and their outputs, each request well over the window by the end, is never refused."""
+    from test_proxy import codex_request, responses_problems
+
+    with proxy(small_llama, "--no-archive", log=tmp_path / "log") as url:
+        for turns in (2, 6, 10, 14):
+            body = {**codex_request(turns, result_size=30, reasoning=False), "model": "tiny", "max_output_tokens": 8}
+            assert responses_problems(body) == []
+            reply = httpx2.post(url + "/responses", json=body, timeout=300)
+            assert reply.status_code == 200, (turns, reply.text[:300], reply.headers.get("x-context-shrink"))
+            assert reply.json()["object"] == "response"
+    assert "exceed" not in (tmp_path / "log").read_text()
