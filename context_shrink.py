@@ -6576,8 +6576,8 @@ def _doctor(args: argparse.Namespace, config: Config) -> int:
     return 0 if report["reachable"] else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``context-shrink``: serve the MCP tools over stdio, or run a text subcommand."""
+def _parser() -> tuple[argparse.ArgumentParser, Any]:
+    """The command line: the MCP server without a subcommand, the text subcommands, proxy and doctor."""
     parser = argparse.ArgumentParser(
         prog="context-shrink",
         description="MCP server (stdio) that measures, trims and compacts OpenAI-style chat histories; without "
@@ -6639,6 +6639,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--upstream", help="the upstream's base URL (default CONTEXT_SHRINK_PROXY_UPSTREAM)")
     check.add_argument("--model", help="the model to ask about (default: the only one loaded)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser, commands
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``context-shrink``: serve the MCP tools over stdio, or run a text subcommand."""
+    parser, commands = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # told by the subcommand's own parser, with its usage
         (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
