@@ -3126,7 +3126,7 @@ def anchor_within(
     chosen = fit_identifiers([i for i in candidates if i not in text], count, room)
     anchored = anchor_summary(text, chosen)
     while chosen and count(anchored) > budget:  # the parts were counted apart: the whole decides
-        chosen = chosen[: len(chosen) * 3 // 4]
+        chosen = chosen[:-1]  # the least recent goes first
         anchored = anchor_summary(text, chosen)
     return anchored, len(anchored_in(anchored))
 
@@ -5292,29 +5292,27 @@ def compact_schema(schema: Any) -> Any:
 
 # --- the stdio transport, screened: every request gets an answer ---------------------------------------
 
-_JSON_SCALAR = re.compile(r'\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+|null)')
+_JSON_SCALAR = re.compile(r'\s*:\s*("[^"\\]*(?:\\.[^"\\]*)*"|-?\d+|null)')
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]]')  # a string, or a bracket outside strings
 
 
 def jsonrpc_id(raw: str) -> str | int | None:
     """The ``id`` of a JSON-RPC message that could not be parsed, found by scanning its top level without
-    recursion (any nesting depth, any size); None when it has none that can be sent back."""
-    depth, i, n = 0, 0, len(raw)
-    while i < n:
-        c = raw[i]
-        if c == '"':
-            j = i + 1
-            while j < n and raw[j] != '"':
-                j += 2 if raw[j] == "\\" else 1
-            if depth == 1 and raw[i : j + 1] == '"id"' and (value := _JSON_SCALAR.match(raw, j + 1)):
-                with contextlib.suppress(ValueError):
-                    found = json.loads(value[1])
-                    if isinstance(found, int) or (isinstance(found, str) and found.isprintable()):
-                        return found
-                return None
-            i = j + 1
-            continue
-        depth += (c in "{[") - (c in "}]")
-        i += 1
+    recursion (any nesting depth; regular expressions, so a huge line is scanned at C speed); None when it
+    has none that can be sent back."""
+    depth = 0
+    for token in _JSON_TOKEN.finditer(raw):
+        first = token[0][0]
+        if first in "{[":
+            depth += 1
+        elif first in "}]":
+            depth -= 1
+        elif depth == 1 and token[0] == '"id"' and (value := _JSON_SCALAR.match(raw, token.end())):
+            with contextlib.suppress(ValueError):
+                found = json.loads(value[1])
+                if isinstance(found, int) or (isinstance(found, str) and found.isprintable()):
+                    return found
+            return None
     return None
 
 
@@ -5985,8 +5983,9 @@ def _failure(status: int, message: str, kind: str) -> JSONResponse:
 
 
 class ProxyFront:
-    """The proxy's HTTP front: ``POST .../chat/completions`` is shrunk (:func:`shrink_request`) and retried
-    once, strictly smaller, after a length refusal; every other request is relayed as it is. Replies are
+    """The proxy's HTTP front: ``POST .../chat/completions`` and ``POST .../responses`` are shrunk
+    (:func:`shrink_request`) and retried once, strictly smaller, after a length refusal; its own stats and
+    metrics are answered here; every other request is relayed as it is. Replies are
     streamed through; a non-streamed one is read (to calibrate on its ``usage``) up to
     :data:`PROXY_BUFFER_BYTES`, and streamed beyond that. The proxy's own key never reaches a client."""
 

@@ -542,3 +542,14 @@ def test_a_codex_responses_request_is_shrunk_in_its_own_format(tmp_path: Path) -
     assert relayed.status_code == 200 and fake.responses_requests[1] == stored
     said = relayed.headers["x-context-shrink"]
     assert "forwarded unchanged" in said and "previous_response_id" in said
+
+
+def test_metrics_without_prometheus_client_is_a_clear_501(monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_security import proxied
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    with serve(FakeOpenAI()) as upstream, proxied(upstream, window=4096) as front:
+        reply = httpx2.get(front.removesuffix("/v1") + "/metrics")
+        stats = httpx2.get(front.removesuffix("/v1") + "/context-shrink/stats")
+    assert reply.status_code == 501 and "context-shrink-mcp[metrics]" in reply.json()["error"]["message"]
+    assert stats.status_code == 200 and stats.json()["totals"]["requests"] == 0
