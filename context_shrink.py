@@ -100,6 +100,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "load_messages_file",
     "main",
     "message_ids",
+    "messages_view",
     "parse_overflow",
     "parse_tokenizer_spec",
     "plan_trim",
@@ -5446,11 +5447,12 @@ def shrink_header(report: Mapping[str, Any]) -> str:
 
 
 def prompt_tokens_in(reply: Any) -> int | None:
-    """The prompt's size a reply reports: chat's ``usage.prompt_tokens`` or the Responses API's
-    ``usage.input_tokens`` (at the top or, in a stream's last event, under ``response``)."""
+    """The prompt's size a reply reports: chat's ``usage.prompt_tokens``, or ``usage.input_tokens`` (the
+    Responses and Anthropic APIs; at the top, or in a stream's event under ``response`` or ``message``)."""
     if not isinstance(reply, dict):
         return None
-    usage = reply.get("usage") or (reply.get("response") or {}).get("usage") or {}
+    nested = reply.get("response") or reply.get("message") or {}  # a stream's completed or started event
+    usage = reply.get("usage") or (nested.get("usage") if isinstance(nested, dict) else None) or {}
     tokens = usage.get("prompt_tokens", usage.get("input_tokens")) if isinstance(usage, dict) else None
     return tokens if isinstance(tokens, int) else None
 
@@ -5946,6 +5948,155 @@ def responses_body(body: Mapping[str, Any], view: ResponsesView, sent: Sequence[
     return {**out, "input": written}
 
 
+# --- the Anthropic Messages API (Claude Code): its messages seen as chat messages, and written back -------
+
+
+@dataclasses.dataclass
+class MessagesView:
+    """An Anthropic Messages request seen as a chat request: ``messages`` (the ``system`` field first) and
+    ``tools`` in the chat shape, and for each message the index of the Anthropic message it came from (-1:
+    the system field). A user message's ``tool_result`` blocks become tool messages, its other blocks one
+    user message; an assistant message's ``tool_use`` blocks become tool calls, its thinking reasoning."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    origins: list[int]
+
+
+def _anthropic_parts(content: Any) -> list[dict[str, Any]]:
+    """Text and image blocks in the chat shape; a block type it does not know raises."""
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(blocks, list):
+        raise ContextShrinkError(f"content must be text or a list of blocks, got {type(content).__name__}")
+    parts = []
+    for block in blocks:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            source = block.get("source") or {}
+            url = source.get("url") or f"data:{source.get('media_type')};base64,{source.get('data', '')}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise ContextShrinkError(f"content block type {kind!r} is not understood")
+    return parts
+
+
+def _anthropic_message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages one Anthropic message stands for."""
+    role, content = message.get("role"), message.get("content")
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if role not in ("user", "assistant") or not isinstance(blocks, list):
+        raise ContextShrinkError(f"messages[{i}] must be a user or assistant message with content")
+    if role == "assistant":
+        text = [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
+        calls = [{"id": b.get("id"), "type": "function", "function": {"name": b.get("name"),
+                  "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}}
+                 for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
+        thinking = [b.get("thinking", "") for b in blocks if isinstance(b, dict) and b.get("type") == "thinking"]
+        known = {"text", "tool_use", "thinking", "redacted_thinking"}
+        if unknown := [b.get("type") for b in blocks if not isinstance(b, dict) or b.get("type") not in known]:
+            raise ContextShrinkError(f"content block type {unknown[0]!r} is not understood")
+        out: dict[str, Any] = {"role": "assistant", "content": _plain_content(text) or None}
+        out.update({"tool_calls": calls} if calls else {})
+        out.update({"reasoning_content": "\n".join(thinking)} if any(thinking) else {})
+        return [out]
+    results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
+    rest = [b for b in blocks if not (isinstance(b, dict) and b.get("type") == "tool_result")]
+    out_messages: list[dict[str, Any]] = []
+    for block in results:
+        content = block.get("content")
+        content = content if isinstance(content, str) else _anthropic_parts(content or [])
+        out_messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
+    if rest:
+        out_messages.append({"role": "user", "content": _anthropic_parts(rest)})
+    return out_messages
+
+
+def messages_view(body: Mapping[str, Any]) -> MessagesView:
+    """The chat view of an Anthropic Messages request body; raises :class:`ContextShrinkError` naming what it
+    does not understand (such a request is relayed as it is)."""
+    if not isinstance(body.get("messages"), list):
+        raise ContextShrinkError("messages must be a list")
+    messages: list[dict[str, Any]] = []
+    origins: list[int] = []
+    system = body.get("system")
+    if system:
+        messages.append({"role": "system", "content": system if isinstance(system, str) else _anthropic_parts(system)})
+        origins.append(-1)
+    for i, message in enumerate(body["messages"]):
+        if not isinstance(message, dict):
+            raise ContextShrinkError(f"messages[{i}] must be an object")
+        converted = _anthropic_message(i, message)
+        messages += converted
+        origins += [i] * len(converted)
+    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+              "parameters": t.get("input_schema") or {}}}
+             for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
+    return MessagesView(validate_messages(messages), tools, origins)
+
+
+def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat message the pipeline wrote or changed, as Anthropic content blocks."""
+    if message.get("role") == "tool":
+        return [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                 "content": _plain_content(message.get("content"))}]  # fmt: skip
+    blocks: list[dict[str, Any]] = []
+    if text := _plain_content(message.get("content")):
+        blocks.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = {"arguments": function.get("arguments")}
+        blocks.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
+                       "input": arguments if isinstance(arguments, dict) else {"value": arguments}})  # fmt: skip
+    return blocks
+
+
+def messages_body(body: Mapping[str, Any], view: MessagesView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``body`` with ``sent`` (the shrunk chat messages) written back: an Anthropic message all of whose chat
+    messages went out unchanged goes out as the client sent it; any other is rebuilt from what went out (a
+    summary or a system message the pipeline wrote goes into a user message)."""
+    unchanged: dict[str, collections.deque[int]] = collections.defaultdict(collections.deque)
+    parts: dict[int, int] = collections.Counter(view.origins)
+    for message, origin in zip(view.messages, view.origins, strict=True):
+        unchanged[fingerprint(message)].append(origin)
+    out: dict[str, Any] = {k: v for k, v in body.items() if k != "system"}
+    groups: list[tuple[int | None, list[Mapping[str, Any]], int]] = []  # (origin, messages, unchanged count)
+    for message in sent:
+        found = unchanged.get(fingerprint(message))
+        origin = found.popleft() if found else None
+        if origin == -1:
+            out["system"] = body["system"]
+            continue
+        if groups and origin is not None and groups[-1][0] == origin:
+            groups[-1][1].append(message)
+            groups[-1] = (origin, groups[-1][1], groups[-1][2] + 1)
+        else:
+            groups.append((origin, [message], 1 if origin is not None else 0))
+    written: list[dict[str, Any]] = []
+    for origin, messages, same in groups:
+        if origin is not None and same == parts[origin]:
+            message = dict(body["messages"][origin])  # all of it went out unchanged: as the client sent it
+        else:
+            role = "assistant" if messages[0].get("role") == "assistant" else "user"
+            message = {"role": role, "content": [b for m in messages for b in _anthropic_blocks(m)]}
+        if written and written[-1]["role"] == message["role"]:  # the API's turns alternate: one turn
+            written[-1] = {
+                **written[-1],
+                "content": _as_blocks(written[-1]["content"]) + _as_blocks(message["content"]),
+            }
+        else:
+            written.append(message)
+    return {**out, "messages": written}
+
+
+def _as_blocks(content: Any) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
 # --- the HTTP front ----------------------------------------------------------------------------------------
 
 
@@ -5983,11 +6134,12 @@ def _failure(status: int, message: str, kind: str) -> JSONResponse:
 
 
 class ProxyFront:
-    """The proxy's HTTP front: ``POST .../chat/completions`` and ``POST .../responses`` are shrunk
-    (:func:`shrink_request`) and retried once, strictly smaller, after a length refusal; its own stats and
-    metrics are answered here; every other request is relayed as it is. Replies are
-    streamed through; a non-streamed one is read (to calibrate on its ``usage``) up to
-    :data:`PROXY_BUFFER_BYTES`, and streamed beyond that. The proxy's own key never reaches a client."""
+    """The proxy's HTTP front: ``POST .../chat/completions``, ``.../responses`` and ``.../messages`` are
+    shrunk (:func:`shrink_request`; the latter two through their chat views) and retried once, strictly
+    smaller, after a length refusal; its own stats and metrics are answered here; every other request is
+    relayed as it is. Replies are streamed through; a non-streamed one is read (to calibrate on its
+    ``usage``) up to :data:`PROXY_BUFFER_BYTES`, and streamed beyond that. The proxy's own key never
+    reaches a client."""
 
     def __init__(self, config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
@@ -6050,6 +6202,8 @@ class ProxyFront:
                 return await self.chat(request, body)
             if request.method == "POST" and request.url.path.endswith("/responses"):
                 return await self.responses(request, body)
+            if request.method == "POST" and request.url.path.endswith("/messages"):
+                return await self.anthropic(request, body)
             return await self.passthrough(request, body)
         except ContextShrinkError as exc:  # the upstream is unreachable or broke off: say so, no traceback
             log.warning("proxy: %s", exc)
@@ -6100,6 +6254,24 @@ class ProxyFront:
 
         def encode(sent: dict[str, Any]) -> bytes:
             return raw if sent is chat else _encode(responses_body(body, view, sent["messages"]))
+
+        return await self.exchange(request, chat, encode)
+
+    async def anthropic(self, request: Request, raw: bytes) -> Response:
+        """An Anthropic Messages request (Claude Code): shrunk as its chat view, written back as messages."""
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ContextShrinkError("the body is not a JSON object")
+            view = messages_view(body)
+        except (ValueError, ContextShrinkError) as exc:
+            return await self.passthrough(request, raw, f"not shrunk: {exc}")
+        chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
+                "max_tokens": body.get("max_tokens"), "stream": body.get("stream")}  # fmt: skip
+        chat = {k: v for k, v in chat.items() if v is not None}
+
+        def encode(sent: dict[str, Any]) -> bytes:
+            return raw if sent is chat else _encode(messages_body(body, view, sent["messages"]))
 
         return await self.exchange(request, chat, encode)
 

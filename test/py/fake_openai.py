@@ -47,11 +47,13 @@ class FakeOpenAI:
         self.counting = False  # True: llama.cpp's /v1/chat/completions/input_tokens answers
         self.counted: list[dict[str, Any]] = []  # the bodies of the count requests answered
         self.responses_requests: list[dict[str, Any]] = []  # Responses API bodies received
+        self.anthropic_requests: list[dict[str, Any]] = []  # Anthropic Messages bodies received
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/chat/completions/input_tokens", self.input_tokens, methods=["POST"]),
                 Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/v1/messages", self.anthropic, methods=["POST"]),
             ]
         )
 
@@ -77,6 +79,24 @@ class FakeOpenAI:
         return JSONResponse(
             {"id": "resp_1", "object": "response", "status": "completed", "output": output, "usage": usage}
         )
+
+    async def anthropic(self, request: Request) -> Response:
+        """The Anthropic Messages API as llama.cpp serves it: read through its chat view, a request over the
+        window refused with llama.cpp's error body; a reply with ``usage.input_tokens``."""
+        body = await request.json()
+        self.anthropic_requests.append(body)
+        view = cs.messages_view(body)  # raises on what it does not understand: a test failure
+        tokens = cs.count_messages(view.messages, self.tokenizer)[1] + int(body.get("max_tokens") or 0)
+        tokens += self.count_tools({"tools": view.tools})
+        if tokens > self.window:
+            self.oversized.append(tokens)
+            error = {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": tokens, "n_ctx": self.window,
+                     "message": f"request ({tokens} tokens) exceeds the available context size ({self.window} tokens), "
+                     "try increasing it"}  # fmt: skip
+            return JSONResponse({"error": error}, 400)
+        usage = {"input_tokens": tokens, "output_tokens": 1}
+        return JSONResponse({"id": "msg_1", "type": "message", "role": "assistant", "stop_reason": "end_turn",
+                             "content": [{"type": "text", "text": "done"}], "usage": usage})  # fmt: skip
 
     def count_tools(self, body: dict[str, Any]) -> int:
         return cs.count_tools(body.get("tools") or [], self.tokenizer) if self.render_tools else 0

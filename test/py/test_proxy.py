@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import socket
@@ -553,3 +554,57 @@ def test_metrics_without_prometheus_client_is_a_clear_501(monkeypatch: pytest.Mo
         stats = httpx2.get(front.removesuffix("/v1") + "/context-shrink/stats")
     assert reply.status_code == 501 and "context-shrink-mcp[metrics]" in reply.json()["error"]["message"]
     assert stats.status_code == 200 and stats.json()["totals"]["requests"] == 0
+
+
+def claude_request(turns: int, result_size: int, thinking: bool = True) -> dict[str, Any]:
+    """A Claude Code Messages request: a system field, a task, then turns of (thinking,) text and a Bash
+    tool_use answered by a tool_result in the next user message, and a final user message."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "fix src/app.py"}]}]
+    for t in range(turns):
+        blocks: list[dict[str, Any]] = (
+            [{"type": "thinking", "thinking": f"plan {t}", "signature": "sig"}] if thinking else []
+        )
+        blocks += [{"type": "text", "text": f"step {t}"},
+                   {"type": "tool_use", "id": f"tu{t}", "name": "Bash", "input": {"command": f"cat f{t}"}}]  # fmt: skip
+        messages.append({"role": "assistant", "content": blocks})
+        result = {"type": "tool_result", "tool_use_id": f"tu{t}", "content": f"line {t}\n" * result_size}
+        messages.append({"role": "user", "content": [result]})
+    messages += [{"role": "assistant", "content": "done"}, {"role": "user", "content": "now run the tests"}]
+    tool = {"name": "Bash", "description": "Run a command.", "input_schema": {"type": "object"}}
+    return {"model": "m", "system": [{"type": "text", "text": "You are Claude Code."}], "messages": messages,
+            "tools": [tool], "max_tokens": 512}  # fmt: skip
+
+
+def anthropic_problems(body: dict[str, Any]) -> list[str]:
+    """What makes a Messages request invalid: turns that do not alternate, a tool_result without its
+    tool_use in the turn before, a tool_use not answered in the turn after."""
+    turns = body["messages"]
+    problems = [f"turns {k} and {k + 1} are both {a['role']}" for k, (a, b) in enumerate(itertools.pairwise(turns))
+                if a["role"] == b["role"]]  # fmt: skip
+    blocks = [[b for b in t["content"] if isinstance(b, dict)] if isinstance(t["content"], list) else [] for t in turns]
+    for k, turn in enumerate(blocks):
+        for block in turn:
+            if block.get("type") == "tool_result" and not any(
+                b.get("id") == block["tool_use_id"] for b in (blocks[k - 1] if k else []) if b.get("type") == "tool_use"
+            ):
+                problems.append(f"turn {k}: tool_result {block['tool_use_id']} without its tool_use")
+            if block.get("type") == "tool_use" and not any(
+                b.get("tool_use_id") == block["id"] for b in (blocks[k + 1] if k + 1 < len(blocks) else [])
+            ):
+                problems.append(f"turn {k}: tool_use {block['id']} not answered")
+    return problems
+
+
+def test_a_claude_code_messages_request_is_shrunk_in_its_own_format(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=6000)
+    body = claude_request(turns=30, result_size=40)
+    assert anthropic_problems(body) == []
+    with serve(fake) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
+        reply = httpx2.post(url + "/messages", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert "action=none" not in reply.headers["x-context-shrink"] and not fake.oversized
+    sent = fake.anthropic_requests[0]
+    assert anthropic_problems(sent) == [] and sent["messages"][-1] == body["messages"][-1]
+    assert sent["system"] == body["system"] and sent["tools"] == body["tools"]
+    kept = [m for m in sent["messages"] if m in body["messages"]]
+    assert any(m["role"] == "assistant" and m["content"][0]["type"] == "thinking" for m in kept)  # as sent, signed

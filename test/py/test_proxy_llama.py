@@ -218,3 +218,17 @@ def test_a_codex_responses_session_is_never_refused(small_llama: str, tmp_path: 
             assert reply.status_code == 200, (turns, reply.text[:300], reply.headers.get("x-context-shrink"))
             assert reply.json()["object"] == "response"
     assert "exceed" not in (tmp_path / "log").read_text()
+
+
+def test_a_claude_code_messages_session_is_never_refused(small_llama: str, tmp_path: Path) -> None:
+    """Claude Code's wire API (Anthropic Messages) against the real llama.cpp server (CTX 2048): a growing
+    session of Bash calls and their results, far over the window by the end, is never refused."""
+    from test_proxy import anthropic_problems, claude_request
+
+    with proxy(small_llama, "--no-archive", log=tmp_path / "log") as url:
+        for turns in (2, 6, 10, 14):
+            body = {**claude_request(turns, result_size=30, thinking=False), "model": "tiny", "max_tokens": 8}
+            assert anthropic_problems(body) == []
+            reply = httpx2.post(url + "/messages", json=body, timeout=300)
+            assert reply.status_code == 200, (turns, reply.text[:300], reply.headers.get("x-context-shrink"))
+            assert reply.json()["type"] == "message"
