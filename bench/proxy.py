@@ -16,6 +16,9 @@ the suite's scriptable fake server (instant, deterministic) so the numbers are a
    summariser calls per turn, the processed prompt tokens llama.cpp reports (`timings.prompt_n`,
    cache_prompt on), proxy vs a sliding window sized to the same share of the window, and the share of
    the window llama.cpp counted (`usage.prompt_tokens`) on the requests the proxy shrank.
+4. One agent-shaped session per wire API (OpenCode on chat completions, Codex CLI on Responses, Claude
+   Code on Anthropic Messages), grown turn by turn against a second llama.cpp server (n_ctx 8192),
+   directly and through the proxy: refusals either way, requests shrunk, window use, the proxy's time.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +154,51 @@ def replay(direct: str, front: str, fake: FakeOpenAI, messages: Messages, name: 
     print("\nProxy actions: " + ", ".join(f"{k} {v}" for k, v in sorted(actions.items())))
 
 
+API_CTX = 8192  # the agent-shaped replays run against a second server with this window
+
+
+def agent_shapes() -> dict[str, tuple[str, Callable[[int], dict[str, Any]]]]:
+    """One growing session per wire API, shaped like the agent that speaks it (test/py/test_proxy.py):
+    OpenCode (chat: system prompt and tools ~75 % of the window in the tiny model's tokens, files attached
+    to user turns), Codex CLI (Responses: function_call / function_call_output pairs) and Claude Code
+    (Anthropic Messages: tool_use / tool_result blocks)."""
+    from test_proxy import claude_request, codex_request, opencode_request
+
+    return {
+        "chat (OpenCode)": ("/chat/completions", lambda t: {**opencode_request(t, 20, system_size=300, tool_size=20),
+                                                            "model": "tiny", "max_tokens": 8}),
+        "responses (Codex CLI)": ("/responses", lambda t: {**codex_request(t, 60, reasoning=False), "model": "tiny",
+                                                          "max_output_tokens": 8}),
+        "messages (Claude Code)": ("/messages", lambda t: {**claude_request(t, 60, thinking=False), "model": "tiny",
+                                                           "max_tokens": 8}),
+    }  # fmt: skip
+
+
+def agent_replays(direct: str, front: str) -> None:
+    """Each agent's session grown turn by turn, sent directly and through the proxy: refusals either way,
+    the requests the proxy shrank, the share of the window the server counted on those, the proxy's time."""
+    print(f"\n4. Agent-shaped sessions per wire API, llama.cpp n_ctx {API_CTX} (20 requests each, growing):\n")
+    print("| API (agent) | requests | refused direct | refused via proxy | shrunk | window use when shrunk: mean (min) "
+          "| proxy ms p50 |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, (path, make) in agent_shapes().items():
+        refused = {"direct": 0, "proxy": 0}
+        uses, times = [], []
+        for turns in range(2, 41, 2):
+            body = make(turns)
+            refused["direct"] += httpx2.post(direct + path, json=body, timeout=600).status_code != 200
+            reply = httpx2.post(front + path, json=body, timeout=600)
+            refused["proxy"] += reply.status_code != 200
+            header = dict(p.split("=", 1) for p in reply.headers.get("x-context-shrink", "").split("; ") if "=" in p)
+            if reply.status_code == 200 and header.get("action") not in (None, "none"):
+                usage = reply.json().get("usage") or {}
+                uses.append(usage.get("prompt_tokens", usage.get("input_tokens", 0)) / API_CTX)
+                times.append(float(header.get("ms", 0)))
+        use = f"{sum(uses) / len(uses):.2f} ({min(uses):.2f})" if uses else "—"
+        p50 = f"{percentile(times, 0.5):.0f}" if times else "—"
+        print(f"| {name} | 20 | {refused['direct']} | {refused['proxy']} | {len(uses)} | {use} | {p50} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
@@ -166,10 +215,13 @@ def main() -> int:
             serve(fake) as summariser,
             proxy(direct, "--summary-url", summariser, "--no-archive", log=log) as front,
             proxy(direct, "--summary-url", dead, "--no-archive", log=log) as front_down,
+            llama_server(model, n_ctx=API_CTX, threads=2) as small,
+            proxy(small, "--no-archive", log=log) as front_small,
         ):
             latency(direct, front, args.requests)
             shrink_big(front, front_down)
             replay(direct, front, fake, load(chosen), chosen.stem)
+            agent_replays(small, front_small)
     return 0
 
 

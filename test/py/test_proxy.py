@@ -381,12 +381,15 @@ def test_concurrent_requests_through_the_proxy(tmp_path: Path) -> None:
     assert all(json.loads(r.text)["choices"] for r in replies)
 
 
-def opencode_request(turns: int = 3, file_lines: int = 50) -> dict[str, Any]:
-    """OpenCode's shape: a system prompt and ten tool definitions that take most of an 8k window, then
-    ``u a u a u`` with a file attached to every user message."""
-    system = {"role": "system", "content": "You are opencode, an interactive CLI agent. " + "Follow the rules. " * 900}
+def opencode_request(
+    turns: int = 3, file_lines: int = 50, system_size: int = 900, tool_size: int = 60
+) -> dict[str, Any]:
+    """OpenCode's shape: a system prompt and ten tool definitions that take most of an 8k window (with the
+    default sizes, in cl100k tokens), then ``u a u a u`` with a file attached to every user message."""
+    rules = "Follow the rules. " * system_size
+    system = {"role": "system", "content": "You are opencode, an interactive CLI agent. " + rules}
     schema = {"type": "object", "properties": {"path": {"type": "string"}}}
-    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": "Does one thing. " * 60,
+    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": "Does one thing. " * tool_size,
               "parameters": schema}} for i in range(10)]  # fmt: skip
     messages: list[dict[str, Any]] = [system]
     for t in range(turns):
