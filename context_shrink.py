@@ -5725,6 +5725,7 @@ async def calibrate(
 
 
 EXACT_ZONE = (0.5, 4.0)  # estimates from half the trigger to 4x the budget are counted by the upstream, if it can
+EXACT_RECHECK = 0.85  # a shrunk request estimated above this share of the budget is counted too
 
 
 async def upstream_count(
@@ -5810,11 +5811,22 @@ async def shrink_request(
     summarise = None
     with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
         summarise = await proxy_summariser(state, model, window, authorization, tokenizer)
-    if tools_cost is None:  # the tools counted as the messages are
-        result = await shrink(messages, tools, tokenizer, budget, state.policy, summarise)
-    else:  # the tools cost what the upstream said: the messages get the rest
-        result = await shrink(messages, [], tokenizer, budget - tools_cost, state.policy, summarise)
-        result["tokens_after"] += tools_cost
+
+    async def planned(tokenizer: Tokenizer) -> dict[str, Any]:
+        if tools_cost is None:  # the tools counted as the messages are
+            return await shrink(messages, tools, tokenizer, budget, state.policy, summarise)
+        result = await shrink(messages, [], tokenizer, budget - tools_cost, state.policy, summarise)  # the rest
+        return {**result, "tokens_after": result["tokens_after"] + tools_cost}
+
+    result = await planned(tokenizer)
+    if result["tokens_after"] >= EXACT_RECHECK * budget and result["messages"] != messages:
+        # Close to the limit, the shrunk request itself is counted: after a deep cut the calibration from the
+        # whole request can be off for what is left. Over the budget, it is calibrated on this and planned again.
+        counts = await upstream_count(state, result["messages"], tools, model, authorization, tokenizer)
+        if counts and sum(counts) > budget:
+            kept = count_messages(result["messages"], state.tokenizer)[1]
+            state.remember(state.factors, model, calibrated(None, kept, counts[0]))
+            result = await planned(dataclasses.replace(state.tokenizer, scale=state.factors[model]))
     same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
     learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", tokenizer)) if same else None
     if model not in state.factors and learnt and abs(learnt - 1) > 0.1:  # the summariser's tokens are the model's:

@@ -98,6 +98,10 @@ class FakeOpenAI:
         return JSONResponse({"id": "msg_1", "type": "message", "role": "assistant", "stop_reason": "end_turn",
                              "content": [{"type": "text", "text": "done"}], "usage": usage})  # fmt: skip
 
+    def count_prompt(self, messages: list[dict[str, Any]]) -> int:
+        """The server's count of the messages (cl100k, OpenAI's overheads)."""
+        return cs.count_messages(messages, self.tokenizer)[1]
+
     def count_tools(self, body: dict[str, Any]) -> int:
         return cs.count_tools(body.get("tools") or [], self.tokenizer) if self.render_tools else 0
 
@@ -106,13 +110,11 @@ class FakeOpenAI:
             return JSONResponse({"error": {"message": "Not Found", "code": 404}}, 404)
         body = await request.json()
         self.counted.append(body)
-        return JSONResponse(
-            {"input_tokens": cs.count_messages(body["messages"], self.tokenizer)[1] + self.count_tools(body)}
-        )
+        return JSONResponse({"input_tokens": self.count_prompt(body["messages"]) + self.count_tools(body)})
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()
-        tokens = cs.count_messages(body["messages"], self.tokenizer)[1] + int(body.get("max_tokens") or 0)
+        tokens = self.count_prompt(body["messages"]) + int(body.get("max_tokens") or 0)
         tokens += self.count_tools(body)
         self.requests.append({"body": body, "tokens": tokens, "auth": request.headers.get("authorization")})
         self.active += 1
