@@ -219,10 +219,13 @@ def test_a_real_small_model_keeps_every_planted_identifier(tmp_path: Path) -> No
     gguf = next(Path(SMOLLM.submodule_search_locations[0]).rglob("*.gguf"))
     messages = planted_conversation(seed=1)
     with llama_server(gguf, n_ctx=8192, alias="smollm2", threads=2) as url:
-        server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", model="smollm2", base_url=url))
+        # A long timeout: on a loaded machine the 135M model writes ~1 token/s, and a timed-out summary
+        # would take the extract path, which is not what this test is about.
+        config = cs.Config(root=tmp_path, tokenizer="tiktoken", model="smollm2", base_url=url, timeout=900)
+        server = cs.build_server(config)
 
         async def go() -> Any:
-            async with Client(server) as client:
+            async with Client(server, read_timeout_seconds=1200) as client:
                 arguments = {
                     "messages": messages,
                     "force": True,
