@@ -48,6 +48,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "Backend",
     "BackendCaches",
     "BackendError",
+    "ChatView",
     "Config",
     "ConfigError",
     "ContextShrinkError",
@@ -5845,14 +5846,27 @@ async def shrink_request(
 
 
 @dataclasses.dataclass
-class ResponsesView:
-    """A Responses request seen as a chat request: ``messages`` (the instructions first, as a system message)
-    and ``tools`` in the chat shape, and for each message the indices of the input items it came from (a
-    reasoning item travels with the item after it; -1 is the instructions)."""
+class ChatView:
+    """A request of another wire API seen as a chat request: ``messages`` and ``tools`` in the chat shape,
+    and for each message where it came from in the original body (``origins``: for the Responses API the
+    indices of its input items, for Anthropic Messages the index of its message; -1 is the instructions or
+    system field)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
-    origins: list[list[int]]
+    origins: list[Any]
+
+    def matcher(self) -> Callable[[Mapping[str, Any]], Any]:
+        """Called on the shrunk messages in order: the origin of one the pipeline left as it was, else None."""
+        unchanged: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
+        for message, origin in zip(self.messages, self.origins, strict=True):
+            unchanged[fingerprint(message)].append(origin)
+
+        def origin(message: Mapping[str, Any]) -> Any:
+            found = unchanged.get(fingerprint(message))
+            return found.popleft() if found else None
+
+        return origin
 
 
 def _chat_parts(content: Any) -> str | list[dict[str, Any]]:
@@ -5875,10 +5889,11 @@ def _chat_parts(content: Any) -> str | list[dict[str, Any]]:
     return parts
 
 
-def responses_view(body: Mapping[str, Any]) -> ResponsesView:
-    """The chat view of a Responses request body. Raises :class:`ContextShrinkError` naming what it does
-    not understand, or when the request continues a stored response (``previous_response_id``: the server
-    holds the earlier turns); such a request is relayed as it is."""
+def responses_view(body: Mapping[str, Any]) -> ChatView:
+    """The chat view of a Responses request body (a reasoning item travels with the item after it). Raises
+    :class:`ContextShrinkError` naming what it does not understand, or when the request continues a stored
+    response (``previous_response_id``: the server holds the earlier turns); such a request is relayed as
+    it is."""
     if body.get("previous_response_id"):
         raise ContextShrinkError("it continues a stored response (previous_response_id): the server holds the rest")
     items = body.get("input")
@@ -5919,7 +5934,7 @@ def responses_view(body: Mapping[str, Any]) -> ResponsesView:
         origins[-1] += pending
     tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
              for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]  # fmt: skip
-    return ResponsesView(validate_messages(messages), tools, origins)
+    return ChatView(validate_messages(messages), tools, origins)
 
 
 def _as_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -5938,19 +5953,16 @@ def _as_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-def responses_body(body: Mapping[str, Any], view: ResponsesView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def responses_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``body`` with ``sent`` (the shrunk chat messages) written back as its input: a message the pipeline
     left as it was goes out as the very items it came from; a changed or new one in the Responses shape."""
     items = body["input"] if isinstance(body["input"], list) else [{"type": "message", "role": "user",
                                                                      "content": body["input"]}]  # fmt: skip
-    unchanged: dict[str, collections.deque[list[int]]] = collections.defaultdict(collections.deque)
-    for message, origin in zip(view.messages, view.origins, strict=True):
-        unchanged[fingerprint(message)].append(origin)
+    origin_of = view.matcher()
     out: dict[str, Any] = {k: v for k, v in body.items() if k != "instructions"}
     written: list[dict[str, Any]] = []
     for message in sent:
-        found = unchanged.get(fingerprint(message))
-        origin = found.popleft() if found else None
+        origin = origin_of(message)
         if origin == [-1]:
             out["instructions"] = body["instructions"]
         elif origin is not None:
@@ -5961,18 +5973,6 @@ def responses_body(body: Mapping[str, Any], view: ResponsesView, sent: Sequence[
 
 
 # --- the Anthropic Messages API (Claude Code): its messages seen as chat messages, and written back -------
-
-
-@dataclasses.dataclass
-class MessagesView:
-    """An Anthropic Messages request seen as a chat request: ``messages`` (the ``system`` field first) and
-    ``tools`` in the chat shape, and for each message the index of the Anthropic message it came from (-1:
-    the system field). A user message's ``tool_result`` blocks become tool messages, its other blocks one
-    user message; an assistant message's ``tool_use`` blocks become tool calls, its thinking reasoning."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    origins: list[int]
 
 
 def _anthropic_parts(content: Any) -> list[dict[str, Any]]:
@@ -6025,9 +6025,11 @@ def _anthropic_message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any
     return out_messages
 
 
-def messages_view(body: Mapping[str, Any]) -> MessagesView:
-    """The chat view of an Anthropic Messages request body; raises :class:`ContextShrinkError` naming what it
-    does not understand (such a request is relayed as it is)."""
+def messages_view(body: Mapping[str, Any]) -> ChatView:
+    """The chat view of an Anthropic Messages request body: the ``system`` field first; a user message's
+    ``tool_result`` blocks become tool messages, its other blocks one user message; an assistant message's
+    ``tool_use`` blocks become tool calls, its thinking reasoning. Raises :class:`ContextShrinkError` naming
+    what it does not understand (such a request is relayed as it is)."""
     if not isinstance(body.get("messages"), list):
         raise ContextShrinkError("messages must be a list")
     messages: list[dict[str, Any]] = []
@@ -6045,7 +6047,7 @@ def messages_view(body: Mapping[str, Any]) -> MessagesView:
     tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
               "parameters": t.get("input_schema") or {}}}
              for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
-    return MessagesView(validate_messages(messages), tools, origins)
+    return ChatView(validate_messages(messages), tools, origins)
 
 
 def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -6067,19 +6069,16 @@ def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
-def messages_body(body: Mapping[str, Any], view: MessagesView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def messages_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``body`` with ``sent`` (the shrunk chat messages) written back: an Anthropic message all of whose chat
     messages went out unchanged goes out as the client sent it; any other is rebuilt from what went out (a
     summary or a system message the pipeline wrote goes into a user message)."""
-    unchanged: dict[str, collections.deque[int]] = collections.defaultdict(collections.deque)
     parts: dict[int, int] = collections.Counter(view.origins)
-    for message, origin in zip(view.messages, view.origins, strict=True):
-        unchanged[fingerprint(message)].append(origin)
+    origin_of = view.matcher()
     out: dict[str, Any] = {k: v for k, v in body.items() if k != "system"}
     groups: list[tuple[int | None, list[Mapping[str, Any]], int]] = []  # (origin, messages, unchanged count)
     for message in sent:
-        found = unchanged.get(fingerprint(message))
-        origin = found.popleft() if found else None
+        origin = origin_of(message)
         if origin == -1:
             out["system"] = body["system"]
             continue
@@ -6212,10 +6211,10 @@ class ProxyFront:
         try:
             if request.method == "POST" and request.url.path.endswith("/chat/completions"):
                 return await self.chat(request, body)
-            if request.method == "POST" and request.url.path.endswith("/responses"):
-                return await self.responses(request, body)
-            if request.method == "POST" and request.url.path.endswith("/messages"):
-                return await self.anthropic(request, body)
+            if request.method == "POST" and request.url.path.endswith("/responses"):  # Codex CLI
+                return await self.translated(request, body, responses_view, responses_body, "max_output_tokens")
+            if request.method == "POST" and request.url.path.endswith("/messages"):  # Claude Code
+                return await self.translated(request, body, messages_view, messages_body, "max_tokens")
             return await self.passthrough(request, body)
         except ContextShrinkError as exc:  # the upstream is unreachable or broke off: say so, no traceback
             log.warning("proxy: %s", exc)
@@ -6251,39 +6250,30 @@ class ProxyFront:
             return await self.passthrough(request, raw)  # not a body we understand: the upstream answers it
         return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent))
 
-    async def responses(self, request: Request, raw: bytes) -> Response:
-        """A Responses API request (Codex CLI): shrunk as its chat view, written back as input items."""
+    async def translated(
+        self,
+        request: Request,
+        raw: bytes,
+        view_of: Callable[[Mapping[str, Any]], ChatView],
+        write: Callable[[Mapping[str, Any], ChatView, Sequence[Mapping[str, Any]]], dict[str, Any]],
+        reserve: str,
+    ) -> Response:
+        """A request of another wire API (Responses, Anthropic Messages): shrunk as its chat view
+        (``view_of``), written back in its own format (``write``); ``reserve`` names its reply's limit.
+        A body it cannot read that way is relayed as it is, and the header says why."""
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ContextShrinkError("the body is not a JSON object")
-            view = responses_view(body)
+            view = view_of(body)
         except (ValueError, ContextShrinkError) as exc:
             return await self.passthrough(request, raw, f"not shrunk: {exc}")
         chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
-                "max_tokens": body.get("max_output_tokens"), "stream": body.get("stream")}  # fmt: skip
+                "max_tokens": body.get(reserve), "stream": body.get("stream")}  # fmt: skip
         chat = {k: v for k, v in chat.items() if v is not None}
 
         def encode(sent: dict[str, Any]) -> bytes:
-            return raw if sent is chat else _encode(responses_body(body, view, sent["messages"]))
-
-        return await self.exchange(request, chat, encode)
-
-    async def anthropic(self, request: Request, raw: bytes) -> Response:
-        """An Anthropic Messages request (Claude Code): shrunk as its chat view, written back as messages."""
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ContextShrinkError("the body is not a JSON object")
-            view = messages_view(body)
-        except (ValueError, ContextShrinkError) as exc:
-            return await self.passthrough(request, raw, f"not shrunk: {exc}")
-        chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
-                "max_tokens": body.get("max_tokens"), "stream": body.get("stream")}  # fmt: skip
-        chat = {k: v for k, v in chat.items() if v is not None}
-
-        def encode(sent: dict[str, Any]) -> bytes:
-            return raw if sent is chat else _encode(messages_body(body, view, sent["messages"]))
+            return raw if sent is chat else _encode(write(body, view, sent["messages"]))
 
         return await self.exchange(request, chat, encode)
 

@@ -57,22 +57,28 @@ class FakeOpenAI:
             ]
         )
 
+    def over_window(self, view: cs.ChatView, reserve: int) -> tuple[int, Response | None]:
+        """A request of another wire API read through its chat view, as llama.cpp reads it: its size, and
+        llama.cpp's own refusal when it is over the window."""
+        tokens = self.count_prompt(view.messages) + reserve + self.count_tools({"tools": view.tools})
+        if tokens <= self.window:
+            return tokens, None
+        self.oversized.append(tokens)
+        error = {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": tokens, "n_ctx": self.window,
+                 "message": f"request ({tokens} tokens) exceeds the available context size ({self.window} tokens), "
+                 "try increasing it"}  # fmt: skip
+        return tokens, JSONResponse({"error": error}, 400)
+
     async def responses(self, request: Request) -> Response:
-        """The Responses API as llama.cpp serves it: the input read through its chat view, a request over the
-        window refused with llama.cpp's own error body; a reply with ``usage.input_tokens``."""
+        """The Responses API as llama.cpp serves it; a reply with ``usage.input_tokens``."""
         body = await request.json()
         self.responses_requests.append(body)
         if body.get("previous_response_id"):  # the earlier turns are held here: nothing to count
             body = {**body, "previous_response_id": None}
-        view = cs.responses_view(body)  # raises on what it does not understand: a test failure
-        tokens = cs.count_messages(view.messages, self.tokenizer)[1] + int(body.get("max_output_tokens") or 0)
-        tokens += self.count_tools({"tools": view.tools})
-        if tokens > self.window:
-            self.oversized.append(tokens)
-            error = {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": tokens, "n_ctx": self.window,
-                     "message": f"request ({tokens} tokens) exceeds the available context size ({self.window} tokens), "
-                     "try increasing it"}  # fmt: skip
-            return JSONResponse({"error": error}, 400)
+        # cs.responses_view raises on what it does not understand: a test failure
+        tokens, refusal = self.over_window(cs.responses_view(body), int(body.get("max_output_tokens") or 0))
+        if refusal is not None:
+            return refusal
         text = {"type": "output_text", "text": "done", "annotations": []}
         output = [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed", "content": [text]}]
         usage = {"input_tokens": tokens, "output_tokens": 1, "total_tokens": tokens + 1}
@@ -81,19 +87,12 @@ class FakeOpenAI:
         )
 
     async def anthropic(self, request: Request) -> Response:
-        """The Anthropic Messages API as llama.cpp serves it: read through its chat view, a request over the
-        window refused with llama.cpp's error body; a reply with ``usage.input_tokens``."""
+        """The Anthropic Messages API as llama.cpp serves it; a reply with ``usage.input_tokens``."""
         body = await request.json()
         self.anthropic_requests.append(body)
-        view = cs.messages_view(body)  # raises on what it does not understand: a test failure
-        tokens = cs.count_messages(view.messages, self.tokenizer)[1] + int(body.get("max_tokens") or 0)
-        tokens += self.count_tools({"tools": view.tools})
-        if tokens > self.window:
-            self.oversized.append(tokens)
-            error = {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": tokens, "n_ctx": self.window,
-                     "message": f"request ({tokens} tokens) exceeds the available context size ({self.window} tokens), "
-                     "try increasing it"}  # fmt: skip
-            return JSONResponse({"error": error}, 400)
+        tokens, refusal = self.over_window(cs.messages_view(body), int(body.get("max_tokens") or 0))
+        if refusal is not None:
+            return refusal
         usage = {"input_tokens": tokens, "output_tokens": 1}
         return JSONResponse({"id": "msg_1", "type": "message", "role": "assistant", "stop_reason": "end_turn",
                              "content": [{"type": "text", "text": "done"}], "usage": usage})  # fmt: skip

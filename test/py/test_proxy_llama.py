@@ -205,33 +205,27 @@ def test_doctor_says_when_nothing_answers() -> None:
     assert done.returncode == 1 and "unreachable" in done.stdout and dead in done.stdout
 
 
-def test_a_codex_responses_session_is_never_refused(small_llama: str, tmp_path: Path) -> None:
-    """Codex CLI's wire API against the real llama.cpp server (CTX 2048): a growing Responses session with
-    shell calls and their outputs, each request well over the window by the end, is never refused."""
-    from test_proxy import codex_request, responses_problems
+@pytest.mark.parametrize("api", ["responses", "messages"], ids=["Codex CLI, Responses", "Claude Code, Messages"])
+def test_an_agent_session_on_its_own_wire_api_is_never_refused(small_llama: str, tmp_path: Path, api: str) -> None:
+    """Codex CLI's and Claude Code's wire APIs against the real llama.cpp server (CTX 2048): a growing
+    session of shell calls and their outputs, far over the window by the end, is never refused."""
+    from test_proxy import anthropic_problems, claude_request, codex_request, responses_problems
 
+    def make(turns: int) -> dict[str, Any]:
+        if api == "responses":
+            return {**codex_request(turns, result_size=30, reasoning=False), "model": "tiny", "max_output_tokens": 8}
+        return {**claude_request(turns, result_size=30, thinking=False), "model": "tiny", "max_tokens": 8}
+
+    problems, kind = (responses_problems, ("object", "response")) if api == "responses" else (
+        anthropic_problems, ("type", "message"))  # fmt: skip
     with proxy(small_llama, "--no-archive", log=tmp_path / "log") as url:
         for turns in (2, 6, 10, 14):
-            body = {**codex_request(turns, result_size=30, reasoning=False), "model": "tiny", "max_output_tokens": 8}
-            assert responses_problems(body) == []
-            reply = httpx2.post(url + "/responses", json=body, timeout=300)
+            body = make(turns)
+            assert problems(body) == []
+            reply = httpx2.post(f"{url}/{api}", json=body, timeout=300)
             assert reply.status_code == 200, (turns, reply.text[:300], reply.headers.get("x-context-shrink"))
-            assert reply.json()["object"] == "response"
+            assert reply.json()[kind[0]] == kind[1]
     assert "exceed" not in (tmp_path / "log").read_text()
-
-
-def test_a_claude_code_messages_session_is_never_refused(small_llama: str, tmp_path: Path) -> None:
-    """Claude Code's wire API (Anthropic Messages) against the real llama.cpp server (CTX 2048): a growing
-    session of Bash calls and their results, far over the window by the end, is never refused."""
-    from test_proxy import anthropic_problems, claude_request
-
-    with proxy(small_llama, "--no-archive", log=tmp_path / "log") as url:
-        for turns in (2, 6, 10, 14):
-            body = {**claude_request(turns, result_size=30, thinking=False), "model": "tiny", "max_tokens": 8}
-            assert anthropic_problems(body) == []
-            reply = httpx2.post(url + "/messages", json=body, timeout=300)
-            assert reply.status_code == 200, (turns, reply.text[:300], reply.headers.get("x-context-shrink"))
-            assert reply.json()["type"] == "message"
 
 
 def test_an_opencode_session_is_never_refused(tiny_model: Path, tmp_path: Path) -> None:
