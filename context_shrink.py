@@ -101,6 +101,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "load_messages_file",
     "main",
     "message_ids",
+    "messages_body",
     "messages_view",
     "parse_overflow",
     "parse_tokenizer_spec",
@@ -113,6 +114,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "redact",
     "render_jsonl",
     "render_message",
+    "request_budget",
     "resolve_path",
     "resolve_tokenizer",
     "responses_view",
@@ -5440,7 +5442,7 @@ def shrink_header(report: Mapping[str, Any]) -> str:
     """The ``x-context-shrink`` response header: what the proxy did to the request."""
     parts = [f"tokens_before={report['tokens_before']}", f"tokens_after={report['tokens_after']}"]
     parts += [f"action={report['action']}"]
-    keys = ("window", "ms", "retried", "summary_cached", "conversation")
+    keys = ("window", "reserve", "ms", "retried", "summary_cached", "conversation")
     parts += [f"{k}={report[k]}" for k in keys if report.get(k) is not None]
     if report.get("reason"):
         parts.append("reason=" + re.sub(r"[^\x20-\x7e]|;", " ", str(report["reason"]))[:200])
@@ -5758,15 +5760,16 @@ async def upstream_count(
     return bare, max(0, total - bare)
 
 
-def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, str | None]:
-    """The prompt's budget in ``window``: what the reply's ``max_tokens`` (else a reserve) leaves, and why
-    there is none when it leaves nothing."""
+def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, int | None]:
+    """The prompt's budget in ``window``: what the reply's ``max_tokens`` (else a reserve) leaves, and the
+    reserve when the asked one was capped. An agent may ask for more than a local window can give (Claude
+    Code asks 32,000): over half the window, a quarter is reserved (llama.cpp ends such a reply at the
+    window's end; a server that refuses prompt + max_tokens refuses it whatever the proxy cuts)."""
     asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
-    reserve = asked if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
-    return (
-        window - reserve,
-        None if window > reserve else f"max_tokens {reserve} leaves no room in the window of {window}",
-    )
+    reserve = max(0, asked) if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
+    if reserve <= window // 2:
+        return window - reserve, None
+    return window - window // 4, window // 4
 
 
 async def shrink_request(
@@ -5792,9 +5795,8 @@ async def shrink_request(
                               "count": "estimated"}  # fmt: skip
     if window is None:
         return body, {**report, "reason": "window unknown"}
-    budget, no_room = request_budget(body, window)
-    if no_room:
-        return body, {**report, "reason": no_room}
+    budget, capped = request_budget(body, window)
+    report.update({"reserve": capped} if capped else {})
     trigger = state.policy.trigger * budget
     if EXACT_ZONE[0] * trigger <= before <= EXACT_ZONE[1] * budget:
         if counts := await upstream_count(state, messages, tools, model, authorization, tokenizer):
@@ -5998,8 +6000,10 @@ def _anthropic_message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any
     """The chat messages one Anthropic message stands for."""
     role, content = message.get("role"), message.get("content")
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    if role not in ("user", "assistant") or not isinstance(blocks, list):
-        raise ContextShrinkError(f"messages[{i}] must be a user or assistant message with content")
+    if role not in ("user", "assistant", "system") or not isinstance(blocks, list):
+        raise ContextShrinkError(f"messages[{i}] must be a user, assistant or system message with content")
+    if role == "system":  # Claude Code sends its environment so, between the turns
+        return [{"role": "system", "content": _anthropic_parts(blocks)}]
     if role == "assistant":
         text = [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
         calls = [{"id": b.get("id"), "type": "function", "function": {"name": b.get("name"),

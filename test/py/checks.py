@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from typing import Any
 
@@ -111,3 +112,38 @@ def check_trim(messages: list[dict[str, Any]], tok: cs.Tokenizer, budget: int, *
         assert result["fits"], "the leading messages, the newest request and its newest step fit, the result does not"
     assert cs.trim_messages(messages, tok, budget, **kwargs) == result, "not deterministic"
     return result
+
+
+def responses_problems(body: dict[str, Any]) -> list[str]:
+    """What makes a Responses input invalid: an output without its call, a call without its output."""
+    items = body["input"]
+    calls = [i["call_id"] for i in items if i.get("type") == "function_call"]
+    outputs = [i["call_id"] for i in items if i.get("type") == "function_call_output"]
+    problems = [f"output {c} has no call" for c in outputs if c not in calls]
+    return problems + [f"call {c} has no output" for c in calls if c not in outputs]
+
+
+def anthropic_problems(body: dict[str, Any]) -> list[str]:
+    """What makes a Messages request invalid: turns that do not alternate, a tool_result without its
+    tool_use in the turn before, a tool_use not answered in the turn after. System messages between the
+    turns (Claude Code sends its environment so) are set aside, but never between a tool_use and its result."""
+    problems = [f"message {k} has role {m.get('role')!r}" for k, m in enumerate(body["messages"])
+                if m.get("role") not in ("user", "assistant", "system")]  # fmt: skip
+    for k, (a, b) in enumerate(itertools.pairwise(body["messages"])):
+        if b.get("role") == "system" and a["role"] == "assistant" and "tool_use" in str(a["content"]):
+            problems.append(f"message {k + 1}: a system message between a tool_use and its result")
+    turns = [m for m in body["messages"] if m.get("role") != "system"]
+    problems += [f"turns {k} and {k + 1} are both {a['role']}" for k, (a, b) in enumerate(itertools.pairwise(turns))
+                 if a["role"] == b["role"]]  # fmt: skip
+    blocks = [[b for b in t["content"] if isinstance(b, dict)] if isinstance(t["content"], list) else [] for t in turns]
+    for k, turn in enumerate(blocks):
+        for block in turn:
+            if block.get("type") == "tool_result" and not any(
+                b.get("id") == block["tool_use_id"] for b in (blocks[k - 1] if k else []) if b.get("type") == "tool_use"
+            ):
+                problems.append(f"turn {k}: tool_result {block['tool_use_id']} without its tool_use")
+            if block.get("type") == "tool_use" and not any(
+                b.get("tool_use_id") == block["id"] for b in (blocks[k + 1] if k + 1 < len(blocks) else [])
+            ):
+                problems.append(f"turn {k}: tool_use {block['id']} not answered")
+    return problems

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import socket
@@ -18,6 +17,7 @@ from typing import Any
 
 import httpx2
 import pytest
+from checks import anthropic_problems, responses_problems
 from fake_openai import FakeOpenAI, serve
 from proxy_helpers import MODULE, proxy
 from starlette.responses import JSONResponse
@@ -423,6 +423,14 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           env={**environment, **(env or {})})  # fmt: skip
 
 
+def test_a_reply_reserve_over_half_the_window_is_capped() -> None:
+    """Claude Code asks 32,000 reply tokens of any model: in a 20,000 window a quarter is reserved, not all."""
+    assert cs.request_budget({"max_tokens": 32_000}, 20_000) == (15_000, 5_000)
+    assert cs.request_budget({"max_tokens": 10_000}, 20_000) == (10_000, None)
+    assert cs.request_budget({"max_completion_tokens": 512, "max_tokens": 9}, 4096) == (3584, None)
+    assert cs.request_budget({}, 4096) == (4096 - 512, None) and cs.request_budget({}, 65_536) == (64_512, None)
+
+
 def test_rough_edges_at_start_up() -> None:
     """A taken port is an error before anything is announced; a misspelt flag gets the subcommand's usage;
     a missing upstream says what to give."""
@@ -517,15 +525,6 @@ def codex_request(turns: int, result_size: int, reasoning: bool = True) -> dict[
             "max_output_tokens": 512, "store": False}  # fmt: skip
 
 
-def responses_problems(body: dict[str, Any]) -> list[str]:
-    """What makes a Responses input invalid: an output without its call, a call without its output."""
-    items = body["input"]
-    calls = [i["call_id"] for i in items if i.get("type") == "function_call"]
-    outputs = [i["call_id"] for i in items if i.get("type") == "function_call_output"]
-    problems = [f"output {c} has no call" for c in outputs if c not in calls]
-    return problems + [f"call {c} has no output" for c in calls if c not in outputs]
-
-
 def test_a_codex_responses_request_is_shrunk_in_its_own_format(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=6000)
     body = codex_request(turns=24, result_size=40)
@@ -560,9 +559,12 @@ def test_metrics_without_prometheus_client_is_a_clear_501(monkeypatch: pytest.Mo
 
 
 def claude_request(turns: int, result_size: int, thinking: bool = True) -> dict[str, Any]:
-    """A Claude Code Messages request: a system field, a task, then turns of (thinking,) text and a Bash
-    tool_use answered by a tool_result in the next user message, and a final user message."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "fix src/app.py"}]}]
+    """A Claude Code Messages request: a system field, a task and (as Claude Code 2.1 sends it) a system
+    message with the environment, then turns of (thinking,) text and a Bash tool_use answered by a
+    tool_result in the next user message, and a final user message."""
+    environment = {"role": "system", "content": [{"type": "text", "text": "# Environment\n - cwd: /src\n - linux"}]}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "fix src/app.py"}]},
+                                      environment]  # fmt: skip
     for t in range(turns):
         blocks: list[dict[str, Any]] = (
             [{"type": "thinking", "thinking": f"plan {t}", "signature": "sig"}] if thinking else []
@@ -578,30 +580,12 @@ def claude_request(turns: int, result_size: int, thinking: bool = True) -> dict[
             "tools": [tool], "max_tokens": 512}  # fmt: skip
 
 
-def anthropic_problems(body: dict[str, Any]) -> list[str]:
-    """What makes a Messages request invalid: turns that do not alternate, a tool_result without its
-    tool_use in the turn before, a tool_use not answered in the turn after."""
-    turns = body["messages"]
-    problems = [f"turns {k} and {k + 1} are both {a['role']}" for k, (a, b) in enumerate(itertools.pairwise(turns))
-                if a["role"] == b["role"]]  # fmt: skip
-    blocks = [[b for b in t["content"] if isinstance(b, dict)] if isinstance(t["content"], list) else [] for t in turns]
-    for k, turn in enumerate(blocks):
-        for block in turn:
-            if block.get("type") == "tool_result" and not any(
-                b.get("id") == block["tool_use_id"] for b in (blocks[k - 1] if k else []) if b.get("type") == "tool_use"
-            ):
-                problems.append(f"turn {k}: tool_result {block['tool_use_id']} without its tool_use")
-            if block.get("type") == "tool_use" and not any(
-                b.get("tool_use_id") == block["id"] for b in (blocks[k + 1] if k + 1 < len(blocks) else [])
-            ):
-                problems.append(f"turn {k}: tool_use {block['id']} not answered")
-    return problems
-
-
 def test_a_claude_code_messages_request_is_shrunk_in_its_own_format(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=6000)
     body = claude_request(turns=30, result_size=40)
     assert anthropic_problems(body) == []
+    view = cs.messages_view(body)
+    assert view.messages[2]["role"] == "system" and cs.messages_body(body, view, view.messages) == body
     with serve(fake) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
         reply = httpx2.post(url + "/messages", json=body, timeout=60)
     assert reply.status_code == 200, reply.text

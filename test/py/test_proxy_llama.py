@@ -209,7 +209,8 @@ def test_doctor_says_when_nothing_answers() -> None:
 def test_an_agent_session_on_its_own_wire_api_is_never_refused(small_llama: str, tmp_path: Path, api: str) -> None:
     """Codex CLI's and Claude Code's wire APIs against the real llama.cpp server (CTX 2048): a growing
     session of shell calls and their outputs, far over the window by the end, is never refused."""
-    from test_proxy import anthropic_problems, claude_request, codex_request, responses_problems
+    from checks import anthropic_problems, responses_problems
+    from test_proxy import claude_request, codex_request
 
     def make(turns: int) -> dict[str, Any]:
         if api == "responses":
