@@ -7,14 +7,15 @@ Trimming and compaction never split an assistant tool call from its results, kee
 messages, start the kept history on a user message and never change a kept message.
 
 ``context-shrink proxy --upstream URL`` serves the same machinery as an OpenAI-compatible HTTP proxy:
-every chat request is shrunk to fit the upstream's window before it is forwarded.
+every chat request is shrunk to fit the upstream's window before it is forwarded. ``context-shrink serve``
+serves the MCP tools over streamable HTTP (and, with ``--upstream``, the proxy) in one process.
 
 The module reads top to bottom, each section using only the ones above it:
  1. header                      6. the verbatim diet (pure)          11. files and the archive
  2. the error types             7. estimating and trimming (pure)    12. front door one: the MCP tools
  3. constants, configuration    8. compaction, summarise_span (pure) 13. front door two: the proxy
- 4. token counting (pure)       9. the shrinking pipeline (pure)     14. the command line
- 5. message helpers (pure)     10. the backend client (httpx2)
+ 4. token counting (pure)       9. the shrinking pipeline (pure)     14. both doors on one HTTP server
+ 5. message helpers (pure)     10. the backend client (httpx2)      15. the command line
 Sections 4-9 do no I/O: the backend reaches them only as an injected summariser. Both front doors are thin
 shells over :func:`shrink` and :func:`summarise_span`, and read their settings through :class:`Settings`.
 """
@@ -67,6 +68,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "api_problems",
     "archive_files",
     "archive_messages",
+    "bound_listener",
     "build_proxy",
     "build_server",
     "cached_count",
@@ -149,6 +151,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import hmac
 import inspect
 import itertools
 import json
@@ -180,6 +183,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.mcpserver.tools import Tool
 from mcp.server.stdio import stdio_server
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared._context_streams import create_context_streams
 from mcp.shared.exceptions import MCPDeprecationWarning
 from mcp.shared.message import SessionMessage
@@ -199,9 +203,11 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import Field
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:  # optional: exact OpenAI token counts
@@ -5381,6 +5387,7 @@ IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
 CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
 CALIBRATION_MODELS = 64  # models remembered (calibration factors and learnt windows)
 TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # listening here, nothing beyond this machine can connect
 HOP_HEADERS = frozenset(
     {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
      "proxy-authorization", "proxy-connection"}
@@ -6587,32 +6594,41 @@ async def doctor(upstream: str, model: str | None, api_key: str | None, tokenize
 
 def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
     """Serve the proxy with uvicorn until interrupted."""
-    logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per shrunk request is enough
-    if config.host not in ("127.0.0.1", "localhost", "::1"):
+    if config.host not in LOCAL_HOSTS:
         log.warning(
             "proxy: listening on %s, reachable from other machines: anyone who can reach it can use "
             "the upstream with the key it holds",
             config.host,
         )
-    app = build_proxy(config, tokenizer)
-    server = uvicorn.Server(listening(app, config.host, config.port, config.header_timeout, config.idle_timeout))
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
+    announce = (
+        f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.base} (archive: {config.archive_dir or 'off'})"
+    )
+    serve_http(build_proxy(config, tokenizer), config.host, config.port, config, announce)
+
+
+def serve_http(app: Any, host: str, port: int, config: ProxyConfig, announce: str) -> None:
+    """Run ``app`` with uvicorn (:func:`listening`) on ``host:port``, bound before ``announce`` (its ``{}`` is
+    the address) is logged: a taken port raises :class:`OSError` before anything claims to serve."""
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request is enough
+    server = uvicorn.Server(listening(app, host, port, config.header_timeout, config.idle_timeout))
+    listener = bound_listener(host, port)
+    log.info(announce.replace("{}", f"{host}:{listener.getsockname()[1]}", 1))
+    server.run(sockets=[listener])
+
+
+def bound_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``. Its protocol is IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY
+    only on connections that say so, and without it a streamed reply's last write waited for the client's
+    delayed ACK (40 ms a request on a kept-alive connection)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((config.host, config.port))  # bound before it says it serves: a taken port is an error
+        listener.bind((host, port))
     except OSError:
         listener.close()
         raise
-    log.info(
-        "context-shrink proxy %s: http://%s:%d/v1 -> %s (archive: %s)",
-        __version__,
-        config.host,
-        listener.getsockname()[1],
-        config.base,
-        config.archive_dir or "off",
-    )
-    server.run(sockets=[listener])
+    return listener
 
 
 class HeaderDeadline(H11Protocol):
@@ -6666,7 +6682,128 @@ def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeou
 
 
 # =============================================================================
-# 14. Command line
+# 14. Both front doors on one HTTP server: the MCP tools at /mcp, the proxy at /v1
+# =============================================================================
+
+HTTP_TOKEN_MIN = 16  # characters a bearer token must have
+LOCAL_ORIGINS = ("http://127.0.0.1", "http://localhost", "http://[::1]")  # browser origins of this machine
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """``context-shrink serve``: where it listens, the bearer token every request but ``/health`` must carry
+    (required off localhost), the browser origins allowed beside this machine's, whether MCP sessions are
+    kept (``stateless``: none, each request stands alone), and the proxy when an upstream is given."""
+
+    host: str = "127.0.0.1"
+    port: int = PROXY_PORT
+    token: str | None = dataclasses.field(default=None, repr=False)
+    origins: tuple[str, ...] = ()
+    stateless: bool = False
+    proxy: ProxyConfig = dataclasses.field(default_factory=lambda: ProxyConfig(upstream=""))
+
+
+def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """The serve settings from the flags and ``CONTEXT_SHRINK_HTTP_TOKEN``; raises :class:`ConfigError` for
+    a token that is too short, and for a host beyond this machine without one."""
+    environ = os.environ if environ is None else environ
+    token = args.token or environ.get("CONTEXT_SHRINK_HTTP_TOKEN") or None
+    if token is not None and (len(token) < HTTP_TOKEN_MIN or not token.isprintable() or " " in token):
+        source = "--token" if args.token else "CONTEXT_SHRINK_HTTP_TOKEN"
+        raise ConfigError(
+            f"{source}: the token must be at least {HTTP_TOKEN_MIN} printable characters without spaces",
+            variable=source,
+        )
+    wanted = args.upstream or environ.get("CONTEXT_SHRINK_PROXY_UPSTREAM")
+    proxy = proxy_config(args, environ) if wanted else ProxyConfig(upstream="")
+    host = args.host or "127.0.0.1"
+    if host not in LOCAL_HOSTS and token is None:
+        raise ConfigError(
+            f"serving on {host} (beyond this machine) needs a bearer token: --token or CONTEXT_SHRINK_HTTP_TOKEN",
+            variable="--token",
+        )
+    origins = tuple(o.rstrip("/") for o in args.allow_origin or ())
+    port = str(args.port or PROXY_PORT)
+    if not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--port must be a port number from 0 to 65535, got {port!r}", variable="--port")
+    return ServeConfig(host, int(port), token, origins, bool(args.stateless), proxy)
+
+
+class HttpGuard:
+    """ASGI middleware in front of everything but ``GET /health``: a browser ``Origin`` other than this
+    machine's (or one allowed) is refused (403, against DNS rebinding), and with a token every request must
+    carry it (``Authorization: Bearer`` or ``x-api-key``, compared in constant time; 401 otherwise). The
+    token is this server's alone: it is taken off the request, so the proxy never sends it upstream."""
+
+    def __init__(self, app: Any, token: str | None, origins: Sequence[str]) -> None:
+        self.app, self.token, self.origins = app, token, tuple(origins)
+
+    def allowed(self, origin: str) -> bool:
+        return origin in self.origins or any(origin == o or origin.startswith(o + ":") for o in LOCAL_ORIGINS)
+
+    def authorised(self, headers: Headers) -> bool:
+        given = headers.get("x-api-key") or ""
+        scheme, _, value = (headers.get("authorization") or "").partition(" ")
+        if scheme.lower() == "bearer":
+            given = value.strip()
+        return hmac.compare_digest(given.encode(), (self.token or "").encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        if origin and not self.allowed(origin.rstrip("/")):
+            refusal = _failure(403, f"context-shrink: origin {origin[:100]!r} is not allowed (--allow-origin)",
+                               "forbidden")  # fmt: skip
+            return await refusal(scope, receive, send)
+        if self.token is not None:
+            if not self.authorised(headers):
+                refusal = _failure(401, "context-shrink: a bearer token is required", "unauthorized")
+                refusal.headers["www-authenticate"] = 'Bearer realm="context-shrink"'
+                return await refusal(scope, receive, send)
+            kept = [(k, v) for k, v in scope["headers"] if k not in (b"authorization", b"x-api-key")]
+            scope = {**scope, "headers": kept}
+        await self.app(scope, receive, send)
+
+
+def build_http(server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | None = None) -> Starlette:
+    """One ASGI app: ``GET /health``, the MCP streamable HTTP transport at ``/mcp`` (the SDK's, stateful or
+    stateless) and, with an upstream, the proxy everywhere else; behind :class:`HttpGuard`."""
+    local = config.host in LOCAL_HOSTS  # the SDK checks Host and Origin itself on localhost
+    security = None if local else TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    mcp = server.streamable_http_app(
+        stateless_http=config.stateless,
+        transport_security=security,
+        host=config.host,
+        max_request_body_size=config.proxy.max_body_bytes,  # the SDK's 4 MiB is a 2,000-message history
+    )
+    front = ProxyFront(config.proxy, tokenizer) if config.proxy.upstream else None
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok", "version": __version__, "mcp": "/mcp", "proxy": front is not None})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with mcp.router.lifespan_context(mcp), front.lifespan(app) if front else contextlib.nullcontext():
+            yield
+
+    routes: list[Any] = [Route("/health", health, methods=["GET"]), *mcp.routes]
+    routes += [Mount("", app=front.app())] if front else []
+    guard = Middleware(HttpGuard, token=config.token, origins=config.origins)
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[guard])
+
+
+def run_serve(config: ServeConfig, server: MCPServer, tokenizer: Tokenizer | None = None) -> None:
+    """Serve :func:`build_http` with uvicorn until interrupted."""
+    proxy = f", proxy at /v1 -> {config.proxy.base}" if config.proxy.upstream else ""
+    guard = "bearer token required" if config.token else "no token (this machine only)"
+    announce = f"context-shrink serve {__version__}: MCP at http://{{}}/mcp{proxy}; {guard}"
+    serve_http(build_http(server, config, tokenizer), config.host, config.port, config.proxy, announce)
+
+
+# =============================================================================
+# 15. Command line
 # =============================================================================
 
 
@@ -6753,15 +6890,33 @@ def _doctor(args: argparse.Namespace, config: Config) -> int:
     return 0 if report["reachable"] else 1
 
 
+def _proxy_flags(sub: argparse.ArgumentParser) -> None:
+    """The proxy's flags beside ``--upstream``, ``--host`` and ``--port`` (for ``proxy`` and ``serve``)."""
+    sub.add_argument("--window", help="the upstream's context window in tokens, or auto (default: discovered)")
+    sub.add_argument("--summary-url", help="base URL of the summariser (default: the upstream)")
+    sub.add_argument("--summary-model", help="summariser model (default: the request's model)")
+    sub.add_argument("--archive-dir", help="where folded-away messages go (default CONTEXT_SHRINK_ARCHIVE_DIR)")
+    sub.add_argument("--archive-max-bytes", type=int, help="the archive's size limit (default 256 MiB)")
+    sub.add_argument("--archive-max-days", type=int, help="days an archive file is kept (default 30)")
+    sub.add_argument("--no-archive", action="store_true", help="keep no archive of folded-away messages")
+    sub.add_argument("--max-body-bytes", help=f"request body cap (default {PROXY_MAX_BODY_BYTES})")
+    sub.add_argument("--keep-last", help=f"newest messages always kept (default {DEFAULT_KEEP_LAST})")
+    sub.add_argument(
+        "--max-summary-tokens",
+        help=f"summary size cap (default {DEFAULT_MAX_SUMMARY_TOKENS}, and at most 1/16 of the window)",
+    )
+    sub.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
+
+
 def _parser() -> tuple[argparse.ArgumentParser, Any]:
-    """The command line: the MCP server without a subcommand, the text subcommands, proxy and doctor."""
+    """The command line: the MCP server without a subcommand, the text subcommands, proxy, serve and doctor."""
     parser = argparse.ArgumentParser(
         prog="context-shrink",
         description="MCP server (stdio) that measures, trims and compacts OpenAI-style chat histories; without "
         "a subcommand it serves the MCP tools. Configured by CONTEXT_SHRINK_* environment variables (README).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{count,dedupe,extract,pack,check,proxy,doctor}")
+    commands = parser.add_subparsers(dest="command", metavar="{count,dedupe,extract,pack,check,proxy,serve,doctor}")
     for name, purpose in (
         ("count", "count tokens, lines and bytes"),
         ("dedupe", "drop repeated lines and blocks (and 0x-address near-duplicates), verbatim"),
@@ -6793,20 +6948,21 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
     proxy.add_argument("--upstream", help="the upstream's base URL, e.g. http://127.0.0.1:8080/v1 (required)")
     proxy.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     proxy.add_argument("--port", help=f"port to listen on (default {PROXY_PORT})")
-    proxy.add_argument("--window", help="the upstream's context window in tokens, or auto (default: discovered)")
-    proxy.add_argument("--summary-url", help="base URL of the summariser (default: the upstream)")
-    proxy.add_argument("--summary-model", help="summariser model (default: the request's model)")
-    proxy.add_argument("--archive-dir", help="where folded-away messages go (default CONTEXT_SHRINK_ARCHIVE_DIR)")
-    proxy.add_argument("--archive-max-bytes", type=int, help="the archive's size limit (default 256 MiB)")
-    proxy.add_argument("--archive-max-days", type=int, help="days an archive file is kept (default 30)")
-    proxy.add_argument("--no-archive", action="store_true", help="keep no archive of folded-away messages")
-    proxy.add_argument("--max-body-bytes", help=f"request body cap (default {PROXY_MAX_BODY_BYTES})")
-    proxy.add_argument("--keep-last", help=f"newest messages always kept (default {DEFAULT_KEEP_LAST})")
-    proxy.add_argument(
-        "--max-summary-tokens",
-        help=f"summary size cap (default {DEFAULT_MAX_SUMMARY_TOKENS}, and at most 1/16 of the window)",
+    _proxy_flags(proxy)
+    serve = commands.add_parser(
+        "serve",
+        help="the MCP tools over streamable HTTP at /mcp, and with --upstream the proxy at /v1, in one process",
+        description="Serve the MCP tools at http://HOST:PORT/mcp (streamable HTTP) and, with --upstream, the proxy "
+        "at /v1, so recall_context reads what this proxy archived; GET /health answers without a token. Off "
+        "this machine a bearer token is required (--token or CONTEXT_SHRINK_HTTP_TOKEN).",
     )
-    proxy.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; another needs a token)")
+    serve.add_argument("--port", help=f"port to listen on (default {PROXY_PORT})")
+    serve.add_argument("--token", help="bearer token every request must carry (default CONTEXT_SHRINK_HTTP_TOKEN)")
+    serve.add_argument("--allow-origin", action="append", help="a browser origin allowed beside this machine's")
+    serve.add_argument("--stateless", action="store_true", help="no MCP sessions: each request stands alone")
+    serve.add_argument("--upstream", help="serve the proxy at /v1 in front of this base URL")
+    _proxy_flags(serve)
     check = commands.add_parser(
         "doctor",
         help="what the proxy would learn about an upstream: window, counting, token ratio, wire APIs",
@@ -6819,6 +6975,23 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
     return parser, commands
 
 
+def _serve(served: ServeConfig, config: Config) -> int:
+    """``context-shrink serve``: the tools read what this process's proxy archives."""
+    if served.proxy.archive_dir is not None:
+        config = dataclasses.replace(config, archive_dir=served.proxy.archive_dir)
+    try:
+        tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
+        run_serve(served, build_server(config), tokenizer)
+    except ContextShrinkError as exc:
+        print(f"context-shrink serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # said before anything is served
+        print(f"context-shrink serve: cannot listen on {served.host}:{served.port}: {exc.strerror or exc}"
+              " (--host, --port)", file=sys.stderr)  # fmt: skip
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``context-shrink``: serve the MCP tools over stdio, or run a text subcommand."""
     parser, commands = _parser()
@@ -6828,6 +7001,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # every setting is read and checked here, at start-up, for the server and the proxy alike
         config = Config.from_env()
         settings = proxy_config(args) if args.command == "proxy" else None
+        served = serve_config(args) if args.command == "serve" else None
     except ConfigError as exc:
         print(f"context-shrink: {exc}", file=sys.stderr)
         return 2
@@ -6847,6 +7021,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   " (--host, --port)", file=sys.stderr)  # fmt: skip
             return 2
         return 0
+    if served is not None:
+        return _serve(served, config)
     if args.command == "doctor":
         return _doctor(args, config)
     if args.command:
