@@ -26,7 +26,7 @@ import pytest
 from agent_upstream import AgentUpstream
 from checks import anthropic_problems, responses_problems
 from fake_openai import serve
-from proxy_helpers import proxy
+from proxy_helpers import proxy, started
 
 import context_shrink as cs
 
@@ -176,3 +176,39 @@ def upstream_size(upstream: AgentUpstream, path: str, body: dict[str, Any]) -> i
     else:
         view = cs.responses_view(body) if path == "responses" else cs.messages_view(body)
     return upstream.over_window(view, 0)[0]
+
+
+def deploy_block(client: str) -> str:
+    """The fenced block after ``**<client>**`` in docs/deploy.md."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    found = re.search(rf"\*\*{re.escape(client)}\*\*.*?```\w*\n(.*?)```", text, re.S)
+    assert found, f"docs/deploy.md has no block for {client}"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("name", ["opencode", "claude"])
+def test_the_agents_reach_a_remote_server_as_the_deploy_page_says(name: str, tmp_path: Path) -> None:
+    """OpenCode's remote MCP configuration and Claude Code's ``claude mcp add --transport http``, as written in
+    docs/deploy.md, against a real ``context-shrink serve`` with a token: connected with the token, not
+    without it."""
+    program = binary(name)
+    token = "agent-token-0123456789abcdef"
+    states = []
+    with started("serve", "--token", token, log=tmp_path / "log", env={"CONTEXT_SHRINK_ROOT": str(tmp_path)}) as base:
+        for given in (token, "wrong-token-0123456789abcdef"):
+            home, project = tmp_path / given / "home", tmp_path / given / "project"
+            project.mkdir(parents=True)
+            env = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", "CONTEXT_SHRINK_HTTP_TOKEN": given}
+            env.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
+            if name == "opencode":
+                config = deploy_block("OpenCode").replace("https://shrink.example.com", base)
+                (project / "opencode.json").write_text(config)
+            else:
+                add = deploy_block("Claude Code").replace("https://shrink.example.com", base).replace("<token>", given)
+                subprocess.run([str(program), *shlex.split(add)[1:]], cwd=project, env=env, check=True,
+                               capture_output=True, timeout=120)  # fmt: skip
+            listed = subprocess.run([str(program), "mcp", "list"], cwd=project, env=env, capture_output=True,
+                                    text=True, timeout=120)  # fmt: skip
+            states.append(listed.stdout + listed.stderr)
+    assert "connected" in states[0].lower() and "context-shrink" in states[0], states[0]
+    assert "connected" not in states[1].lower().replace("not connected", "").replace("disconnected", ""), states[1]
