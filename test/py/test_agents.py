@@ -91,8 +91,10 @@ class Session:
     proxy_log: str
 
 
-def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = False) -> Session:
-    """Run ``agent`` on the task in a fresh home and project under ``where``."""
+def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = False, served: bool = False
+                ) -> Session:  # fmt: skip
+    """Run ``agent`` on the task in a fresh home and project under ``where``: directly, or through
+    ``context-shrink proxy`` (``proxied``), or through the proxy of ``context-shrink serve`` (``served``)."""
     home, project = where / "home", where / "project"
     home.mkdir(parents=True)
     project.mkdir()
@@ -105,7 +107,10 @@ def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = 
     log = where / "proxy.log"
     with serve(upstream) as direct:
         front = proxy(direct, "--no-archive", log=log) if proxied else contextlib.nullcontext(direct)
+        if served:
+            front = started("serve", "--upstream", direct, "--no-archive", log=log)
         with front as url:
+            url = url + "/v1" if served else url
             command, extra = AGENTS[agent](project, home, url)
             environment = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", **extra}
             environment.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
@@ -153,8 +158,10 @@ def test_without_the_proxy_the_session_is_refused(name: str, tmp_path: Path) -> 
     assert session.upstream.refused, f"{name} was never refused going direct:\n{session.output[-2000:]}"
 
 
-def test_through_the_proxy_no_request_is_refused(agent: str, tmp_path: Path) -> None:
-    session = run_session(agent, tmp_path, proxied=True)
+@pytest.mark.parametrize("door", ["proxy", "serve"])
+def test_through_the_proxy_no_request_is_refused(agent: str, door: str, tmp_path: Path) -> None:
+    """Through ``context-shrink proxy``, and through the proxy at /v1 of ``context-shrink serve``."""
+    session = run_session(agent, tmp_path, proxied=door == "proxy", served=door == "serve")
     upstream = session.upstream
     assert not upstream.refused, f"refused: {upstream.refused}\n{session.proxy_log[-3000:]}"
     assert session.returncode == 0, session.output[-3000:]
