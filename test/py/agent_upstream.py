@@ -37,6 +37,7 @@ class AgentUpstream(FakeOpenAI):
         self.calls = 0  # the tool calls made so far
         self.log: list[tuple[str, dict[str, Any]]] = []  # every (path, body) received, refused ones too
         self.refused: list[tuple[str, int]] = []
+        self.credentials: set[str] = set()  # every Authorization and x-api-key value received
         self.app.router.routes[:0] = [
             Route("/v1/chat/completions", self.agent_chat, methods=["POST"]),
             Route("/v1/responses", self.agent_responses, methods=["POST"]),
@@ -69,6 +70,7 @@ class AgentUpstream(FakeOpenAI):
     async def agent_chat(self, request: Request) -> Response:
         body = await request.json()
         self.log.append(("chat", body))
+        self.credentials |= {v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
         view = cs.ChatView(body["messages"], body.get("tools") or [], [None] * len(body["messages"]))
         tokens, refusal = self.check("chat", view)
         if refusal is not None:
@@ -87,6 +89,7 @@ class AgentUpstream(FakeOpenAI):
     async def agent_responses(self, request: Request) -> Response:
         body = await request.json()
         self.log.append(("responses", body))
+        self.credentials |= {v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
         tokens, refusal = self.check("responses", cs.responses_view(body))
         if refusal is not None:
             return refusal
@@ -99,6 +102,7 @@ class AgentUpstream(FakeOpenAI):
     async def agent_messages(self, request: Request) -> Response:
         body = await request.json()
         self.log.append(("messages", body))
+        self.credentials |= {v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
         tokens, refusal = self.check("messages", cs.messages_view(body))
         if refusal is not None:
             return refusal
@@ -121,7 +125,7 @@ class AgentUpstream(FakeOpenAI):
         return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "test"}]})
 
 
-def read_call(tools: list[Tool], path: str) -> tuple[str, str] | None:
+def read_call(tools: list[Tool], path: str) -> tuple[str, str]:
     """A call that reads ``path`` with one of ``tools``: a reader with a path parameter (OpenCode's ``read``,
     Claude Code's ``Read``) or else a shell with a command parameter (Codex's ``shell`` / ``exec_command``)."""
     for name, schema in tools:

@@ -35,6 +35,7 @@ BIN = ROOT / "test" / "agents" / "node_modules" / ".bin"
 WINDOW = 20_000
 STEPS = 12
 README_URL = "http://127.0.0.1:8787"
+TOKEN = "agents-token-0123456789abcdef"
 
 
 def readme_block(client: str) -> str:
@@ -56,26 +57,41 @@ def binary(name: str) -> Path:
     return path
 
 
-def opencode(project: Path, home: Path, url: str) -> tuple[list[str], dict[str, str]]:
+def token_addition(agent: str) -> str:
+    """What docs/deploy.md says to add to the README's configuration of ``agent`` for a token."""
+    rows = dict(
+        re.findall(r"^\| (OpenCode|Codex CLI|Claude Code) \| `(.+?)`", (ROOT / "docs" / "deploy.md").read_text(), re.M)
+    )
+    return rows[{"opencode": "OpenCode", "codex": "Codex CLI", "claude": "Claude Code"}[agent]]
+
+
+def opencode(project: Path, home: Path, url: str, token: bool) -> tuple[list[str], dict[str, str]]:
     config = json.loads(readme_block("OpenCode").replace(README_URL, url.removesuffix("/v1")))
     provider_name, provider = next(iter(config["provider"].items()))
     model = next(iter(provider["models"]))
     provider["models"][model]["limit"]["context"] = WINDOW  # "give the model its real limit"
+    if token:
+        provider["options"].update(json.loads("{" + token_addition("opencode") + "}"))
     (project / "opencode.json").write_text(json.dumps(config))
     return [str(binary("opencode")), "run", "--model", f"{provider_name}/{model}"], {}
 
 
-def codex(project: Path, home: Path, url: str) -> tuple[list[str], dict[str, str]]:
+def codex(project: Path, home: Path, url: str, token: bool) -> tuple[list[str], dict[str, str]]:
     (home / ".codex").mkdir()
-    (home / ".codex" / "config.toml").write_text(readme_block("Codex CLI").replace(README_URL, url.removesuffix("/v1")))
+    config = readme_block("Codex CLI").replace(README_URL, url.removesuffix("/v1"))
+    assert config.rstrip().splitlines()[-1].startswith("wire_api")  # the provider's table ends the block
+    (home / ".codex" / "config.toml").write_text(config + (token_addition("codex") + "\n" if token else ""))
     command = [str(binary("codex")), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
     return command, {"CODEX_HOME": str(home / ".codex")}
 
 
-def claude(project: Path, home: Path, url: str) -> tuple[list[str], dict[str, str]]:
+def claude(project: Path, home: Path, url: str, token: bool) -> tuple[list[str], dict[str, str]]:
     *assignments, program = shlex.split(readme_block("Claude Code").replace(README_URL, url.removesuffix("/v1")))
     assert program == "claude"
     environment = dict(a.split("=", 1) for a in assignments)
+    if token:
+        name, value = token_addition("claude").split("=", 1)
+        environment[name] = shlex.split(value.replace("$CONTEXT_SHRINK_HTTP_TOKEN", TOKEN))[0]
     return [str(binary("claude")), "--allowedTools", "Read", "-p"], environment
 
 
@@ -91,10 +107,11 @@ class Session:
     proxy_log: str
 
 
-def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = False, served: bool = False
-                ) -> Session:  # fmt: skip
+def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = False, served: bool = False,
+                token: bool = False) -> Session:  # fmt: skip
     """Run ``agent`` on the task in a fresh home and project under ``where``: directly, or through
-    ``context-shrink proxy`` (``proxied``), or through the proxy of ``context-shrink serve`` (``served``)."""
+    ``context-shrink proxy`` (``proxied``), or through the proxy of ``context-shrink serve`` (``served``,
+    with a bearer token the agent sends as its key when ``token``)."""
     home, project = where / "home", where / "project"
     home.mkdir(parents=True)
     project.mkdir()
@@ -108,11 +125,13 @@ def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = 
     with serve(upstream) as direct:
         front = proxy(direct, "--no-archive", log=log) if proxied else contextlib.nullcontext(direct)
         if served:
-            front = started("serve", "--upstream", direct, "--no-archive", log=log)
+            front = started("serve", "--upstream", direct, "--no-archive", *(["--token", TOKEN] if token else []),
+                            log=log)  # fmt: skip
         with front as url:
             url = url + "/v1" if served else url
-            command, extra = AGENTS[agent](project, home, url)
+            command, extra = AGENTS[agent](project, home, url, token)
             environment = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", **extra}
+            environment.update({"CONTEXT_SHRINK_HTTP_TOKEN": TOKEN} if token else {})
             environment.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
             returncode, output = drive([*command, PROMPT], project, environment, upstream, stop_at_refusal)
     return Session(upstream, returncode, output, log.read_text() if log.exists() else "")
@@ -158,10 +177,13 @@ def test_without_the_proxy_the_session_is_refused(name: str, tmp_path: Path) -> 
     assert session.upstream.refused, f"{name} was never refused going direct:\n{session.output[-2000:]}"
 
 
-@pytest.mark.parametrize("door", ["proxy", "serve"])
+@pytest.mark.parametrize("door", ["proxy", "serve", "serve+token"])
 def test_through_the_proxy_no_request_is_refused(agent: str, door: str, tmp_path: Path) -> None:
-    """Through ``context-shrink proxy``, and through the proxy at /v1 of ``context-shrink serve``."""
-    session = run_session(agent, tmp_path, proxied=door == "proxy", served=door == "serve")
+    """Through ``context-shrink proxy``, and through the proxy at /v1 of ``context-shrink serve`` (with a
+    token the agent sends as its key, configured as docs/deploy.md says, and which never goes upstream)."""
+    served, token = door.startswith("serve"), door.endswith("token")
+    session = run_session(agent, tmp_path, proxied=door == "proxy", served=served, token=token)
+    assert not any(TOKEN in value for value in session.upstream.credentials), session.upstream.credentials
     upstream = session.upstream
     assert not upstream.refused, f"refused: {upstream.refused}\n{session.proxy_log[-3000:]}"
     assert session.returncode == 0, session.output[-3000:]
