@@ -11,12 +11,13 @@ every chat request is shrunk to fit the upstream's window before it is forwarded
 serves the MCP tools over streamable HTTP (and, with ``--upstream``, the proxy) in one process.
 
 The module reads top to bottom, each section using only the ones above it:
- 1. header                      6. the verbatim diet (pure)          11. files and the archive
- 2. the error types             7. estimating and trimming (pure)    12. front door one: the MCP tools
- 3. constants, configuration    8. compaction, summarise_span (pure) 13. front door two: the proxy
- 4. token counting (pure)       9. the shrinking pipeline (pure)     14. both doors on one HTTP server
- 5. message helpers (pure)     10. the backend client (httpx2)      15. the command line
-Sections 4-9 do no I/O: the backend reaches them only as an injected summariser. Both front doors are thin
+ 1. header                      7. estimating and trimming (pure)    13. agent sessions (their stores)
+ 2. the error types             8. compaction, summarise_span (pure) 14. front door one: the MCP tools
+ 3. constants, configuration    9. the shrinking pipeline (pure)     15. front door two: the proxy
+ 4. token counting (pure)      10. other wire APIs as chat (pure)    16. both doors on one HTTP server
+ 5. message helpers (pure)     11. the backend client (httpx2)      17. the command line
+ 6. the verbatim diet (pure)   12. files and the archive
+Sections 4-10 do no I/O: the backend reaches them only as an injected summariser. Both front doors are thin
 shells over :func:`shrink` and :func:`summarise_span`, and read their settings through :class:`Settings`.
 """
 
@@ -103,6 +104,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "load_messages_file",
     "main",
     "message_ids",
+    "message_kind",
     "messages_body",
     "messages_view",
     "parse_overflow",
@@ -113,6 +115,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "read_archive",
     "read_file_text",
     "read_jsonl_lines",
+    "read_session",
     "redact",
     "render_jsonl",
     "render_message",
@@ -358,6 +361,7 @@ TOOL_NAMES = (
     "shrink_text",
     "check_text",
     "recall_context",
+    "list_sessions",
 )
 CORE_TOOLS = ("estimate_context", "trim_context", "compact_context")
 SERVER_INSTRUCTIONS = (
@@ -367,7 +371,8 @@ SERVER_INSTRUCTIONS = (
     "messages there and returns only the report; max_context_tokens is the window ('auto' asks the backend); "
     "reserve_tokens stay free for the reply; tools are the request's tool definitions (counted too); "
     "tokenizer is auto, server, heuristic, tiktoken or tiktoken:<encoding>; model names the model the "
-    "history is for; keep_last is how many newest messages are always kept."
+    "history is for; keep_last is how many newest messages are always kept; session names a coding agent's own "
+    "session (claude:<id>, codex:<id>, opencode:<id> or <agent>:latest; list_sessions finds them) to measure."
 )
 SYSTEM_ROLES = ("system", "developer")
 RESULT_ROLES = ("tool", "function")
@@ -504,6 +509,19 @@ def _tools_setting(read: Settings) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
+def _stores_setting(read: Settings) -> tuple[str, ...] | None:
+    """``CONTEXT_SHRINK_SESSION_STORES``: the agents (claude, codex, opencode) whose session stores may be read."""
+    if (found := read.find("SESSION_STORES")) is None:
+        return None
+    names = [n.strip().lower() for n in found[1].split(",") if n.strip()]
+    if unknown := [n for n in names if n not in ("claude", "codex", "opencode")]:
+        raise ConfigError(
+            f"{found[0]} names unknown agents ({', '.join(unknown)}); known: claude, codex, opencode",
+            variable=found[0],
+        )
+    return tuple(dict.fromkeys(names))
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Server settings, read from the environment by :meth:`from_env` (never at import time)."""
@@ -525,6 +543,7 @@ class Config:
     log_level: str = "INFO"
     root: Path = dataclasses.field(default_factory=Path.cwd)
     archive_dir: Path | None = None  # the proxy's archive, read by recall_context; None: the default place
+    session_stores: tuple[str, ...] = ()  # the agents whose own session stores the tools may read
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -545,6 +564,7 @@ class Config:
             "tools": _tools_setting(read),
             "log_level": read.choice("LOG_LEVEL", LOG_LEVELS),
             "archive_dir": read.archive_dir(),
+            "session_stores": _stores_setting(read),
         }
         if base_url := read.text("BASE_URL"):
             values.update(base_url=base_url.rstrip("/"), base_url_configured=True)
@@ -3917,7 +3937,280 @@ async def _compact_rung(
 
 
 # =============================================================================
-# 10. The backend client (OpenAI-compatible /chat/completions over httpx2)
+# 10. The other wire APIs seen as chat (pure): the Responses API and Anthropic Messages
+# =============================================================================
+
+
+# --- the Responses API (Codex CLI): its input items seen as chat messages, and written back --------------
+
+
+@dataclasses.dataclass
+class ChatView:
+    """A request of another wire API seen as a chat request: ``messages`` and ``tools`` in the chat shape,
+    and for each message where it came from in the original body (``origins``: for the Responses API the
+    indices of its input items, for Anthropic Messages the index of its message; -1 is the instructions or
+    system field)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    origins: list[Any]
+
+    def matcher(self) -> Callable[[Mapping[str, Any]], Any]:
+        """Called on the shrunk messages in order: the origin of one the pipeline left as it was, else None."""
+        unchanged: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
+        for message, origin in zip(self.messages, self.origins, strict=True):
+            unchanged[fingerprint(message)].append(origin)
+
+        def origin(message: Mapping[str, Any]) -> Any:
+            found = unchanged.get(fingerprint(message))
+            return found.popleft() if found else None
+
+        return origin
+
+
+def _chat_parts(content: Any) -> str | list[dict[str, Any]]:
+    """Responses content (a string or typed parts) in the chat shape; a part it does not know raises."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ContextShrinkError(f"message content must be text or a list of parts, got {type(content).__name__}")
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url") or "", "detail": "auto"}})
+        else:
+            raise ContextShrinkError(f"content part type {kind!r} is not understood")
+    return parts
+
+
+def responses_view(body: Mapping[str, Any]) -> ChatView:
+    """The chat view of a Responses request body (a reasoning item travels with the item after it). Raises
+    :class:`ContextShrinkError` naming what it does not understand, or when the request continues a stored
+    response (``previous_response_id``: the server holds the earlier turns); such a request is relayed as
+    it is."""
+    if body.get("previous_response_id"):
+        raise ContextShrinkError("it continues a stored response (previous_response_id): the server holds the rest")
+    items = body.get("input")
+    items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ContextShrinkError("input must be text or a list of items")
+    messages: list[dict[str, Any]] = []
+    origins: list[list[int]] = []
+    if isinstance(body.get("instructions"), str) and body["instructions"]:
+        messages.append({"role": "system", "content": body["instructions"]})
+        origins.append([-1])
+    pending: list[int] = []  # reasoning items, waiting for the item they precede
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            pending.append(i)
+            continue
+        if kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}  # fmt: skip
+            if messages and messages[-1].get("tool_calls") and items[origins[-1][-1]].get("type") == "function_call":
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant message, as in chat
+                origins[-1] += [*pending, i]
+                pending = []
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _chat_parts(output)})  # fmt: skip
+        elif kind == "message":
+            messages.append({"role": item.get("role"), "content": _chat_parts(item.get("content"))})
+        else:
+            raise ContextShrinkError(f"input item type {kind!r} is not understood")
+        origins.append([*pending, i])
+        pending = []
+    if pending and origins:
+        origins[-1] += pending
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+             for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]  # fmt: skip
+    return ChatView(validate_messages(messages), tools, origins)
+
+
+def _as_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat message the pipeline wrote or changed (a summary, a cleared result), as Responses items."""
+    if message.get("role") == "tool":
+        return [{"type": "function_call_output", "call_id": message.get("tool_call_id"),
+                 "output": _plain_content(message.get("content"))}]  # fmt: skip
+    items = []
+    if text := _plain_content(message.get("content")):
+        kind = "output_text" if message.get("role") == "assistant" else "input_text"
+        items.append({"type": "message", "role": message.get("role"), "content": [{"type": kind, "text": text}]})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        items.append({"type": "function_call", "call_id": call.get("id"), "name": function.get("name"),
+                      "arguments": function.get("arguments") or ""})  # fmt: skip
+    return items
+
+
+def responses_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``body`` with ``sent`` (the shrunk chat messages) written back as its input: a message the pipeline
+    left as it was goes out as the very items it came from; a changed or new one in the Responses shape."""
+    items = body["input"] if isinstance(body["input"], list) else [{"type": "message", "role": "user",
+                                                                     "content": body["input"]}]  # fmt: skip
+    origin_of = view.matcher()
+    out: dict[str, Any] = {k: v for k, v in body.items() if k != "instructions"}
+    written: list[dict[str, Any]] = []
+    for message in sent:
+        origin = origin_of(message)
+        if origin == [-1]:
+            out["instructions"] = body["instructions"]
+        elif origin is not None:
+            written += [items[i] for i in origin]
+        else:
+            written += _as_items(message)
+    return {**out, "input": written}
+
+
+# --- the Anthropic Messages API (Claude Code): its messages seen as chat messages, and written back -------
+
+
+def _anthropic_parts(content: Any) -> list[dict[str, Any]]:
+    """Text and image blocks in the chat shape; a block type it does not know raises."""
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(blocks, list):
+        raise ContextShrinkError(f"content must be text or a list of blocks, got {type(content).__name__}")
+    parts = []
+    for block in blocks:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            source = block.get("source") or {}
+            url = source.get("url") or f"data:{source.get('media_type')};base64,{source.get('data', '')}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise ContextShrinkError(f"content block type {kind!r} is not understood")
+    return parts
+
+
+def _anthropic_message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages one Anthropic message stands for."""
+    role, content = message.get("role"), message.get("content")
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if role not in ("user", "assistant", "system") or not isinstance(blocks, list):
+        raise ContextShrinkError(f"messages[{i}] must be a user, assistant or system message with content")
+    if role == "system":  # Claude Code sends its environment so, between the turns
+        return [{"role": "system", "content": _anthropic_parts(blocks)}]
+    if role == "assistant":
+        text = [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
+        calls = [{"id": b.get("id"), "type": "function", "function": {"name": b.get("name"),
+                  "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}}
+                 for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
+        thinking = [b.get("thinking", "") for b in blocks if isinstance(b, dict) and b.get("type") == "thinking"]
+        known = {"text", "tool_use", "thinking", "redacted_thinking"}
+        if unknown := [b.get("type") for b in blocks if not isinstance(b, dict) or b.get("type") not in known]:
+            raise ContextShrinkError(f"content block type {unknown[0]!r} is not understood")
+        out: dict[str, Any] = {"role": "assistant", "content": _plain_content(text) or None}
+        out.update({"tool_calls": calls} if calls else {})
+        out.update({"reasoning_content": "\n".join(thinking)} if any(thinking) else {})
+        return [out]
+    results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
+    rest = [b for b in blocks if not (isinstance(b, dict) and b.get("type") == "tool_result")]
+    out_messages: list[dict[str, Any]] = []
+    for block in results:
+        content = block.get("content")
+        content = content if isinstance(content, str) else _anthropic_parts(content or [])
+        out_messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
+    if rest:
+        out_messages.append({"role": "user", "content": _anthropic_parts(rest)})
+    return out_messages
+
+
+def messages_view(body: Mapping[str, Any]) -> ChatView:
+    """The chat view of an Anthropic Messages request body: the ``system`` field first; a user message's
+    ``tool_result`` blocks become tool messages, its other blocks one user message; an assistant message's
+    ``tool_use`` blocks become tool calls, its thinking reasoning. Raises :class:`ContextShrinkError` naming
+    what it does not understand (such a request is relayed as it is)."""
+    if not isinstance(body.get("messages"), list):
+        raise ContextShrinkError("messages must be a list")
+    messages: list[dict[str, Any]] = []
+    origins: list[int] = []
+    system = body.get("system")
+    if system:
+        messages.append({"role": "system", "content": system if isinstance(system, str) else _anthropic_parts(system)})
+        origins.append(-1)
+    for i, message in enumerate(body["messages"]):
+        if not isinstance(message, dict):
+            raise ContextShrinkError(f"messages[{i}] must be an object")
+        converted = _anthropic_message(i, message)
+        messages += converted
+        origins += [i] * len(converted)
+    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+              "parameters": t.get("input_schema") or {}}}
+             for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
+    return ChatView(validate_messages(messages), tools, origins)
+
+
+def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat message the pipeline wrote or changed, as Anthropic content blocks."""
+    if message.get("role") == "tool":
+        return [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                 "content": _plain_content(message.get("content"))}]  # fmt: skip
+    blocks: list[dict[str, Any]] = []
+    if text := _plain_content(message.get("content")):
+        blocks.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = {"arguments": function.get("arguments")}
+        blocks.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
+                       "input": arguments if isinstance(arguments, dict) else {"value": arguments}})  # fmt: skip
+    return blocks
+
+
+def messages_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``body`` with ``sent`` (the shrunk chat messages) written back: an Anthropic message all of whose chat
+    messages went out unchanged goes out as the client sent it; any other is rebuilt from what went out (a
+    summary or a system message the pipeline wrote goes into a user message)."""
+    parts: dict[int, int] = collections.Counter(view.origins)
+    origin_of = view.matcher()
+    out: dict[str, Any] = {k: v for k, v in body.items() if k != "system"}
+    groups: list[tuple[int | None, list[Mapping[str, Any]], int]] = []  # (origin, messages, unchanged count)
+    for message in sent:
+        origin = origin_of(message)
+        if origin == -1:
+            out["system"] = body["system"]
+            continue
+        if groups and origin is not None and groups[-1][0] == origin:
+            groups[-1][1].append(message)
+            groups[-1] = (origin, groups[-1][1], groups[-1][2] + 1)
+        else:
+            groups.append((origin, [message], 1 if origin is not None else 0))
+    written: list[dict[str, Any]] = []
+    for origin, messages, same in groups:
+        if origin is not None and same == parts[origin]:
+            message = dict(body["messages"][origin])  # all of it went out unchanged: as the client sent it
+        else:
+            role = "assistant" if messages[0].get("role") == "assistant" else "user"
+            message = {"role": role, "content": [b for m in messages for b in _anthropic_blocks(m)]}
+        if written and written[-1]["role"] == message["role"]:  # the API's turns alternate: one turn
+            written[-1] = {
+                **written[-1],
+                "content": _as_blocks(written[-1]["content"]) + _as_blocks(message["content"]),
+            }
+        else:
+            written.append(message)
+    return {**out, "messages": written}
+
+
+def _as_blocks(content: Any) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+# =============================================================================
+# 11. The backend client (OpenAI-compatible /chat/completions over httpx2)
 # =============================================================================
 
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -4275,7 +4568,7 @@ async def _sleep(seconds: float) -> None:
 
 
 # =============================================================================
-# 11. Files and the archive (the only disk I/O; above both front doors)
+# 12. Files and the archive (the only disk I/O; above both front doors)
 # =============================================================================
 def resolve_path(root: Path, path: str) -> Path:
     """``path`` resolved (symlinks included) inside ``root``; anything outside is refused."""
@@ -4643,7 +4936,424 @@ def search_archive(entries: Sequence[Mapping[str, Any]], query: str, limit: int)
 
 
 # =============================================================================
-# 12. Front door one: the MCP tools (thin wrappers over the core)
+# 13. Agent sessions: Claude Code, Codex CLI and OpenCode stores, read as chat histories
+# =============================================================================
+
+SESSION_AGENTS = ("claude", "codex", "opencode")
+SESSION_LIST_LIMIT = 200  # sessions listed, newest first
+
+
+@dataclasses.dataclass
+class AgentSession:
+    """One agent session read from the agent's own store. ``messages`` is what the model is sent next turn
+    (after the last compaction, without the agent's system prompt and tools, which the agent renders per
+    request), in the chat shape; ``sources`` names, for each message, the store records it came from;
+    ``bookkeeping`` counts, by kind, the records the model is not sent (some hold copies of the prompts)."""
+
+    agent: str
+    id: str
+    path: Path
+    cwd: str | None
+    messages: list[dict[str, Any]]
+    sources: list[list[str]]
+    bookkeeping: dict[str, int]
+    compacted: bool = False
+    skipped_lines: int = 0  # lines that did not parse (the agent skips them too)
+
+
+def session_stores(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """Where each agent keeps its sessions: Claude Code ``~/.claude/projects``, Codex CLI
+    ``$CODEX_HOME/sessions`` (``~/.codex``), OpenCode ``$XDG_DATA_HOME/opencode/opencode.db``."""
+    environ = os.environ if environ is None else environ
+    home = Path(environ.get("HOME") or Path.home())
+    data = Path(environ.get("XDG_DATA_HOME") or home / ".local" / "share")
+    return {
+        "claude": home / ".claude" / "projects",
+        "codex": Path(environ.get("CODEX_HOME") or home / ".codex") / "sessions",
+        "opencode": data / "opencode" / "opencode.db",
+    }
+
+
+def session_spec(spec: str, allowed: Sequence[str]) -> tuple[str, str]:
+    """``"<agent>:<id>"`` or ``"<agent>:latest"`` split and checked against the stores the user allowed."""
+    agent, _, ident = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if agent not in SESSION_AGENTS or not ident or not re.fullmatch(r"[\w.:-]{1,200}", ident):
+        raise ContextShrinkError(
+            f"session must be 'claude:<id>', 'codex:<id>' or 'opencode:<id>' (or ':latest'), got {str(spec)[:80]!r}"
+        )
+    if agent not in allowed:
+        raise ContextShrinkError(
+            f"reading {agent} sessions is not allowed: set CONTEXT_SHRINK_SESSION_STORES={agent} (or a list such "
+            "as claude,codex,opencode) to let the tools read that agent's own session store"
+        )
+    return agent, ident
+
+
+def _jsonl_records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """A JSONL store's records with their line numbers (from 1), and how many lines did not parse."""
+    records, skipped = [], 0
+    for number, line in enumerate(_lines(read_file_text(path, errors="replace")), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            skipped += 1
+            continue
+        if isinstance(record, dict):
+            records.append((number, record))
+        else:
+            skipped += 1
+    return records, skipped
+
+
+def _text_of(content: Any) -> str:
+    """The text of a tool result or rendered block: a string, or the text parts of a list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return "" if content is None else json.dumps(content, ensure_ascii=False)
+
+
+# --- Claude Code: ~/.claude/projects/<cwd slug>/<id>.jsonl, records chained by uuid -> parentUuid ---------
+
+
+def _claude_chain(records: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The records the conversation runs through: from the newest chained record back to the root, then in
+    order, from just after the last compaction boundary."""
+    by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
+    chained = [
+        r for _, r in records if r.get("uuid") and r.get("type") in ("user", "assistant", "attachment", "system")
+    ]
+    chain: list[dict[str, Any]] = []
+    record = chained[-1] if chained else None
+    seen: set[str] = set()
+    while record is not None and record["uuid"] not in seen:
+        seen.add(record["uuid"])
+        chain.append(record)
+        parent = record.get("parentUuid")
+        record = by_uuid.get(parent) if isinstance(parent, str) else None
+    chain.reverse()
+    boundaries = [
+        k for k, r in enumerate(chain) if r.get("type") == "system" and r.get("subtype") == "compact_boundary"
+    ]
+    return chain[boundaries[-1] + 1 :] if boundaries else chain
+
+
+def _claude_content(record: dict[str, Any]) -> list[Any]:
+    """A record's ``message.content`` as a list of blocks (text given as a string is one text block)."""
+    message = record.get("message") if isinstance(record.get("message"), dict) else {}
+    content = message.get("content")
+    return (
+        [{"type": "text", "text": content}]
+        if isinstance(content, str)
+        else content
+        if isinstance(content, list)
+        else []
+    )
+
+
+def _claude_user(record: dict[str, Any]) -> list[dict[str, Any]]:
+    blocks = _claude_content(record)
+    out = [{"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": _text_of(b.get("content"))}
+           for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]  # fmt: skip
+    text = [str(b.get("text", "")) for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
+    if text:
+        out.append({"role": "user", "content": "\n".join(text)})
+    return out
+
+
+def _message_id(record: dict[str, Any]) -> Any:
+    message = record.get("message")
+    return message.get("id") if isinstance(message, dict) and isinstance(message.get("id"), str) else None
+
+
+def _claude_assistant(group: list[dict[str, Any]]) -> dict[str, Any]:
+    """One API response, written by Claude Code as one record per content block (same ``message.id``)."""
+    blocks = [b for r in group for b in _claude_content(r) if isinstance(b, dict)]
+    text = "\n".join(str(b.get("text", "")) for b in blocks if b.get("type") == "text")
+    calls = [{"id": b.get("id"), "type": "function", "function": {"name": b.get("name"),
+              "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}}
+             for b in blocks if b.get("type") == "tool_use"]  # fmt: skip
+    thinking = "\n".join(str(b.get("thinking", "")) for b in blocks if b.get("type") == "thinking")
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    message.update({"tool_calls": calls} if calls else {})
+    message.update({"reasoning_content": thinking} if thinking else {})
+    return message
+
+
+def read_claude(path: Path) -> AgentSession:
+    """A Claude Code session: user and assistant records as chat messages (an assistant response's
+    per-block records joined), attachments as the text they render to, from after the last compaction."""
+    records, skipped = _jsonl_records(path)
+    chain = _claude_chain(records)
+    messages: list[dict[str, Any]] = []
+    sources: list[list[str]] = []
+    unsent: collections.Counter[str] = collections.Counter()
+    k = 0
+    while k < len(chain):
+        record, kind = chain[k], chain[k].get("type")
+        if kind == "assistant":
+            mid = (record.get("message") or {}).get("id")
+            end = k + 1
+            while (
+                end < len(chain)
+                and chain[end].get("type") == "assistant"
+                and mid
+                and ((chain[end].get("message") or {}).get("id") == mid)
+            ):
+                end += 1
+            messages.append(_claude_assistant(chain[k:end]))
+            sources.append([r["uuid"] for r in chain[k:end]])
+            k = end
+            continue
+        if kind == "user":
+            converted = _claude_user(record)
+        elif kind == "attachment" and isinstance(record.get("rendered"), list):
+            role = "system" if record.get("renderedRole") == "system" else "user"
+            converted = [{"role": role, "content": _text_of(b.get("content"))} for b in record["rendered"]
+                         if isinstance(b, dict) and _text_of(b.get("content"))]  # fmt: skip
+        else:
+            converted = []
+        if not converted:
+            attachment = record.get("attachment") if isinstance(record.get("attachment"), dict) else {}
+            unsent[f"{kind} ({attachment.get('type') or record.get('subtype') or 'empty'})"] += 1
+        messages += converted
+        sources += [[record["uuid"]]] * len(converted)
+        k += 1
+    in_chain = {r["uuid"] for r in chain}
+    unsent.update(str(r.get("type")) for _, r in records if r.get("uuid") not in in_chain)
+    first = next((r for _, r in records if r.get("sessionId")), {})
+    return AgentSession("claude", str(first.get("sessionId") or path.stem), path, first.get("cwd"), messages,
+                        sources, dict(unsent), len(chain) < len([r for _, r in records if r.get("uuid")]),
+                        skipped)  # fmt: skip
+
+
+def _claude_sessions(store: Path) -> list[dict[str, Any]]:
+    return [{"id": path.stem, "cwd": _first_cwd(path), "path": path}
+            for path in (store.glob("*/*.jsonl") if store.is_dir() else [])]  # fmt: skip
+
+
+def _first_cwd(path: Path) -> str | None:
+    """The working directory named in a session file's first 50 lines."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            for line in itertools.islice(handle, 50):
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and isinstance(record.get("cwd"), str):
+                        return record["cwd"]
+    except OSError:
+        return None
+    return None
+
+
+# --- Codex CLI: $CODEX_HOME/sessions/YYYY/MM/DD/rollout-...-<id>.jsonl -------------------------------------
+
+
+def _codex_item(item: dict[str, Any]) -> dict[str, Any] | None:
+    """A rollout item as a Responses input item the chat view reads, or None when the model is not sent it."""
+    kind = item.get("type")
+    if kind in ("message", "function_call", "function_call_output", "reasoning"):
+        return item
+    if kind == "custom_tool_call":  # apply_patch and other freeform tools
+        return {"type": "function_call", "call_id": item.get("call_id"), "name": item.get("name"),
+                "arguments": str(item.get("input") or "")}  # fmt: skip
+    if kind == "custom_tool_call_output":
+        return {"type": "function_call_output", "call_id": item.get("call_id"), "output": _text_of(item.get("output"))}
+    if kind == "local_shell_call":
+        return {"type": "function_call", "call_id": item.get("call_id"), "name": "local_shell",
+                "arguments": json.dumps(item.get("action") or {}, ensure_ascii=False)}  # fmt: skip
+    return None
+
+
+def read_codex(path: Path) -> AgentSession:
+    """A Codex CLI rollout: ``response_item`` records (after a ``compacted`` record, its replacement history
+    and what follows) read through the Responses chat view. The first developer message Codex sends is
+    rendered per request from ``session_meta``'s base instructions and ``world_state``: not in the view."""
+    records, skipped = _jsonl_records(path)
+    meta = next((r.get("payload") or {} for _, r in records if r.get("type") == "session_meta"), {})
+    items: list[dict[str, Any]] = []
+    places: list[str] = []
+    unsent: collections.Counter[str] = collections.Counter()
+    compacted = False
+    for number, record in records:
+        payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
+        if record.get("type") == "compacted" and isinstance(payload.get("replacement_history"), list):
+            history = [(k, _codex_item(i)) for k, i in enumerate(payload["replacement_history"]) if isinstance(i, dict)]
+            items = [i for _, i in history if i is not None]
+            places = [f"line {number} replacement_history[{k}]" for k, i in history if i is not None]
+            compacted = True
+        elif record.get("type") == "response_item" and (item := _codex_item(payload)) is not None:
+            items.append(item)
+            places.append(f"line {number}")
+        else:
+            unsent[f"{record.get('type')}" + (f" ({payload.get('type')})" if payload.get("type") else "")] += 1
+    view = responses_view({"input": items})  # the base instructions are a template Codex renders per request
+    sources = [[places[i] for i in origin] for origin in view.origins]
+    return AgentSession("codex", str(meta.get("id") or path.stem), path, meta.get("cwd"), view.messages, sources,
+                        dict(unsent), compacted, skipped)  # fmt: skip
+
+
+def _codex_sessions(store: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in store.glob("*/*/*/rollout-*.jsonl") if store.is_dir() else []:
+        meta: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError), path.open(encoding="utf-8", errors="replace") as handle:
+            meta = json.loads(handle.readline()).get("payload") or {}
+        found.append({"id": str(meta.get("id") or path.stem[-36:]), "cwd": meta.get("cwd"), "path": path})
+    return found
+
+
+# --- OpenCode: $XDG_DATA_HOME/opencode/opencode.db (SQLite): message and part rows holding JSON ------------
+
+
+def _opencode_rows(path: Path, session: str) -> list[tuple[str, dict[str, Any], list[tuple[str, dict[str, Any]]]]]:
+    """A session's messages in order, each with its parts, read from a read-only connection."""
+    import sqlite3  # only this store needs it
+
+    if not path.is_file():
+        raise ContextShrinkError(f"OpenCode's database {path} does not exist")
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as db:
+        try:
+            rows = db.execute("SELECT id, data FROM message WHERE session_id = ? ORDER BY time_created, id",
+                              (session,)).fetchall()  # fmt: skip
+            parts = db.execute("SELECT message_id, id, data FROM part WHERE session_id = ? ORDER BY time_created, id",
+                               (session,)).fetchall()  # fmt: skip
+        except sqlite3.Error as exc:
+            raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
+    by_message: dict[str, list[tuple[str, dict[str, Any]]]] = collections.defaultdict(list)
+    for message_id, part_id, data in parts:
+        with contextlib.suppress(ValueError, TypeError):
+            by_message[message_id].append((part_id, json.loads(data)))
+    out = []
+    for message_id, data in rows:
+        with contextlib.suppress(ValueError, TypeError):
+            info = json.loads(data)
+            if isinstance(info, dict):
+                out.append((message_id, info, [(i, p) for i, p in by_message[message_id] if isinstance(p, dict)]))
+    return out
+
+
+def _opencode_message(
+    info: dict[str, Any], parts: list[tuple[str, dict[str, Any]]]
+) -> list[tuple[dict[str, Any], str]]:
+    """One OpenCode message as chat messages with the part each came from: a tool part is a call on the
+    assistant message and its result after it."""
+    if info.get("role") == "user":
+        text = [(p.get("text", ""), pid) for pid, p in parts if p.get("type") == "text" and not p.get("synthetic")]
+        return [({"role": "user", "content": "\n".join(t for t, _ in text)}, text[0][1])] if text else []
+    text = "\n".join(p.get("text", "") for _, p in parts if p.get("type") == "text")
+    reasoning = "\n".join(p.get("text", "") for _, p in parts if p.get("type") == "reasoning")
+    tools = [(pid, p) for pid, p in parts if p.get("type") == "tool"]
+    calls = [{"id": p.get("callID"), "type": "function", "function": {"name": p.get("tool"),
+              "arguments": json.dumps(_state(p).get("input") or {}, ensure_ascii=False,
+                                      separators=(",", ":"))}}  # as OpenCode sends them (JSON.stringify)
+             for _, p in tools]  # fmt: skip
+    if not (text or calls):
+        return []
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    message.update({"tool_calls": calls} if calls else {})
+    message.update({"reasoning_content": reasoning} if reasoning else {})
+    owner = next((pid for pid, p in parts if p.get("type") in ("text", "tool")), "")
+    results = [({"role": "tool", "tool_call_id": p.get("callID"), "content": _opencode_output(p)}, pid)
+               for pid, p in tools]  # fmt: skip
+    return [(message, owner), *results]
+
+
+def _state(part: dict[str, Any]) -> dict[str, Any]:
+    return part["state"] if isinstance(part.get("state"), dict) else {}
+
+
+def _opencode_output(part: dict[str, Any]) -> str:
+    state = _state(part)
+    if state.get("status") == "error":
+        return str(state.get("error") or "error")
+    return str(state.get("output") or "") if state.get("status") == "completed" else "[Tool execution was interrupted]"
+
+
+def read_opencode(path: Path, session: str) -> AgentSession:
+    """An OpenCode session: from its last compaction's summary (an assistant message with ``summary``) on,
+    user text parts, assistant text and tool parts (a call and its result are one part)."""
+    rows = _opencode_rows(path, session)
+    if not rows:
+        raise ContextShrinkError(f"OpenCode has no session {session!r} in {path}")
+    summaries = [k for k, (_, info, _) in enumerate(rows) if info.get("role") == "assistant" and info.get("summary")]
+    start = summaries[-1] if summaries else 0
+    messages: list[dict[str, Any]] = []
+    sources: list[list[str]] = []
+    unsent: collections.Counter[str] = collections.Counter()
+    for message_id, info, parts in rows[start:]:
+        converted = _opencode_message(info, parts)
+        if summaries and message_id == rows[start][0]:  # the summary stands for what came before
+            converted = [({**m, "role": "user"}, pid) for m, pid in converted if m["role"] == "assistant"]
+        messages += [m for m, _ in converted]
+        sources += [[f"message {message_id}", f"part {pid}"] for _, pid in converted]
+        unsent.update(f"part ({p.get('type')})" for _, p in parts if p.get("type") not in ("text", "tool", "reasoning"))
+    unsent["message (before the last compaction)"] += start
+    where = rows[0][1].get("path") if isinstance(rows[0][1].get("path"), dict) else {}
+    return AgentSession("opencode", session, path, where.get("cwd"), messages, sources,
+                        {k: v for k, v in unsent.items() if v}, bool(summaries))  # fmt: skip
+
+
+def _opencode_sessions(store: Path) -> list[dict[str, Any]]:
+    import sqlite3
+
+    if not store.is_file():
+        return []
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=5)) as db:
+            rows = db.execute("SELECT id, directory, title, time_updated FROM session").fetchall()
+    except sqlite3.Error:
+        return []
+    return [{"id": i, "cwd": d, "title": t, "path": store, "updated_ms": u} for i, d, t, u in rows]
+
+
+# --- finding and reading a session --------------------------------------------------------------------------
+
+
+def list_sessions(agents: Sequence[str], environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The sessions of the allowed ``agents``, newest first: ``session`` (the spec the tools take), agent,
+    id, the working directory it ran in, when it last changed and where it is stored."""
+    stores = session_stores(environ)
+    finders = {"claude": _claude_sessions, "codex": _codex_sessions, "opencode": _opencode_sessions}
+    found = []
+    for agent in agents:
+        for entry in finders[agent](stores[agent]):
+            with contextlib.suppress(OSError):
+                updated = entry.pop("updated_ms", None)
+                updated = updated / 1000 if updated else entry["path"].stat().st_mtime
+                found.append({"session": f"{agent}:{entry['id']}", "agent": agent, **entry, "updated": updated,
+                              "path": str(entry["path"])})  # fmt: skip
+    found.sort(key=lambda e: e["updated"], reverse=True)
+    for entry in found:
+        entry["updated"] = datetime.datetime.fromtimestamp(entry["updated"], datetime.timezone.utc).isoformat()
+    return found[:SESSION_LIST_LIMIT]
+
+
+def read_session(spec: str, allowed: Sequence[str], cwd: Path, environ: Mapping[str, str] | None = None
+                 ) -> AgentSession:  # fmt: skip
+    """The session ``spec`` names (``"<agent>:latest"``: the newest one that ran in ``cwd``), read from the
+    agent's store; only agents in ``allowed`` are reachable."""
+    agent, ident = session_spec(spec, allowed)
+    sessions = [s for s in list_sessions([agent], environ) if s["agent"] == agent]
+    if ident == "latest":
+        here = [s for s in sessions if s.get("cwd") and Path(s["cwd"]).resolve() == cwd.resolve()]
+        if not here:
+            raise ContextShrinkError(f"no {agent} session ran in {cwd} (list_sessions names the sessions found)")
+        chosen = here[0]
+    else:
+        chosen = next((s for s in sessions if s["id"] == ident), None)
+        if chosen is None:
+            raise ContextShrinkError(f"no {agent} session {ident!r} in {session_stores(environ)[agent]}")
+    path = Path(chosen["path"])
+    readers = {"claude": read_claude, "codex": read_codex}
+    return read_opencode(path, chosen["id"]) if agent == "opencode" else readers[agent](path)
+
+
+# =============================================================================
+# 14. Front door one: the MCP tools (thin wrappers over the core)
 # =============================================================================
 
 
@@ -5055,6 +5765,32 @@ ReserveArg = Annotated[int, Field(ge=0)]
 ModelArg = Annotated[str | None, Field()]
 
 
+SessionArg = Annotated[str | None, Field()]  # explained once, in SERVER_INSTRUCTIONS
+
+
+async def session_source(config: Config, session: str | None, messages: Any, messages_path: str | None) -> tuple[
+    Any, AgentSession | None
+]:  # fmt: skip
+    """The messages to work on: ``messages`` as given, or the ``session`` read from its agent's store."""
+    if session is None:
+        return messages, None
+    if messages is not None or messages_path is not None:
+        raise ContextShrinkError("give one of messages, messages_path or session")
+    found = await anyio.to_thread.run_sync(read_session, session, config.session_stores, config.root)
+    return found.messages, found
+
+
+def session_report(found: AgentSession | None) -> dict[str, Any]:
+    """What a result says about the session it read: where, what the model is not sent, and for each
+    message id the store records it came from."""
+    if found is None:
+        return {}
+    sources = dict(zip(message_ids(found.messages), found.sources, strict=True))
+    return {"session": {"session": f"{found.agent}:{found.id}", "path": str(found.path), "cwd": found.cwd,
+                        "compacted": found.compacted, "unsent_records": found.bookkeeping,
+                        "unreadable_lines": found.skipped_lines, "sources": sources}}  # fmt: skip
+
+
 def history_tools(tool: Callable[..., Any], config: Config) -> None:
     """Register the tools that measure and cut a history: estimate, trim, analyze, prune."""
     default_window, default_reserve = config.max_context_tokens, config.reserve_tokens
@@ -5069,8 +5805,10 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
         tokenizer: TokenizerArg = None,
         model: ModelArg = None,
         reserve_tokens: ReserveArg = default_reserve,
+        session: SessionArg = None,
     ) -> dict[str, Any]:
         """Count a chat history's tokens and say whether it fits the window."""
+        messages, found = await session_source(config, session, messages, messages_path)
         req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
         result = await anyio.to_thread.run_sync(
             lambda: estimate_messages(req.messages, req.tokenizer, req.window, tools=req.tools,
@@ -5079,7 +5817,7 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
         if req.exact is not None:
             result.update(tokens=req.exact, remaining=req.window - reserve_tokens - req.exact)
             result["should_trim"] = result["remaining"] < 0
-        return {**result, "max_context_source": req.window_source}
+        return {**result, "max_context_source": req.window_source, **session_report(found)}
 
     @tool(read_only=False, idempotent=True, open_world=False)
     async def trim_context(
@@ -5123,8 +5861,10 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
         tokenizer: TokenizerArg = None,
         model: ModelArg = None,
         reserve_tokens: ReserveArg = default_reserve,
+        session: SessionArg = None,
     ) -> dict[str, Any]:
         """List what fills the window, one line per message: '<id> <kind> <tokens>tok: <gist>'."""
+        messages, found = await session_source(config, session, messages, messages_path)
         req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
         result = await anyio.to_thread.run_sync(
             lambda: analyze_messages(req.messages, req.tokenizer, req.window, tools=req.tools,
@@ -5132,7 +5872,7 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
         )  # fmt: skip
         if req.exact is not None:
             result.update(tokens=req.exact, percent_of_budget=round(100 * req.exact / result["budget_tokens"], 1))
-        return {**result, "max_context_source": req.window_source}
+        return {**result, "max_context_source": req.window_source, **session_report(found)}
 
     @tool(read_only=False, idempotent=True, open_world=False)
     async def prune_context(
@@ -5161,6 +5901,24 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
                      "reserve_tokens": reserve_tokens, "output_path": output_path, "dry_run": dry_run,
                      "source": source, "lines": lines}  # fmt: skip
         return await prune_request(state_of(ctx), req, arguments)
+
+
+def session_tools(tool: Callable[..., Any], config: Config) -> None:
+    """Register the tool that names the coding agents' own sessions: list_sessions."""
+
+    @tool("list_sessions", read_only=True, idempotent=True, open_world=False)
+    async def list_sessions_tool(
+        agent: Annotated[Literal["claude", "codex", "opencode"] | None, Field()] = None,
+        limit: Annotated[int, Field(ge=1, le=SESSION_LIST_LIMIT)] = 50,
+    ) -> dict[str, Any]:
+        """List the coding agents' own sessions this server may read, newest first."""
+        if not config.session_stores:
+            raise ContextShrinkError("no agent's session store may be read: set CONTEXT_SHRINK_SESSION_STORES to "
+                                     "claude, codex, opencode or a list of them")  # fmt: skip
+        agents = [a for a in config.session_stores if agent in (None, a)]
+        found = await anyio.to_thread.run_sync(list_sessions, agents)
+        stores = {a: str(p) for a, p in session_stores().items() if a in config.session_stores}
+        return {"sessions": found[:limit], "found": len(found), "stores": stores}
 
 
 def text_tools(tool: Callable[..., Any], config: Config) -> None:
@@ -5271,7 +6029,7 @@ def build_server(config: Config | None = None) -> MCPServer:
             yield ServerState(config, http)
 
     registry: dict[str, Tool] = {}
-    for add in (history_tools, text_tools, compaction_tools):
+    for add in (history_tools, text_tools, compaction_tools, session_tools):
         add(functools.partial(register, registry), config)
     chosen = [registry[name] for name in TOOL_NAMES if config.tools is None or name in config.tools]
     return MCPServer(
@@ -5373,7 +6131,7 @@ async def serve_stdio(server: MCPServer) -> None:
 
 
 # =============================================================================
-# 13. Front door two: the proxy (an OpenAI-compatible HTTP front that shrinks every chat request)
+# 15. Front door two: the proxy (an OpenAI-compatible HTTP front that shrinks every chat request)
 # =============================================================================
 
 PROXY_PORT = 8787
@@ -5849,274 +6607,6 @@ async def shrink_request(
     report.update({k: result[k] for k in ("tokens_after", "action", "reason", "summary_cached", "summary_calls")})
     report["ms"] = round(1000 * (time.perf_counter() - started))
     return {**body, "messages": result["messages"]}, report
-
-
-# --- the Responses API (Codex CLI): its input items seen as chat messages, and written back --------------
-
-
-@dataclasses.dataclass
-class ChatView:
-    """A request of another wire API seen as a chat request: ``messages`` and ``tools`` in the chat shape,
-    and for each message where it came from in the original body (``origins``: for the Responses API the
-    indices of its input items, for Anthropic Messages the index of its message; -1 is the instructions or
-    system field)."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    origins: list[Any]
-
-    def matcher(self) -> Callable[[Mapping[str, Any]], Any]:
-        """Called on the shrunk messages in order: the origin of one the pipeline left as it was, else None."""
-        unchanged: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
-        for message, origin in zip(self.messages, self.origins, strict=True):
-            unchanged[fingerprint(message)].append(origin)
-
-        def origin(message: Mapping[str, Any]) -> Any:
-            found = unchanged.get(fingerprint(message))
-            return found.popleft() if found else None
-
-        return origin
-
-
-def _chat_parts(content: Any) -> str | list[dict[str, Any]]:
-    """Responses content (a string or typed parts) in the chat shape; a part it does not know raises."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ContextShrinkError(f"message content must be text or a list of parts, got {type(content).__name__}")
-    parts: list[dict[str, Any]] = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            parts.append({"type": "text", "text": part["text"]})
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            parts.append({"type": "text", "text": part["refusal"]})
-        elif kind == "input_image":
-            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url") or "", "detail": "auto"}})
-        else:
-            raise ContextShrinkError(f"content part type {kind!r} is not understood")
-    return parts
-
-
-def responses_view(body: Mapping[str, Any]) -> ChatView:
-    """The chat view of a Responses request body (a reasoning item travels with the item after it). Raises
-    :class:`ContextShrinkError` naming what it does not understand, or when the request continues a stored
-    response (``previous_response_id``: the server holds the earlier turns); such a request is relayed as
-    it is."""
-    if body.get("previous_response_id"):
-        raise ContextShrinkError("it continues a stored response (previous_response_id): the server holds the rest")
-    items = body.get("input")
-    items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
-    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        raise ContextShrinkError("input must be text or a list of items")
-    messages: list[dict[str, Any]] = []
-    origins: list[list[int]] = []
-    if isinstance(body.get("instructions"), str) and body["instructions"]:
-        messages.append({"role": "system", "content": body["instructions"]})
-        origins.append([-1])
-    pending: list[int] = []  # reasoning items, waiting for the item they precede
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "reasoning":
-            pending.append(i)
-            continue
-        if kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}  # fmt: skip
-            if messages and messages[-1].get("tool_calls") and items[origins[-1][-1]].get("type") == "function_call":
-                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant message, as in chat
-                origins[-1] += [*pending, i]
-                pending = []
-                continue
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else _chat_parts(output)})  # fmt: skip
-        elif kind == "message":
-            messages.append({"role": item.get("role"), "content": _chat_parts(item.get("content"))})
-        else:
-            raise ContextShrinkError(f"input item type {kind!r} is not understood")
-        origins.append([*pending, i])
-        pending = []
-    if pending and origins:
-        origins[-1] += pending
-    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-             for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]  # fmt: skip
-    return ChatView(validate_messages(messages), tools, origins)
-
-
-def _as_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A chat message the pipeline wrote or changed (a summary, a cleared result), as Responses items."""
-    if message.get("role") == "tool":
-        return [{"type": "function_call_output", "call_id": message.get("tool_call_id"),
-                 "output": _plain_content(message.get("content"))}]  # fmt: skip
-    items = []
-    if text := _plain_content(message.get("content")):
-        kind = "output_text" if message.get("role") == "assistant" else "input_text"
-        items.append({"type": "message", "role": message.get("role"), "content": [{"type": kind, "text": text}]})
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        items.append({"type": "function_call", "call_id": call.get("id"), "name": function.get("name"),
-                      "arguments": function.get("arguments") or ""})  # fmt: skip
-    return items
-
-
-def responses_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """``body`` with ``sent`` (the shrunk chat messages) written back as its input: a message the pipeline
-    left as it was goes out as the very items it came from; a changed or new one in the Responses shape."""
-    items = body["input"] if isinstance(body["input"], list) else [{"type": "message", "role": "user",
-                                                                     "content": body["input"]}]  # fmt: skip
-    origin_of = view.matcher()
-    out: dict[str, Any] = {k: v for k, v in body.items() if k != "instructions"}
-    written: list[dict[str, Any]] = []
-    for message in sent:
-        origin = origin_of(message)
-        if origin == [-1]:
-            out["instructions"] = body["instructions"]
-        elif origin is not None:
-            written += [items[i] for i in origin]
-        else:
-            written += _as_items(message)
-    return {**out, "input": written}
-
-
-# --- the Anthropic Messages API (Claude Code): its messages seen as chat messages, and written back -------
-
-
-def _anthropic_parts(content: Any) -> list[dict[str, Any]]:
-    """Text and image blocks in the chat shape; a block type it does not know raises."""
-    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    if not isinstance(blocks, list):
-        raise ContextShrinkError(f"content must be text or a list of blocks, got {type(content).__name__}")
-    parts = []
-    for block in blocks:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image":
-            source = block.get("source") or {}
-            url = source.get("url") or f"data:{source.get('media_type')};base64,{source.get('data', '')}"
-            parts.append({"type": "image_url", "image_url": {"url": url}})
-        else:
-            raise ContextShrinkError(f"content block type {kind!r} is not understood")
-    return parts
-
-
-def _anthropic_message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages one Anthropic message stands for."""
-    role, content = message.get("role"), message.get("content")
-    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    if role not in ("user", "assistant", "system") or not isinstance(blocks, list):
-        raise ContextShrinkError(f"messages[{i}] must be a user, assistant or system message with content")
-    if role == "system":  # Claude Code sends its environment so, between the turns
-        return [{"role": "system", "content": _anthropic_parts(blocks)}]
-    if role == "assistant":
-        text = [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
-        calls = [{"id": b.get("id"), "type": "function", "function": {"name": b.get("name"),
-                  "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}}
-                 for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
-        thinking = [b.get("thinking", "") for b in blocks if isinstance(b, dict) and b.get("type") == "thinking"]
-        known = {"text", "tool_use", "thinking", "redacted_thinking"}
-        if unknown := [b.get("type") for b in blocks if not isinstance(b, dict) or b.get("type") not in known]:
-            raise ContextShrinkError(f"content block type {unknown[0]!r} is not understood")
-        out: dict[str, Any] = {"role": "assistant", "content": _plain_content(text) or None}
-        out.update({"tool_calls": calls} if calls else {})
-        out.update({"reasoning_content": "\n".join(thinking)} if any(thinking) else {})
-        return [out]
-    results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
-    rest = [b for b in blocks if not (isinstance(b, dict) and b.get("type") == "tool_result")]
-    out_messages: list[dict[str, Any]] = []
-    for block in results:
-        content = block.get("content")
-        content = content if isinstance(content, str) else _anthropic_parts(content or [])
-        out_messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
-    if rest:
-        out_messages.append({"role": "user", "content": _anthropic_parts(rest)})
-    return out_messages
-
-
-def messages_view(body: Mapping[str, Any]) -> ChatView:
-    """The chat view of an Anthropic Messages request body: the ``system`` field first; a user message's
-    ``tool_result`` blocks become tool messages, its other blocks one user message; an assistant message's
-    ``tool_use`` blocks become tool calls, its thinking reasoning. Raises :class:`ContextShrinkError` naming
-    what it does not understand (such a request is relayed as it is)."""
-    if not isinstance(body.get("messages"), list):
-        raise ContextShrinkError("messages must be a list")
-    messages: list[dict[str, Any]] = []
-    origins: list[int] = []
-    system = body.get("system")
-    if system:
-        messages.append({"role": "system", "content": system if isinstance(system, str) else _anthropic_parts(system)})
-        origins.append(-1)
-    for i, message in enumerate(body["messages"]):
-        if not isinstance(message, dict):
-            raise ContextShrinkError(f"messages[{i}] must be an object")
-        converted = _anthropic_message(i, message)
-        messages += converted
-        origins += [i] * len(converted)
-    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-              "parameters": t.get("input_schema") or {}}}
-             for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
-    return ChatView(validate_messages(messages), tools, origins)
-
-
-def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A chat message the pipeline wrote or changed, as Anthropic content blocks."""
-    if message.get("role") == "tool":
-        return [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
-                 "content": _plain_content(message.get("content"))}]  # fmt: skip
-    blocks: list[dict[str, Any]] = []
-    if text := _plain_content(message.get("content")):
-        blocks.append({"type": "text", "text": text})
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
-            arguments = {"arguments": function.get("arguments")}
-        blocks.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
-                       "input": arguments if isinstance(arguments, dict) else {"value": arguments}})  # fmt: skip
-    return blocks
-
-
-def messages_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """``body`` with ``sent`` (the shrunk chat messages) written back: an Anthropic message all of whose chat
-    messages went out unchanged goes out as the client sent it; any other is rebuilt from what went out (a
-    summary or a system message the pipeline wrote goes into a user message)."""
-    parts: dict[int, int] = collections.Counter(view.origins)
-    origin_of = view.matcher()
-    out: dict[str, Any] = {k: v for k, v in body.items() if k != "system"}
-    groups: list[tuple[int | None, list[Mapping[str, Any]], int]] = []  # (origin, messages, unchanged count)
-    for message in sent:
-        origin = origin_of(message)
-        if origin == -1:
-            out["system"] = body["system"]
-            continue
-        if groups and origin is not None and groups[-1][0] == origin:
-            groups[-1][1].append(message)
-            groups[-1] = (origin, groups[-1][1], groups[-1][2] + 1)
-        else:
-            groups.append((origin, [message], 1 if origin is not None else 0))
-    written: list[dict[str, Any]] = []
-    for origin, messages, same in groups:
-        if origin is not None and same == parts[origin]:
-            message = dict(body["messages"][origin])  # all of it went out unchanged: as the client sent it
-        else:
-            role = "assistant" if messages[0].get("role") == "assistant" else "user"
-            message = {"role": role, "content": [b for m in messages for b in _anthropic_blocks(m)]}
-        if written and written[-1]["role"] == message["role"]:  # the API's turns alternate: one turn
-            written[-1] = {
-                **written[-1],
-                "content": _as_blocks(written[-1]["content"]) + _as_blocks(message["content"]),
-            }
-        else:
-            written.append(message)
-    return {**out, "messages": written}
-
-
-def _as_blocks(content: Any) -> list[dict[str, Any]]:
-    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
 
 
 # --- the HTTP front ----------------------------------------------------------------------------------------
@@ -6682,7 +7172,7 @@ def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeou
 
 
 # =============================================================================
-# 14. Both front doors on one HTTP server: the MCP tools at /mcp, the proxy at /v1
+# 16. Both front doors on one HTTP server: the MCP tools at /mcp, the proxy at /v1
 # =============================================================================
 
 HTTP_TOKEN_MIN = 16  # characters a bearer token must have
@@ -6803,7 +7293,7 @@ def run_serve(config: ServeConfig, server: MCPServer, tokenizer: Tokenizer | Non
 
 
 # =============================================================================
-# 15. Command line
+# 17. Command line
 # =============================================================================
 
 

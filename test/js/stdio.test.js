@@ -67,6 +67,7 @@ test("lists the three tools with their parameters", async () => {
     "check_text",
     "compact_context",
     "estimate_context",
+    "list_sessions",
     "prune_context",
     "recall_context",
     "shrink_text",
@@ -80,6 +81,7 @@ test("lists the three tools with their parameters", async () => {
     "tokenizer",
     "model",
     "reserve_tokens",
+    "session",
   ]);
   assert.equal(byName.compact_context.inputSchema.properties.summary_role.default, "system");
 });

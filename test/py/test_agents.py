@@ -108,7 +108,7 @@ class Session:
 
 
 def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = False, served: bool = False,
-                token: bool = False) -> Session:  # fmt: skip
+                token: bool = False, steps: int = STEPS) -> Session:  # fmt: skip
     """Run ``agent`` on the task in a fresh home and project under ``where``: directly, or through
     ``context-shrink proxy`` (``proxied``), or through the proxy of ``context-shrink serve`` (``served``,
     with a bearer token the agent sends as its key when ``token``)."""
@@ -116,11 +116,11 @@ def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = 
     home.mkdir(parents=True)
     project.mkdir()
     files = []
-    for k in range(STEPS):
+    for k in range(steps):
         lines = [f"file {k} line {i}: the parser handles case {k * 1000 + i} by rule {i % 17}\n" for i in range(100)]
         (project / f"notes_{k:02d}.txt").write_text("".join(lines))
         files.append(project / f"notes_{k:02d}.txt")
-    upstream = AgentUpstream(WINDOW, files, STEPS)
+    upstream = AgentUpstream(WINDOW, files, steps)
     log = where / "proxy.log"
     with serve(upstream) as direct:
         front = proxy(direct, "--no-archive", log=log) if proxied else contextlib.nullcontext(direct)
