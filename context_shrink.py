@@ -41,12 +41,14 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "PROXY_MAX_RESERVE",
     "REASONING_KEYS",
     "RESULT_ROLES",
+    "SESSION_QUIET_SECONDS",
     "SUMMARY_MARKER",
     "SUMMARY_PROMPT",
     "SYSTEM_ROLES",
     "TOOL_NAMES",
     "TRANSCRIPT_BEGIN",
     "TRANSCRIPT_END",
+    "AgentSession",
     "Backend",
     "BackendCaches",
     "BackendError",
@@ -140,6 +142,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "without_images",
     "without_reasoning",
     "write_messages_file",
+    "write_session",
     "write_text_atomic",
 ]
 
@@ -372,7 +375,8 @@ SERVER_INSTRUCTIONS = (
     "reserve_tokens stay free for the reply; tools are the request's tool definitions (counted too); "
     "tokenizer is auto, server, heuristic, tiktoken or tiktoken:<encoding>; model names the model the "
     "history is for; keep_last is how many newest messages are always kept; session names a coding agent's own "
-    "session (claude:<id>, codex:<id>, opencode:<id> or <agent>:latest; list_sessions finds them) to measure."
+    "session (claude:<id>, codex:<id>, opencode:<id> or <agent>:latest; list_sessions finds them) to measure, "
+    "prune or trim; trim and prune write it back in the agent's own format only with dry_run false."
 )
 SYSTEM_ROLES = ("system", "developer")
 RESULT_ROLES = ("tool", "function")
@@ -5352,6 +5356,262 @@ def read_session(spec: str, allowed: Sequence[str], cwd: Path, environ: Mapping[
     return read_opencode(path, chosen["id"]) if agent == "opencode" else readers[agent](path)
 
 
+# --- writing a shrunk view back, in the agent's own format --------------------------------------------------
+
+SESSION_QUIET_SECONDS = 5.0  # a store changed more recently than this may be in use: it is not written
+
+
+def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """How ``new`` (the session's view after pruning or trimming) differs from the session's view: the
+    messages removed, tool results replaced (old index -> text) and assistant messages that lost only their
+    reasoning. Any other change (a summary, an edited text) raises: it cannot be written back yet."""
+    origin_of = ChatView(found.messages, [], list(range(len(found.messages)))).matcher()
+    origins = [origin_of(m) for m in new]
+    kept = {i for i in origins if i is not None}
+    fresh = [m for m, i in zip(new, origins, strict=True) if i is None]
+    removed = [i for i in range(len(found.messages)) if i not in kept]
+    edits: dict[int, str] = {}
+    drops: list[int] = []
+    for m in fresh:
+        twin = next((i for i in removed if _same_slot(found.messages[i], m)), None)
+        if twin is None:
+            gist = _one_line(_plain_content(m.get("content")), 60)
+            raise ContextShrinkError(
+                f"this change cannot be written to a {found.agent} session yet: a new {message_kind(m)} ({gist})"
+            )
+        removed.remove(twin)
+        if m["role"] == "tool":
+            edits[twin] = _plain_content(m.get("content"))
+        else:
+            drops.append(twin)
+    return {"removed": removed, "edits": edits, "drop_reasoning": drops}
+
+
+def _same_slot(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """``new`` replaces ``old`` in a way a store can hold: the same tool call's result with other text, or
+    the same assistant message without its reasoning."""
+    if old.get("role") == new.get("role") == "tool":
+        return old.get("tool_call_id") == new.get("tool_call_id")
+    return old.get("role") == "assistant" and fingerprint(without_reasoning(old)) == fingerprint(new)
+
+
+def _jsonl_rewrite(path: Path, change: Callable[[int, dict[str, Any]], dict[str, Any] | None]) -> str:
+    """The file's text with ``change(line number, record)`` applied to every record: None drops the line,
+    another dict replaces it; unparsable lines and untouched records stay byte for byte."""
+    out = []
+    for number, raw in enumerate(_lines(read_file_text(path, errors="replace")), 1):
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            out.append(raw)
+            continue
+        new = change(number, record) if isinstance(record, dict) else record
+        if new is record:
+            out.append(raw)
+        elif new is not None:
+            out.append(json.dumps(new, ensure_ascii=False) + raw[len(raw.rstrip("\r\n")) :])
+    return "".join(out)
+
+
+def _claude_rewrite(found: AgentSession, changes: Mapping[str, Any]) -> str:
+    """Records of removed messages dropped (their children re-pointed to the nearest kept ancestor), thinking
+    records of reasoning dropped, tool_result blocks edited or removed where the record holds more."""
+    records, _ = _jsonl_records(found.path)
+    by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
+    owners: dict[str, list[int]] = collections.defaultdict(list)
+    for i, sources in enumerate(found.sources):
+        for uuid in sources:
+            owners[uuid].append(i)
+    removed, drops = set(changes["removed"]), set(changes["drop_reasoning"])
+    dropped = {u for u, idx in owners.items() if set(idx) <= removed}
+    dropped |= {u for i in drops for u in found.sources[i] if _only_thinking(by_uuid.get(u, {}))}
+    results = {
+        found.messages[i].get("tool_call_id"): ("remove", None) for i in removed if found.messages[i]["role"] == "tool"
+    }
+    results.update({found.messages[i].get("tool_call_id"): ("edit", text) for i, text in changes["edits"].items()})
+    if partial := [
+        i
+        for u, idx in owners.items()
+        if u not in dropped
+        for i in idx
+        if i in removed and found.messages[i]["role"] != "tool"
+    ]:
+        raise ContextShrinkError(f"message {partial[0]} shares its Claude Code record with kept ones: not written")
+
+    def parent(uuid: Any) -> Any:
+        while isinstance(uuid, str) and uuid in dropped:
+            uuid = by_uuid[uuid].get("parentUuid")
+        return uuid
+
+    def change(_: int, record: dict[str, Any]) -> dict[str, Any] | None:
+        if record.get("uuid") in dropped:
+            return None
+        new = record
+        for key in ("parentUuid", "leafUuid"):
+            if new.get(key) in dropped:
+                new = {**new, key: parent(new[key])}
+        blocks = _claude_content(record)
+        if record.get("type") == "user" and any(
+            isinstance(b, dict) and b.get("tool_use_id") in results for b in blocks
+        ):
+            new = {**new, "message": {**record["message"], "content": _claude_results(blocks, results)}}
+        return new
+
+    return _jsonl_rewrite(found.path, change)
+
+
+def _only_thinking(record: Mapping[str, Any]) -> bool:
+    blocks = _claude_content(dict(record))
+    return bool(blocks) and all(
+        isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking") for b in blocks
+    )
+
+
+def _claude_results(blocks: list[Any], results: Mapping[Any, tuple[str, str | None]]) -> list[Any]:
+    out = []
+    for block in blocks:
+        action, text = (
+            results.get(block.get("tool_use_id"), ("keep", None)) if isinstance(block, dict) else ("keep", None)
+        )
+        if action == "edit":
+            out.append({**block, "content": text})
+        elif action == "keep":
+            out.append(block)
+    return out
+
+
+def _codex_places(found: AgentSession, indices: Iterable[int]) -> set[str]:
+    return {place for i in indices for place in found.sources[i]}
+
+
+def _codex_rewrite(found: AgentSession, changes: Mapping[str, Any]) -> str:
+    """Removed items' lines dropped (inside a compaction, its replacement history and metadata at the same
+    indices), reasoning items of reasoning dropped, function outputs edited."""
+    gone = _codex_places(found, changes["removed"])
+    edits = {found.sources[i][-1]: text for i, text in changes["edits"].items()}
+    reasoning = _codex_places(found, changes["drop_reasoning"])
+
+    def item_change(place: str, item: dict[str, Any]) -> dict[str, Any] | None:
+        if place in gone or (place in reasoning and item.get("type") == "reasoning"):
+            return None
+        if place in edits:
+            return {**item, "output": edits[place]}
+        return item
+
+    def change(number: int, record: dict[str, Any]) -> dict[str, Any] | None:
+        payload = record.get("payload")
+        if record.get("type") == "response_item" and isinstance(payload, dict):
+            new = item_change(f"line {number}", payload)
+            return None if new is None else record if new is payload else {**record, "payload": new}
+        if (
+            record.get("type") == "compacted"
+            and isinstance(payload, dict)
+            and isinstance(payload.get("replacement_history"), list)
+        ):
+            history, metadata = payload["replacement_history"], payload.get("replacement_history_metadata")
+            keep = [(k, item_change(f"line {number} replacement_history[{k}]", i) if isinstance(i, dict) else i)
+                    for k, i in enumerate(history)]  # fmt: skip
+            if all(new is history[k] for k, new in keep):
+                return record
+            new_payload = {**payload, "replacement_history": [new for _, new in keep if new is not None]}
+            if isinstance(metadata, list) and len(metadata) == len(history):
+                new_payload["replacement_history_metadata"] = [metadata[k] for k, new in keep if new is not None]
+            return {**record, "payload": new_payload}
+        return record
+
+    return _jsonl_rewrite(found.path, change)
+
+
+def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
+    """In one immediate transaction: removed messages' rows and parts deleted, reasoning parts of reasoning
+    deleted, tool outputs edited in their part's JSON."""
+    import sqlite3
+
+    def ids(i: int, kind: str) -> str:
+        return next(s.split(" ", 1)[1] for s in found.sources[i] if s.startswith(kind + " "))
+
+    removed = {ids(i, "message") for i in changes["removed"]}
+    if lone := [i for i in changes["removed"] if found.messages[i]["role"] == "tool" and ids(i, "message") not in
+                {ids(j, "message") for j in changes["removed"] if found.messages[j]["role"] != "tool"}]:  # fmt: skip
+        raise ContextShrinkError(f"tool result {lone[0]} without its call cannot be removed from an OpenCode session")
+    with contextlib.closing(sqlite3.connect(found.path, timeout=1, isolation_level=None)) as db:
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
+        try:
+            for message in removed:
+                db.execute("DELETE FROM part WHERE message_id = ?", (message,))
+                db.execute("DELETE FROM message WHERE id = ?", (message,))
+            for i in changes["drop_reasoning"]:
+                db.execute("DELETE FROM part WHERE message_id = ? AND json_extract(data, '$.type') = 'reasoning'",
+                           (ids(i, "message"),))  # fmt: skip
+            for i, text in changes["edits"].items():
+                row = db.execute("SELECT data FROM part WHERE id = ?", (ids(i, "part"),)).fetchone()
+                part = json.loads(row[0])
+                part["state"] = {**_state(part), "output": text}
+                db.execute(
+                    "UPDATE part SET data = ? WHERE id = ?", (json.dumps(part, ensure_ascii=False), ids(i, "part"))
+                )
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+
+def _backup_store(found: AgentSession) -> Path:
+    """A copy of the store before it is written (SQLite through its backup API, so the WAL is included)."""
+    if found.agent != "opencode":
+        return _backup(found.path)
+    import sqlite3
+
+    saved = found.path.with_name(f"{found.path.name}.pre-shrink-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    saved = saved.with_name(f"{saved.name}-{os.getpid()}-{time.monotonic_ns()}") if saved.exists() else saved
+    with contextlib.closing(sqlite3.connect(found.path)) as source, contextlib.closing(sqlite3.connect(saved)) as copy:
+        source.backup(copy)
+    return saved
+
+
+def _restore_store(found: AgentSession, saved: Path) -> None:
+    if found.agent != "opencode":
+        write_text_atomic(found.path, read_file_text(saved, errors="surrogateescape"))
+        return
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(saved)) as copy, contextlib.closing(sqlite3.connect(found.path)) as db:
+        copy.backup(db)
+
+
+def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run: bool, now: float | None = None
+                  ) -> dict[str, Any]:  # fmt: skip
+    """Write ``new`` (the session's view, pruned or trimmed) back to the agent's store, in its own format,
+    after a backup; ``dry_run`` only says what would change. A store changed in the last
+    :data:`SESSION_QUIET_SECONDS` is refused (the agent may be writing it). The store is read again after
+    the write and must give ``new``; if not, the backup is put back."""
+    changes = session_changes(found, new)
+    report = {"session": f"{found.agent}:{found.id}", "removed": len(changes["removed"]),
+              "tool_results_replaced": len(changes["edits"]), "reasoning_removed": len(changes["drop_reasoning"]),
+              "dry_run": dry_run, "backup": None}  # fmt: skip
+    if dry_run or not any(changes.values()):
+        return report
+    age = (time.time() if now is None else now) - found.path.stat().st_mtime
+    if age < SESSION_QUIET_SECONDS:
+        raise ContextShrinkError(f"{found.path} changed {age:.1f} s ago: the agent may be writing it; nothing "
+                                 f"written (try again when it has been idle {SESSION_QUIET_SECONDS:g} s)")  # fmt: skip
+    saved = _backup_store(found)
+    if found.agent == "opencode":
+        _opencode_apply(found, changes)
+    else:
+        rewrite = _claude_rewrite if found.agent == "claude" else _codex_rewrite
+        write_text_atomic(found.path, rewrite(found, changes))
+    again = read_opencode(found.path, found.id) if found.agent == "opencode" else (
+        read_claude if found.agent == "claude" else read_codex)(found.path)  # fmt: skip
+    if [fingerprint(m) for m in again.messages] != [fingerprint(m) for m in new]:
+        _restore_store(found, saved)
+        raise ContextShrinkError(f"the {found.agent} session did not read back as written; restored from {saved}")
+    return {**report, "backup": str(saved)}
+
+
 # =============================================================================
 # 14. Front door one: the MCP tools (thin wrappers over the core)
 # =============================================================================
@@ -5791,6 +6051,19 @@ def session_report(found: AgentSession | None) -> dict[str, Any]:
                         "unreadable_lines": found.skipped_lines, "sources": sources}}  # fmt: skip
 
 
+async def session_result(found: AgentSession, result: dict[str, Any], dry_run: bool | None) -> dict[str, Any]:
+    """A trim or prune of an agent's session: written back to its store unless ``dry_run`` (the default),
+    reported without the messages (the store holds them)."""
+    written = await anyio.to_thread.run_sync(write_session, found, result["messages"], dry_run is not False)
+    return {
+        **result,
+        "messages": None,
+        "dry_run": written["dry_run"],
+        **session_report(found),
+        "session_write": written,
+    }
+
+
 def history_tools(tool: Callable[..., Any], config: Config) -> None:
     """Register the tools that measure and cut a history: estimate, trim, analyze, prune."""
     default_window, default_reserve = config.max_context_tokens, config.reserve_tokens
@@ -5835,9 +6108,12 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
         start_on_user: Annotated[bool, Field(description="Start on a user message.")] = True,
         alternate_roles: Annotated[bool, Field(description="Merge same-role neighbours.")] = False,
         diet_tool_results: Annotated[bool, Field(description="Dedupe big tool results first.")] = False,
+        session: SessionArg = None,
+        dry_run: Annotated[bool | None, Field()] = None,
     ) -> dict[str, Any]:
         """Shrink a chat history until it fits: clear old tool results, drop old turns, elide huge outputs;
         never split a tool call from its results."""
+        messages, found = await session_source(config, session, messages, messages_path)
         req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
         options = {"strategy": strategy, "start_on_user": start_on_user, "alternate_roles": alternate_roles,
                    "diet_tool_results": diet_tool_results, "tools": req.tools}  # fmt: skip
@@ -5846,7 +6122,7 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
             return trim_messages(req.messages, req.tokenizer, req.window, keep_last, reserve_tokens=reserve, **options)
 
         result = await recount(req, await anyio.to_thread.run_sync(trim, reserve_tokens), reserve_tokens, trim)
-        return deliver(config, result, output_path, req)
+        return await session_result(found, result, dry_run) if found else deliver(config, result, output_path, req)
 
     @tool(read_only=True, idempotent=True, open_world=False)
     async def analyze_context(
@@ -5890,8 +6166,10 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
         tools: ToolsArg = None,
         tokenizer: TokenizerArg = None,
         reserve_tokens: ReserveArg = default_reserve,
+        session: SessionArg = None,
     ) -> dict[str, Any]:
         """Remove messages by id (a tool call with its results), strip images or clear old tool results."""
+        messages, found = await session_source(config, session, messages, messages_path)
         source = resolve_path(config.root, messages_path) if messages_path is not None else None
         lines = read_jsonl_lines(source) if source is not None and messages is None else None
         if lines is not None:  # JSONL: a line that does not parse is kept as it is
@@ -5900,7 +6178,8 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
         arguments = {"remove_ids": remove_ids, "images": images, "clear_tool_results_before": clear_tool_results_before,
                      "reserve_tokens": reserve_tokens, "output_path": output_path, "dry_run": dry_run,
                      "source": source, "lines": lines}  # fmt: skip
-        return await prune_request(state_of(ctx), req, arguments)
+        result = await prune_request(state_of(ctx), req, arguments)
+        return await session_result(found, result, dry_run) if found else result
 
 
 def session_tools(tool: Callable[..., Any], config: Config) -> None:

@@ -77,7 +77,7 @@ def opencode(project: Path, home: Path, url: str, token: bool) -> tuple[list[str
 
 
 def codex(project: Path, home: Path, url: str, token: bool) -> tuple[list[str], dict[str, str]]:
-    (home / ".codex").mkdir()
+    (home / ".codex").mkdir(exist_ok=True)
     config = readme_block("Codex CLI").replace(README_URL, url.removesuffix("/v1"))
     assert config.rstrip().splitlines()[-1].startswith("wire_api")  # the provider's table ends the block
     (home / ".codex" / "config.toml").write_text(config + (token_addition("codex") + "\n" if token else ""))
@@ -108,13 +108,14 @@ class Session:
 
 
 def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = False, served: bool = False,
-                token: bool = False, steps: int = STEPS) -> Session:  # fmt: skip
+                token: bool = False, steps: int = STEPS, resume: str | None = None) -> Session:  # fmt: skip
     """Run ``agent`` on the task in a fresh home and project under ``where``: directly, or through
     ``context-shrink proxy`` (``proxied``), or through the proxy of ``context-shrink serve`` (``served``,
-    with a bearer token the agent sends as its key when ``token``)."""
+    with a bearer token the agent sends as its key when ``token``); or go on with the session ``resume``
+    in the home and project already there."""
     home, project = where / "home", where / "project"
-    home.mkdir(parents=True)
-    project.mkdir()
+    home.mkdir(parents=True, exist_ok=resume is not None)
+    project.mkdir(exist_ok=resume is not None)
     files = []
     for k in range(steps):
         lines = [f"file {k} line {i}: the parser handles case {k * 1000 + i} by rule {i % 17}\n" for i in range(100)]
@@ -133,7 +134,9 @@ def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = 
             environment = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", **extra}
             environment.update({"CONTEXT_SHRINK_HTTP_TOKEN": TOKEN} if token else {})
             environment.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
-            returncode, output = drive([*command, PROMPT], project, environment, upstream, stop_at_refusal)
+            go_on = {"opencode": ["--session", resume], "codex": ["resume", resume], "claude": ["--resume", resume]}
+            arguments = [PROMPT] if resume is None else [*go_on[agent], "Go on."]
+            returncode, output = drive([*command, *arguments], project, environment, upstream, stop_at_refusal)
     return Session(upstream, returncode, output, log.read_text() if log.exists() else "")
 
 

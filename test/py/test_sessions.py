@@ -9,6 +9,7 @@ actually sent last."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -264,3 +265,142 @@ def test_any_store_content_reads_or_says_why(records: list[Any], tmp_path: Path)
             continue
         assert cs.validate_messages(found.messages) == found.messages
         assert len(found.sources) == len(found.messages)
+
+
+def later(found: cs.AgentSession) -> float:
+    """A moment when the store has been idle long enough to be written."""
+    return found.path.stat().st_mtime + cs.SESSION_QUIET_SECONDS + 1
+
+
+def test_a_claude_code_session_written_back(tmp_path: Path) -> None:
+    path = claude_store(tmp_path, "/x")
+    original = path.read_bytes()
+    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    cleared = [*found.messages[:3], {**found.messages[3], "content": "[cleared]"}, found.messages[4]]
+    report = cs.write_session(found, cleared, dry_run=False, now=later(found))
+    assert report["tool_results_replaced"] == 1 and Path(report["backup"]).read_bytes() == original
+    again = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    assert again.messages == cleared and again.skipped_lines == 1  # the broken line is kept as it was
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.startswith('{"')]
+    assert next(r for r in records if r.get("uuid") == "t1")["message"]["content"][0]["content"] == "[cleared]"
+    without = [m for k, m in enumerate(again.messages) if k not in (2, 3)]  # the tool call with its result
+    cs.write_session(again, without, dry_run=False, now=later(again))
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.startswith('{"')]
+    assert {"r1", "r2", "t1"}.isdisjoint(r.get("uuid") for r in records)
+    assert next(r for r in records if r.get("uuid") == "r3")["parentUuid"] == "a2"  # re-pointed past them
+    assert cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path)).messages == without
+    assert sum(1 for r in records if r.get("type") == "api-request") == 1  # bookkeeping untouched
+
+
+def test_what_cannot_be_written_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    path = claude_store(tmp_path, "/x")
+    original = path.read_bytes()
+    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    summary = [{"role": "system", "content": "[context-shrink summary] earlier"}, *found.messages[2:]]
+    with pytest.raises(cs.ContextShrinkError, match="cannot be written to a claude session yet"):
+        cs.write_session(found, summary, dry_run=False, now=later(found))
+    with pytest.raises(cs.ContextShrinkError, match="the agent may be writing it"):
+        cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=path.stat().st_mtime + 1)
+    dry = cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=True, now=later(found))
+    assert dry["removed"] == 2 and dry["backup"] is None and path.read_bytes() == original
+    assert list(path.parent.glob("*.pre-shrink-*")) == []
+
+
+def test_a_codex_rollout_written_back_inside_its_compaction(tmp_path: Path) -> None:
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list the files"}]}
+    call = {"type": "function_call", "call_id": "k1", "name": "exec_command", "arguments": "{}"}
+    out = {"type": "function_call_output", "call_id": "k1", "output": "a.py"}
+    history = [user, call, out]
+    compaction = {"type": "compacted", "payload": {"replacement_history": history,
+                                                   "replacement_history_metadata": ["m0", "m1", "m2"]}}  # fmt: skip
+    later_call = {"type": "function_call", "call_id": "k2", "name": "exec_command", "arguments": "{}"}
+    later_out = {"type": "function_call_output", "call_id": "k2", "output": "b.py"}
+    path = write_jsonl(tmp_path / ".codex" / "sessions" / "2026" / "12" / "01" / "rollout-c1.jsonl", [
+        {"type": "session_meta", "payload": {"id": "c1", "cwd": "/x"}}, compaction,
+        {"type": "response_item", "payload": later_call}, {"type": "response_item", "payload": later_out}])  # fmt: skip
+    found = cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path))
+    # the first call dropped with its output, the second's output cleared
+    new = [found.messages[0], found.messages[3], {**found.messages[4], "content": "[cleared]"}]
+    cs.write_session(found, new, dry_run=False, now=later(found))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    payload = records[1]["payload"]
+    assert payload["replacement_history"] == [user] and payload["replacement_history_metadata"] == ["m0"]
+    assert records[3]["payload"]["output"] == "[cleared]"
+    assert cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path)).messages == new
+
+
+def test_an_opencode_session_written_back_in_one_transaction(tmp_path: Path) -> None:
+    path = opencode_store(tmp_path, "/x")
+    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    new = [*found.messages[:3], {**found.messages[3], "content": "[cleared]"}]
+    report = cs.write_session(found, new, dry_run=False, now=later(found))
+    with sqlite3.connect(path) as db:
+        part = json.loads(db.execute("SELECT data FROM part WHERE id = 'p5'").fetchone()[0])
+    assert part["state"]["output"] == "[cleared]" and part["state"]["input"] == {"filePath": "a.py"}
+    assert cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path)).messages == new
+    with sqlite3.connect(report["backup"]) as db:  # the backup holds the original
+        assert "print(1)" in db.execute("SELECT data FROM part WHERE id = 'p5'").fetchone()[0]
+    again = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    cs.write_session(again, again.messages[:1], dry_run=False, now=later(again) + 60)
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM part WHERE message_id IN ('m3', 'm4')").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("agent", ["claude", "codex", "opencode"])
+def test_a_real_agent_goes_on_from_its_shrunk_session(
+    agent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real session (three file reads); prune_context removes the first read (the call with its result)
+    from the agent's own store (a backup first, byte for byte), then trim_context shortens a result in place;
+    the agent resumed sends the model everything else and the shortened result, and not what was removed."""
+    binary(agent)
+    assert run_session(agent, tmp_path, proxied=False, steps=3).returncode == 0
+    env = environ(tmp_path / "home")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    found = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    first = next(k for k, m in enumerate(found.messages) if m.get("tool_calls"))
+    server = cs.build_server(cs.Config(root=tmp_path / "project", tokenizer="tiktoken", session_stores=(agent,)))
+    arguments = {"session": f"{agent}:latest", "remove_ids": [cs.message_ids(found.messages)[first]]}
+
+    async def prune(dry_run: bool | None) -> Any:
+        async with Client(server) as client:
+            return await client.call_tool("prune_context", {**arguments, "dry_run": dry_run})
+
+    busy = anyio.run(prune, False)
+    assert busy.is_error and "may be writing it" in busy.content[0].text  # the agent wrote it just now
+    idle = found.path.stat().st_mtime - 60
+    os.utime(found.path, (idle, idle))
+    before = found.path.read_bytes()
+    dry = anyio.run(prune, None).structured_content
+    assert dry["dry_run"] and dry["session_write"]["removed"] == 2 and found.path.read_bytes() == before
+    done = anyio.run(prune, False).structured_content
+    assert done["session_write"]["removed"] == 2 and Path(done["session_write"]["backup"]).exists()
+    if agent != "opencode":  # a JSONL store's backup is the file as it was (OpenCode's is a SQLite backup)
+        assert Path(done["session_write"]["backup"]).read_bytes() == before
+    pruned = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    assert signature(pruned.messages) == signature(found.messages[:first] + found.messages[first + 2 :])
+    tokens = cs.count_messages(pruned.messages, cs.resolve_tokenizer("tiktoken"))[1]
+    os.utime(found.path, (idle, idle))
+
+    async def trim() -> Any:
+        async with Client(server) as client:
+            trimmed = {"session": f"{agent}:latest", "max_context_tokens": tokens - 300, "keep_last": 2}
+            return await client.call_tool("trim_context", {**trimmed, "dry_run": False})
+
+    trimmed = anyio.run(trim).structured_content
+    assert trimmed["session_write"]["tool_results_replaced"] >= 1 and trimmed["session_write"]["removed"] == 0
+    pruned = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    shortened = [m["content"] for m in pruned.messages if m["role"] == "tool" and ("elided" in m["content"] or
+                 "[tool result cleared:" in m["content"])]  # fmt: skip
+    assert shortened, "trim_context wrote no shortened tool result"
+    again = run_session(agent, tmp_path, proxied=False, steps=1, resume=found.id)
+    assert again.returncode == 0, again.output[-2000:]
+    path, body = next(entry for entry in again.upstream.log if entry[1].get("tools"))
+    sent = {"chat": lambda b: b["messages"], "responses": lambda b: cs.responses_view(b).messages,
+            "messages": lambda b: cs.messages_view(b).messages}[path](body)  # fmt: skip
+    texts = " ".join(plain(m.get("content")) + json.dumps(m.get("tool_calls")) for m in sent)
+    assert "file 0 line 7:" not in texts and "notes_00" not in texts  # the removed read, call and result
+    assert all(text[:300] in texts for text in shortened)  # what trim_context wrote in place of the results
+    kept = [s for s in signature(pruned.messages) if s[0] in ("tool_call", "tool_result")]
+    assert [s for s in signature(sent) if s[0] in ("tool_call", "tool_result")][: len(kept)] == kept
