@@ -50,9 +50,10 @@ class AgentUpstream(FakeOpenAI):
 
     # -- the model's script --------------------------------------------------------------------------------
 
-    def next_call(self, tools: list[Tool]) -> tuple[str, str] | None:
-        """The next tool call (name, JSON arguments) of the script, or None when it is time to answer."""
-        if not tools or self.calls >= self.steps:
+    def next_call(self, tools: list[Tool], view: cs.ChatView | None = None) -> tuple[str, str] | None:
+        """The next tool call (name, JSON arguments) of the script, or None when it is time to answer (or
+        when the newest message asks for a summary: an agent compacting its session)."""
+        if not tools or self.calls >= self.steps or (view is not None and reply_text(view) != "done"):
             return None
         path = str(self.files[self.calls % len(self.files)])
         self.calls += 1
@@ -76,8 +77,8 @@ class AgentUpstream(FakeOpenAI):
         if refusal is not None:
             return refusal
         tools = [(t["function"]["name"], t["function"].get("parameters") or {}) for t in body.get("tools") or []]
-        call = self.next_call(tools)
-        chunks = list(chat_chunks(call, tokens, "done" if tools else SUMMARY))
+        call = self.next_call(tools, view)
+        chunks = list(chat_chunks(call, tokens, reply_text(view) if tools else SUMMARY))
         if not body.get("stream"):
             message = chunks[0]["choices"][0]["delta"]  # the whole reply is in the first chunk
             finish = "tool_calls" if call else "stop"
@@ -94,7 +95,8 @@ class AgentUpstream(FakeOpenAI):
         if refusal is not None:
             return refusal
         tools = [(t["name"], t.get("parameters") or {}) for t in body.get("tools") or [] if t.get("type") == "function"]
-        events = list(responses_events(self.next_call(tools), tokens))
+        view = cs.responses_view(body)
+        events = list(responses_events(self.next_call(tools, view), tokens, reply_text(view)))
         if not body.get("stream"):
             return JSONResponse(events[-1][1]["response"])
         return sse(events)
@@ -107,7 +109,8 @@ class AgentUpstream(FakeOpenAI):
         if refusal is not None:
             return refusal
         tools = [(t["name"], t.get("input_schema") or {}) for t in body.get("tools") or [] if "name" in t]
-        events = list(messages_events(self.next_call(tools), tokens))
+        view = cs.messages_view(body)
+        events = list(messages_events(self.next_call(tools, view), tokens, reply_text(view)))
         if not body.get("stream"):
             return JSONResponse(messages_reply(events))
         return sse(events)
@@ -123,6 +126,12 @@ class AgentUpstream(FakeOpenAI):
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "test"}]})
+
+
+def reply_text(view: cs.ChatView) -> str:
+    """The model's answer when it calls no tool: a summary when the newest message asks for one."""
+    newest = str(view.messages[-1].get("content")) if view.messages else ""
+    return f"<summary>\n{SUMMARY}\n</summary>" if "summar" in newest.lower() else "done"
 
 
 def read_call(tools: list[Tool], path: str) -> tuple[str, str]:
@@ -168,14 +177,15 @@ def chat_chunks(call: tuple[str, str] | None, tokens: int, text: str = "done") -
     yield {**base, "choices": [], "usage": usage}
 
 
-def responses_events(call: tuple[str, str] | None, tokens: int) -> Iterator[tuple[str, dict[str, Any]]]:
+def responses_events(call: tuple[str, str] | None, tokens: int, text: str = "done"
+                     ) -> Iterator[tuple[str, dict[str, Any]]]:  # fmt: skip
     rid = f"resp_{uuid.uuid4().hex[:12]}"
     if call:
         item = {"type": "function_call", "id": f"fc_{rid}", "call_id": f"call_{rid}", "name": call[0],
                 "arguments": call[1], "status": "completed"}  # fmt: skip
     else:
-        text = {"type": "output_text", "text": "done", "annotations": []}
-        item = {"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed", "content": [text]}
+        part = {"type": "output_text", "text": text, "annotations": []}
+        item = {"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed", "content": [part]}
     usage = {"input_tokens": tokens, "output_tokens": 5, "total_tokens": tokens + 5,
              "input_tokens_details": {"cached_tokens": 0},
              "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
@@ -187,7 +197,9 @@ def responses_events(call: tuple[str, str] | None, tokens: int) -> Iterator[tupl
     yield "response.completed", {"type": "response.completed", "response": done}
 
 
-def messages_events(call: tuple[str, str] | None, tokens: int) -> Iterator[tuple[str, dict[str, Any]]]:
+def messages_events(
+    call: tuple[str, str] | None, tokens: int, text: str = "done"
+) -> Iterator[tuple[str, dict[str, Any]]]:
     message = {"id": f"msg_{uuid.uuid4().hex[:12]}", "type": "message", "role": "assistant", "model": "m",
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": tokens, "output_tokens": 1}}  # fmt: skip
@@ -196,7 +208,7 @@ def messages_events(call: tuple[str, str] | None, tokens: int) -> Iterator[tuple
         block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:12]}", "name": call[0], "input": {}}
         delta = {"type": "input_json_delta", "partial_json": call[1]}
     else:
-        block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": "done"}
+        block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": text}
     yield "content_block_start", {"type": "content_block_start", "index": 0, "content_block": block}
     yield "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
     yield "content_block_stop", {"type": "content_block_stop", "index": 0}

@@ -96,6 +96,7 @@ def claude(project: Path, home: Path, url: str, token: bool) -> tuple[list[str],
 
 
 AGENTS = {"opencode": opencode, "codex": codex, "claude": claude}
+GO_ON = "Go on."
 PROMPT = "Read every notes file in this directory, one by one, then say done."
 
 
@@ -135,7 +136,7 @@ def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = 
             environment.update({"CONTEXT_SHRINK_HTTP_TOKEN": TOKEN} if token else {})
             environment.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
             go_on = {"opencode": ["--session", resume], "codex": ["resume", resume], "claude": ["--resume", resume]}
-            arguments = [PROMPT] if resume is None else [*go_on[agent], "Go on."]
+            arguments = [PROMPT] if resume is None else [*go_on[agent], GO_ON]
             returncode, output = drive([*command, *arguments], project, environment, upstream, stop_at_refusal)
     return Session(upstream, returncode, output, log.read_text() if log.exists() else "")
 
