@@ -175,6 +175,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid as uuid_module
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -376,7 +377,7 @@ SERVER_INSTRUCTIONS = (
     "tokenizer is auto, server, heuristic, tiktoken or tiktoken:<encoding>; model names the model the "
     "history is for; keep_last is how many newest messages are always kept; session names a coding agent's own "
     "session (claude:<id>, codex:<id>, opencode:<id> or <agent>:latest; list_sessions finds them) to measure, "
-    "prune or trim; trim and prune write it back in the agent's own format only with dry_run false."
+    "prune, trim or compact; those write it back in the agent's own format only with dry_run false."
 )
 SYSTEM_ROLES = ("system", "developer")
 RESULT_ROLES = ("tool", "function")
@@ -5370,6 +5371,8 @@ def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> di
     kept = {i for i in origins if i is not None}
     fresh = [m for m, i in zip(new, origins, strict=True) if i is None]
     removed = [i for i in range(len(found.messages)) if i not in kept]
+    if any(_plain_content(m.get("content")).startswith(SUMMARY_MARKER) for m in fresh):
+        return _session_compaction(found, new, origins)
     edits: dict[int, str] = {}
     drops: list[int] = []
     for m in fresh:
@@ -5385,6 +5388,22 @@ def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> di
         else:
             drops.append(twin)
     return {"removed": removed, "edits": edits, "drop_reasoning": drops}
+
+
+def _session_compaction(found: AgentSession, new: Sequence[Mapping[str, Any]], origins: list[Any]) -> dict[str, Any]:
+    """A compaction of the session: one summary, and the messages kept before and after it unchanged and in
+    their order (they are copied after the agent's own compaction marker); anything else raises."""
+    at = [j for j, origin in enumerate(origins) if origin is None]
+    head, tail = origins[: at[0]], origins[at[0] + 1 :]
+    total = len(found.messages)
+    if len(at) != 1 or [*head, *tail] != sorted(set(head) | set(tail)):
+        raise ContextShrinkError(
+            "a compaction can be written to an agent's session only as one summary among messages kept "
+            "unchanged and in order"
+        )
+    folded = total - len(head) - len(tail)
+    compaction = {"summary": _plain_content(new[at[0]].get("content")), "head": head, "tail": tail, "folded": folded}
+    return {"removed": [], "edits": {}, "drop_reasoning": [], "compaction": compaction}
 
 
 def _same_slot(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
@@ -5522,6 +5541,64 @@ def _codex_rewrite(found: AgentSession, changes: Mapping[str, Any]) -> str:
     return _jsonl_rewrite(found.path, change)
 
 
+def _claude_compact(found: AgentSession, compaction: Mapping[str, Any]) -> str:
+    """Claude Code's own compaction appended: a ``compact_boundary`` record, copies of the kept first
+    records, the summary record (``isCompactSummary``), copies of the kept newest records, chained, and a
+    ``last-prompt`` record naming the new leaf (``--resume`` starts there); the records before stay in the
+    file, unsent."""
+    records, _ = _jsonl_records(found.path)
+    by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
+    leaf = _claude_chain(records)[-1]
+    keys = ("sessionId", "cwd", "version", "userType", "entrypoint", "gitBranch")
+    common = {k: leaf[k] for k in keys if k in leaf} | {"isSidechain": False,
+              "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")}  # fmt: skip
+    boundary = {**common, "parentUuid": None, "logicalParentUuid": leaf.get("uuid"), "type": "system",
+                "subtype": "compact_boundary", "content": "Conversation compacted", "isMeta": False, "level": "info",
+                "uuid": str(uuid_module.uuid4()), "compactMetadata": {"trigger": "context-shrink",
+                                                                       "folded": compaction["folded"]}}  # fmt: skip
+    summary = {**common, "type": "user", "message": {"role": "user", "content": compaction["summary"]},
+               "isCompactSummary": True, "isVisibleInTranscriptOnly": True}  # fmt: skip
+    chain = [boundary]
+    for record in [*_copied(found, compaction["head"], by_uuid), summary, *_copied(found, compaction["tail"], by_uuid)]:
+        chain.append({**record, "parentUuid": chain[-1]["uuid"], "uuid": str(uuid_module.uuid4())})
+    prompts = [r for _, r in records if r.get("type") == "last-prompt"]  # where --resume picks the leaf up
+    last = {**(prompts[-1] if prompts else {"type": "last-prompt", "sessionId": common.get("sessionId")})}
+    chain.append({**last, "leafUuid": chain[-1]["uuid"]})
+    text = read_file_text(found.path, errors="surrogateescape")
+    text += "" if not text or text.endswith("\n") else "\n"
+    return text + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chain)
+
+
+def _copied(found: AgentSession, indices: Sequence[int], by_uuid: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records the messages at ``indices`` came from, once each, in order."""
+    uuids = dict.fromkeys(u for i in indices for u in found.sources[i])
+    return [dict(by_uuid[u]) for u in uuids if u in by_uuid]
+
+
+def _codex_compact(found: AgentSession, compaction: Mapping[str, Any]) -> str:
+    """Codex's own compaction appended: a ``compacted`` record whose replacement history is the kept first
+    items, the summary as a user message, the kept newest items; the records before stay, unsent."""
+    records, _ = _jsonl_records(found.path)
+    lines = {number: record.get("payload") for number, record in records}
+
+    def item(place: str) -> dict[str, Any]:
+        number, _, inner = place.removeprefix("line ").partition(" replacement_history[")
+        payload = lines[int(number)]
+        return payload["replacement_history"][int(inner.rstrip("]"))] if inner else payload
+
+    def items(indices: Sequence[int]) -> list[dict[str, Any]]:
+        return [item(place) for place in dict.fromkeys(p for i in indices for p in found.sources[i])]
+
+    summary = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": compaction["summary"]}]}
+    history = [*items(compaction["head"]), summary, *items(compaction["tail"])]
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    ordinals = [r["ordinal"] for _, r in records if isinstance(r.get("ordinal"), int)]
+    record = {"timestamp": stamp, **({"ordinal": max(ordinals) + 1} if ordinals else {}), "type": "compacted",
+              "payload": {"message": compaction["summary"], "replacement_history": history}}  # fmt: skip
+    text = read_file_text(found.path, errors="surrogateescape")
+    return text + ("" if not text or text.endswith("\n") else "\n") + json.dumps(record, ensure_ascii=False) + "\n"
+
+
 def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
     """In one immediate transaction: removed messages' rows and parts deleted, reasoning parts of reasoning
     deleted, tool outputs edited in their part's JSON."""
@@ -5572,6 +5649,22 @@ def _backup_store(found: AgentSession) -> Path:
     return saved
 
 
+def _view_key(message: Mapping[str, Any], compaction: Any) -> str:
+    """What a store must give back for ``message``: the message itself; after a compaction its text, calls
+    and result id (the agent's own shapes differ), a summary in any role."""
+    if not compaction:
+        return fingerprint(message)
+    summary = _plain_content(message.get("content")).startswith(SUMMARY_MARKER)
+    return canonical_json(["summary" if summary else message.get("role"), _plain_content(message.get("content")),
+                           message.get("tool_calls"), message.get("tool_call_id")])  # fmt: skip
+
+
+def _last_change(path: Path) -> float:
+    """When the store last changed: SQLite in WAL mode writes the ``-wal`` file, not the database."""
+    wal = path.with_name(path.name + "-wal")
+    return max(path.stat().st_mtime, wal.stat().st_mtime if wal.exists() else 0.0)
+
+
 def _restore_store(found: AgentSession, saved: Path) -> None:
     if found.agent != "opencode":
         write_text_atomic(found.path, read_file_text(saved, errors="surrogateescape"))
@@ -5589,24 +5682,32 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
     :data:`SESSION_QUIET_SECONDS` is refused (the agent may be writing it). The store is read again after
     the write and must give ``new``; if not, the backup is put back."""
     changes = session_changes(found, new)
+    compaction = changes.get("compaction")
     report = {"session": f"{found.agent}:{found.id}", "removed": len(changes["removed"]),
               "tool_results_replaced": len(changes["edits"]), "reasoning_removed": len(changes["drop_reasoning"]),
+              "folded_into_summary": compaction["folded"] if compaction else 0,
               "dry_run": dry_run, "backup": None}  # fmt: skip
+    if compaction and found.agent == "opencode":
+        raise ContextShrinkError("a compaction cannot be written to an OpenCode session yet (prune or trim it)")
     if dry_run or not any(changes.values()):
         return report
-    age = (time.time() if now is None else now) - found.path.stat().st_mtime
+    age = (time.time() if now is None else now) - _last_change(found.path)
     if age < SESSION_QUIET_SECONDS:
         raise ContextShrinkError(f"{found.path} changed {age:.1f} s ago: the agent may be writing it; nothing "
                                  f"written (try again when it has been idle {SESSION_QUIET_SECONDS:g} s)")  # fmt: skip
     saved = _backup_store(found)
     if found.agent == "opencode":
         _opencode_apply(found, changes)
+    elif compaction:
+        write_text_atomic(
+            found.path, (_claude_compact if found.agent == "claude" else _codex_compact)(found, compaction)
+        )
     else:
         rewrite = _claude_rewrite if found.agent == "claude" else _codex_rewrite
         write_text_atomic(found.path, rewrite(found, changes))
     again = read_opencode(found.path, found.id) if found.agent == "opencode" else (
         read_claude if found.agent == "claude" else read_codex)(found.path)  # fmt: skip
-    if [fingerprint(m) for m in again.messages] != [fingerprint(m) for m in new]:
+    if [_view_key(m, compaction) for m in again.messages] != [_view_key(m, compaction) for m in new]:
         _restore_store(found, saved)
         raise ContextShrinkError(f"the {found.agent} session did not read back as written; restored from {saved}")
     return {**report, "backup": str(saved)}
@@ -6281,9 +6382,12 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
         ] = "none",
         diet_tool_results: Annotated[bool, Field(description="Dedupe big tool results first.")] = False,
         anchor_identifiers: Annotated[bool, Field(description="Append identifiers the summary dropped.")] = True,
+        session: SessionArg = None,
+        dry_run: Annotated[bool | None, Field()] = None,
     ) -> dict[str, Any]:
         """Replace the oldest messages with a summary: yours (summary), a model's, the client's (sampling),
         or get a plan."""
+        messages, found = await session_source(config, session, messages, messages_path)
         model_name = (config.model or None) if model is None else (model or None)
         args = (messages, messages_path, tools, tokenizer, model_name, max_context_tokens, base_url, api_key)
         req = await prepare(state_of(ctx), *args)
@@ -6293,7 +6397,11 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
             fallback, diet_tool_results, anchor_identifiers,
         )  # fmt: skip
         result = await compact_request(ctx, req, compact_mode(ctx, summary, model, model_name), model_name, options)
-        return result if isinstance(result, InputRequiredResult) else deliver(config, result, output_path, req)
+        if isinstance(result, InputRequiredResult) or found is None:
+            return result if isinstance(result, InputRequiredResult) else deliver(config, result, output_path, req)
+        return (
+            await session_result(found, result, dry_run) if result["messages"] else {**result, **session_report(found)}
+        )
 
 
 def build_server(config: Config | None = None) -> MCPServer:

@@ -129,8 +129,9 @@ class AgentUpstream(FakeOpenAI):
 
 
 def reply_text(view: cs.ChatView) -> str:
-    """The model's answer when it calls no tool: a summary when the newest message asks for one."""
-    newest = str(view.messages[-1].get("content")) if view.messages else ""
+    """The model's answer when it calls no tool: a summary when the newest user message asks for one."""
+    users = [m for m in view.messages if m.get("role") == "user"]
+    newest = str(users[-1].get("content")) if users else ""
     return f"<summary>\n{SUMMARY}\n</summary>" if "summar" in newest.lower() else "done"
 
 

@@ -267,6 +267,13 @@ def test_any_store_content_reads_or_says_why(records: list[Any], tmp_path: Path)
         assert len(found.sources) == len(found.messages)
 
 
+def make_idle(path: Path, when: float) -> None:
+    """Date the store (and its SQLite WAL) back, as if the agent had left it alone since ``when``."""
+    for store in (path, path.with_name(path.name + "-wal")):
+        if store.exists():
+            os.utime(store, (when, when))
+
+
 def later(found: cs.AgentSession) -> float:
     """A moment when the store has been idle long enough to be written."""
     return found.path.stat().st_mtime + cs.SESSION_QUIET_SECONDS + 1
@@ -296,9 +303,12 @@ def test_what_cannot_be_written_is_refused_and_nothing_changes(tmp_path: Path) -
     path = claude_store(tmp_path, "/x")
     original = path.read_bytes()
     found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
-    summary = [{"role": "system", "content": "[context-shrink summary] earlier"}, *found.messages[2:]]
-    with pytest.raises(cs.ContextShrinkError, match="cannot be written to a claude session yet"):
-        cs.write_session(found, summary, dry_run=False, now=later(found))
+    edited = [{**found.messages[0], "content": "fix it, and the tests"}, *found.messages[1:]]
+    with pytest.raises(cs.ContextShrinkError, match="cannot be written to a claude session yet: a new user"):
+        cs.write_session(found, edited, dry_run=False, now=later(found))
+    two = [{"role": "system", "content": f"{cs.SUMMARY_MARKER} a"}, found.messages[2], found.messages[1]]
+    with pytest.raises(cs.ContextShrinkError, match="kept unchanged and in order"):
+        cs.write_session(found, two, dry_run=False, now=later(found))
     with pytest.raises(cs.ContextShrinkError, match="the agent may be writing it"):
         cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=path.stat().st_mtime + 1)
     dry = cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=True, now=later(found))
@@ -370,7 +380,7 @@ def test_a_real_agent_goes_on_from_its_shrunk_session(
     busy = anyio.run(prune, False)
     assert busy.is_error and "may be writing it" in busy.content[0].text  # the agent wrote it just now
     idle = found.path.stat().st_mtime - 60
-    os.utime(found.path, (idle, idle))
+    make_idle(found.path, idle)
     before = found.path.read_bytes()
     dry = anyio.run(prune, None).structured_content
     assert dry["dry_run"] and dry["session_write"]["removed"] == 2 and found.path.read_bytes() == before
@@ -381,7 +391,7 @@ def test_a_real_agent_goes_on_from_its_shrunk_session(
     pruned = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
     assert signature(pruned.messages) == signature(found.messages[:first] + found.messages[first + 2 :])
     tokens = cs.count_messages(pruned.messages, cs.resolve_tokenizer("tiktoken"))[1]
-    os.utime(found.path, (idle, idle))
+    make_idle(found.path, idle)
 
     async def trim() -> Any:
         async with Client(server) as client:
@@ -404,3 +414,82 @@ def test_a_real_agent_goes_on_from_its_shrunk_session(
     assert all(text[:300] in texts for text in shortened)  # what trim_context wrote in place of the results
     kept = [s for s in signature(pruned.messages) if s[0] in ("tool_call", "tool_result")]
     assert [s for s in signature(sent) if s[0] in ("tool_call", "tool_result")][: len(kept)] == kept
+
+
+SUMMARY_TEXT = "The user asked for every notes file; the first two were read; next: the third."
+
+
+@pytest.mark.parametrize("agent", ["claude", "codex", "opencode"])
+def test_a_real_agent_goes_on_from_a_compaction_in_its_own_records(
+    agent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compact_context writes the summary as the agent's own compaction (Claude Code: a compact_boundary and
+    a summary record, the newest records copied after them; Codex: a compacted record whose replacement
+    history is the summary and the newest items), the old records kept but unsent; the agent resumed sends
+    the summary and the newest messages, not the folded ones. OpenCode's is not written yet: refused."""
+    binary(agent)
+    assert run_session(agent, tmp_path, proxied=False, steps=3).returncode == 0
+    env = environ(tmp_path / "home")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    found = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    idle = found.path.stat().st_mtime - 60
+    make_idle(found.path, idle)
+    server = cs.build_server(cs.Config(root=tmp_path / "project", tokenizer="tiktoken", session_stores=(agent,)))
+    arguments = {"session": f"{agent}:latest", "summary": SUMMARY_TEXT, "force": True, "keep_last": 3,
+                 "dry_run": False}  # fmt: skip
+
+    async def compact() -> Any:
+        async with Client(server) as client:
+            return await client.call_tool("compact_context", arguments)
+
+    result = anyio.run(compact)
+    assert agent == "opencode" or not result.is_error, result.content[0].text
+    if agent == "opencode":
+        assert result.is_error and "cannot be written to an OpenCode session yet" in result.content[0].text
+        return
+    written = result.structured_content["session_write"]
+    assert written["folded_into_summary"] > 0 and Path(written["backup"]).read_bytes() in found.path.read_bytes()
+    compacted = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    assert compacted.compacted and SUMMARY_TEXT in json.dumps(compacted.messages)
+    again = run_session(agent, tmp_path, proxied=False, steps=1, resume=found.id)
+    assert again.returncode == 0, again.output[-2000:]
+    path, body = next(entry for entry in again.upstream.log if entry[1].get("tools"))
+    sent = {"chat": lambda b: b["messages"], "responses": lambda b: cs.responses_view(b).messages,
+            "messages": lambda b: cs.messages_view(b).messages}[path](body)  # fmt: skip
+    texts = " ".join(plain(m.get("content")) + json.dumps(m.get("tool_calls")) for m in sent)
+    assert SUMMARY_TEXT in texts and "file 0 line 7:" not in texts and "file 2 line 7:" in texts
+
+
+def test_a_compaction_written_as_the_agents_own(tmp_path: Path) -> None:
+    """Claude Code: a compact_boundary, the summary record, copies of the kept records chained after it and a
+    last-prompt naming the new leaf; Codex: one compacted record; the old records stay. Read back, the
+    session is the summary and the kept messages."""
+    path = claude_store(tmp_path, "/x")
+    before = path.read_text()
+    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    summary = {"role": "system", "content": f"{cs.SUMMARY_MARKER} the user wants it fixed"}
+    report = cs.write_session(found, [summary, *found.messages[2:]], dry_run=False, now=later(found))
+    assert report["folded_into_summary"] == 2 and path.read_text().startswith(before)
+    records = [json.loads(line) for line in path.read_text()[len(before) :].splitlines()]
+    assert [r.get("subtype") or r["type"] for r in records] == ["compact_boundary", "user", "assistant", "assistant",
+                                                                "user", "assistant", "last-prompt"]  # fmt: skip
+    assert records[1]["isCompactSummary"] and records[-1]["leafUuid"] == records[-2]["uuid"]
+    again = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    assert again.compacted and again.messages[1:] == found.messages[2:]
+    assert again.messages[0] == {"role": "user", "content": summary["content"]}
+    codex = tmp_path / ".codex" / "sessions" / "2026" / "12" / "01" / "rollout-c1.jsonl"
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list the files"}]}
+    call = {"type": "function_call", "call_id": "k1", "name": "exec_command", "arguments": "{}"}
+    out = {"type": "function_call_output", "call_id": "k1", "output": "a.py"}
+    items = [{"type": "response_item", "payload": i, "ordinal": k} for k, i in enumerate([user, call, out], 1)]
+    write_jsonl(codex, [{"type": "session_meta", "payload": {"id": "c1", "cwd": "/x"}, "ordinal": 0}, *items])
+    found = cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path))
+    cs.write_session(found, [summary, *found.messages[1:]], dry_run=False, now=later(found))
+    last = json.loads(codex.read_text().splitlines()[-1])
+    assert (
+        last["type"] == "compacted"
+        and last["ordinal"] == 4
+        and last["payload"]["replacement_history"][1:] == [call, out]
+    )
+    assert cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path)).compacted

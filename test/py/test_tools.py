@@ -91,6 +91,8 @@ CONTRACT = {
         "fallback",
         "diet_tool_results",
         "anchor_identifiers",
+        "session",
+        "dry_run",
     ],
     "shrink_text": ["text", "path", "budget", "query", "protect", "exact_only", "on_overflow"],
     "check_text": ["plan", "text", "path", "markers", "fail_markers", "skipped"],
