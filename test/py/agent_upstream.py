@@ -129,10 +129,12 @@ class AgentUpstream(FakeOpenAI):
 
 
 def reply_text(view: cs.ChatView) -> str:
-    """The model's answer when it calls no tool: a summary when the newest user message asks for one."""
+    """The model's answer when it calls no tool: a summary when the newest user message asks for one while
+    telling it not to call tools (Claude Code's /compact does)."""
     users = [m for m in view.messages if m.get("role") == "user"]
-    newest = str(users[-1].get("content")) if users else ""
-    return f"<summary>\n{SUMMARY}\n</summary>" if "summar" in newest.lower() else "done"
+    newest = str(users[-1].get("content")).lower() if users else ""
+    asked = "summary" in newest and "do not call any tools" in newest
+    return f"<summary>\n{SUMMARY}\n</summary>" if asked else "done"
 
 
 def read_call(tools: list[Tool], path: str) -> tuple[str, str]:

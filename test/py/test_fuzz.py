@@ -28,6 +28,8 @@ from fake_openai import FakeOpenAI, serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_core import conversation
+from test_sessions import claude_store
+from test_sessions import environ as sessions_environ
 
 import context_shrink as cs
 
@@ -100,9 +102,12 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StdioServ
         big.truncate(600 * 1024 * 1024)
     fake = FakeOpenAI(window=100_000)
     with serve(fake) as url:
+        home = root.parent / "home"  # the agents' stores the session tools may read: a Claude Code session here
+        claude_store(home, str(root))
         env = {**os.environ, "CONTEXT_SHRINK_ROOT": str(root), "CONTEXT_SHRINK_API_KEY": SECRET,
                "CONTEXT_SHRINK_BASE_URL": url, "CONTEXT_SHRINK_MODEL": "fake", "CONTEXT_SHRINK_TOKENIZER": "tiktoken",
-               "CONTEXT_SHRINK_ARCHIVE_DIR": str(root / "archive")}  # fmt: skip
+               "CONTEXT_SHRINK_ARCHIVE_DIR": str(root / "archive"), **sessions_environ(home),
+               "CONTEXT_SHRINK_SESSION_STORES": "claude,codex,opencode"}  # fmt: skip
         server = StdioServer(env, root.parent / "server.log")
         try:
             yield server, root.parent / "server.log"
