@@ -5002,7 +5002,7 @@ def _jsonl_records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], int]:
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             skipped += 1
             continue
         if isinstance(record, dict):
@@ -5142,10 +5142,12 @@ def _claude_sessions(store: Path) -> list[dict[str, Any]]:
 
 def _first_cwd(path: Path) -> str | None:
     """The working directory named in a session file's first 50 lines."""
+    if not path.is_file():  # never a FIFO: opening one would wait for a writer
+        return None
     try:
         with path.open(encoding="utf-8", errors="replace") as handle:
-            for line in itertools.islice(handle, 50):
-                with contextlib.suppress(ValueError):
+            for line in itertools.islice(iter(lambda: handle.readline(1 << 20), ""), 50):
+                with contextlib.suppress(ValueError, RecursionError):
                     record = json.loads(line)
                     if isinstance(record, dict) and isinstance(record.get("cwd"), str):
                         return record["cwd"]
@@ -5204,9 +5206,12 @@ def read_codex(path: Path) -> AgentSession:
 def _codex_sessions(store: Path) -> list[dict[str, Any]]:
     found = []
     for path in store.glob("*/*/*/rollout-*.jsonl") if store.is_dir() else []:
-        meta: dict[str, Any] = {}
-        with contextlib.suppress(OSError, ValueError), path.open(encoding="utf-8", errors="replace") as handle:
-            meta = json.loads(handle.readline()).get("payload") or {}
+        meta: Any = {}
+        with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
+            if path.is_file():  # never a FIFO: opening one would wait for a writer
+                with path.open(encoding="utf-8", errors="replace") as handle:
+                    meta = json.loads(handle.readline(1 << 20)).get("payload")
+        meta = meta if isinstance(meta, dict) else {}
         found.append({"id": str(meta.get("id") or path.stem[-36:]), "cwd": meta.get("cwd"), "path": path})
     return found
 
@@ -5230,11 +5235,11 @@ def _opencode_rows(path: Path, session: str) -> list[tuple[str, dict[str, Any], 
             raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
     by_message: dict[str, list[tuple[str, dict[str, Any]]]] = collections.defaultdict(list)
     for message_id, part_id, data in parts:
-        with contextlib.suppress(ValueError, TypeError):
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
             by_message[message_id].append((part_id, json.loads(data)))
     out = []
     for message_id, data in rows:
-        with contextlib.suppress(ValueError, TypeError):
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
             info = json.loads(data)
             if isinstance(info, dict):
                 out.append((message_id, info, [(i, p) for i, p in by_message[message_id] if isinstance(p, dict)]))
@@ -5344,7 +5349,7 @@ def read_session(spec: str, allowed: Sequence[str], cwd: Path, environ: Mapping[
     agent, ident = session_spec(spec, allowed)
     sessions = [s for s in list_sessions([agent], environ) if s["agent"] == agent]
     if ident == "latest":
-        here = [s for s in sessions if s.get("cwd") and Path(s["cwd"]).resolve() == cwd.resolve()]
+        here = [s for s in sessions if isinstance(s.get("cwd"), str) and Path(s["cwd"]).resolve() == cwd.resolve()]
         if not here:
             raise ContextShrinkError(f"no {agent} session ran in {cwd} (list_sessions names the sessions found)")
         chosen = here[0]
@@ -5418,10 +5423,10 @@ def _jsonl_rewrite(path: Path, change: Callable[[int, dict[str, Any]], dict[str,
     """The file's text with ``change(line number, record)`` applied to every record: None drops the line,
     another dict replaces it; unparsable lines and untouched records stay byte for byte."""
     out = []
-    for number, raw in enumerate(_lines(read_file_text(path, errors="replace")), 1):
+    for number, raw in enumerate(_lines(read_file_text(path)), 1):  # strict: a rewrite keeps every byte
         try:
             record = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             out.append(raw)
             continue
         new = change(number, record) if isinstance(record, dict) else record
@@ -5564,7 +5569,7 @@ def _claude_compact(found: AgentSession, compaction: Mapping[str, Any]) -> str:
     prompts = [r for _, r in records if r.get("type") == "last-prompt"]  # where --resume picks the leaf up
     last = {**(prompts[-1] if prompts else {"type": "last-prompt", "sessionId": common.get("sessionId")})}
     chain.append({**last, "leafUuid": chain[-1]["uuid"]})
-    text = read_file_text(found.path, errors="surrogateescape")
+    text = read_file_text(found.path)  # strict: a store that is not UTF-8 is not written
     text += "" if not text or text.endswith("\n") else "\n"
     return text + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chain)
 
@@ -5595,7 +5600,7 @@ def _codex_compact(found: AgentSession, compaction: Mapping[str, Any]) -> str:
     ordinals = [r["ordinal"] for _, r in records if isinstance(r.get("ordinal"), int)]
     record = {"timestamp": stamp, **({"ordinal": max(ordinals) + 1} if ordinals else {}), "type": "compacted",
               "payload": {"message": compaction["summary"], "replacement_history": history}}  # fmt: skip
-    text = read_file_text(found.path, errors="surrogateescape")
+    text = read_file_text(found.path)  # strict: a store that is not UTF-8 is not written
     return text + ("" if not text or text.endswith("\n") else "\n") + json.dumps(record, ensure_ascii=False) + "\n"
 
 
@@ -5667,7 +5672,7 @@ def _last_change(path: Path) -> float:
 
 def _restore_store(found: AgentSession, saved: Path) -> None:
     if found.agent != "opencode":
-        write_text_atomic(found.path, read_file_text(saved, errors="surrogateescape"))
+        shutil.copyfile(saved, found.path)  # byte for byte
         return
     import sqlite3
 
@@ -5695,16 +5700,16 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
     if age < SESSION_QUIET_SECONDS:
         raise ContextShrinkError(f"{found.path} changed {age:.1f} s ago: the agent may be writing it; nothing "
                                  f"written (try again when it has been idle {SESSION_QUIET_SECONDS:g} s)")  # fmt: skip
-    saved = _backup_store(found)
     if found.agent == "opencode":
+        saved = _backup_store(found)
         _opencode_apply(found, changes)
-    elif compaction:
-        write_text_atomic(
-            found.path, (_claude_compact if found.agent == "claude" else _codex_compact)(found, compaction)
-        )
-    else:
-        rewrite = _claude_rewrite if found.agent == "claude" else _codex_rewrite
-        write_text_atomic(found.path, rewrite(found, changes))
+    else:  # the new text first: a store that cannot be rewritten leaves nothing behind, not even a backup
+        if compaction:
+            text = (_claude_compact if found.agent == "claude" else _codex_compact)(found, compaction)
+        else:
+            text = (_claude_rewrite if found.agent == "claude" else _codex_rewrite)(found, changes)
+        saved = _backup_store(found)
+        write_text_atomic(found.path, text)
     again = read_opencode(found.path, found.id) if found.agent == "opencode" else (
         read_claude if found.agent == "claude" else read_codex)(found.path)  # fmt: skip
     if [_view_key(m, compaction) for m in again.messages] != [_view_key(m, compaction) for m in new]:

@@ -493,3 +493,20 @@ def test_a_compaction_written_as_the_agents_own(tmp_path: Path) -> None:
         and last["payload"]["replacement_history"][1:] == [call, out]
     )
     assert cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path)).compacted
+
+
+def test_a_hostile_store_is_read_or_refused_never_a_crash(tmp_path: Path) -> None:
+    """A FIFO among the sessions (never opened), a line nested 100,000 deep, bytes that are not UTF-8: the
+    session reads (those lines skipped or replaced), and a write is refused with a clear error, not a crash."""
+    path = claude_store(tmp_path, "/x")
+    os.mkfifo(path.parent / "fifo.jsonl")
+    with path.open("ab") as handle:
+        handle.write(b"[" * 100_000 + b"\n" + b'{"type": "x", "bad": "\xff\xfe"}\n')
+    found = cs.read_session("claude:latest", ["claude"], Path("/x"), environ(tmp_path))
+    assert found.skipped_lines == 2 and len(found.messages) == 5
+    assert "claude:s1" in [s["session"] for s in cs.list_sessions(["claude"], environ(tmp_path))]
+    with pytest.raises(cs.ContextShrinkError, match="not a regular file"):
+        cs.read_session("claude:fifo", ["claude"], Path("/x"), environ(tmp_path))
+    with pytest.raises(cs.ContextShrinkError, match="not UTF-8"):
+        cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=later(found))
+    assert not list(path.parent.glob("*.pre-shrink-*"))  # refused before the backup: nothing left behind
