@@ -377,7 +377,8 @@ SERVER_INSTRUCTIONS = (
     "tokenizer is auto, server, heuristic, tiktoken or tiktoken:<encoding>; model names the model the "
     "history is for; keep_last is how many newest messages are always kept; session names a coding agent's own "
     "session (claude:<id>, codex:<id>, opencode:<id> or <agent>:latest; list_sessions finds them) to measure, "
-    "prune, trim or compact; those write it back in the agent's own format only with dry_run false."
+    "prune, trim or compact; those write it back in the agent's own format only with dry_run false (prune's "
+    "scrub also erases the store's hidden copies of what it removes)."
 )
 SYSTEM_ROLES = ("system", "developer")
 RESULT_ROLES = ("tool", "function")
@@ -5604,6 +5605,72 @@ def _codex_compact(found: AgentSession, compaction: Mapping[str, Any]) -> str:
     return text + ("" if not text or text.endswith("\n") else "\n") + json.dumps(record, ensure_ascii=False) + "\n"
 
 
+CONVERSATION_RECORDS = {  # the records that make up the conversation; any other kind is bookkeeping
+    "claude": ("user", "assistant", "attachment", "system"),
+    "codex": ("response_item", "compacted", "session_meta", "turn_context", "world_state"),
+}
+
+
+def _erased_texts(found: AgentSession, changes: Mapping[str, Any]) -> list[str]:
+    """How the texts removed from what the model sees look inside a JSON store (their first 64 characters,
+    escaped), to find the hidden copies of them."""
+    indices = [*changes["removed"], *changes["edits"]]
+    texts = [_plain_content(found.messages[i].get("content")) for i in indices]
+    # the start as escaped once, and a stretch that needs no escaping, found however deep a copy is quoted
+    plain = [max(re.split(r'[\x00-\x1f"\\]', t), key=len)[:64] for t in texts]
+    found_in = [json.dumps(t[:64], ensure_ascii=False)[1:-1] for t in texts] + plain
+    return [t for t in dict.fromkeys(found_in) if len(t.strip()) >= 24]
+
+
+def _scrub_jsonl(agent: str, text: str, erased: Sequence[str]) -> str:
+    """``text`` without the hidden copies of ``erased``: bookkeeping records holding one are dropped (Claude
+    Code's last-prompt keeps its leaf and loses its text), a kept record's ``toolUseResult`` copy goes."""
+    out = []
+    for raw in _lines(text):
+        try:
+            record = json.loads(raw)
+        except (ValueError, RecursionError):
+            out.append(raw)
+            continue
+        if not isinstance(record, dict) or not any(t in raw for t in erased):
+            out.append(raw)
+        elif record.get("type") in CONVERSATION_RECORDS[agent]:
+            copy = json.dumps(record.get("toolUseResult"), ensure_ascii=False)
+            if agent == "claude" and any(t in copy for t in erased):
+                record = {k: v for k, v in record.items() if k != "toolUseResult"}
+                raw = json.dumps(record, ensure_ascii=False) + "\n"
+            out.append(raw)
+        elif agent == "claude" and record.get("type") == "last-prompt":
+            out.append(json.dumps({**record, "lastPrompt": ""}, ensure_ascii=False) + "\n")
+    return "".join(out)
+
+
+def _codex_forget_index(found: AgentSession) -> None:
+    """Codex's thread history index beside the rollout (``thread_history_*.sqlite``) forgets this thread, so
+    Codex projects it again from the rewritten rollout (a stale one reads past the end and stops updating)."""
+    import sqlite3
+
+    home = found.path.parents[4] if len(found.path.parents) > 4 else found.path.parent
+    for index in home.glob("thread_history_*.sqlite"):
+        try:
+            with contextlib.closing(sqlite3.connect(index, timeout=2, isolation_level=None)) as db:
+                tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                db.execute("BEGIN IMMEDIATE")
+                for table in (
+                    "thread_items",
+                    "thread_turns",
+                    "thread_history_projection_state",
+                    "thread_realtime_items",
+                ):
+                    if table in tables:
+                        db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (found.id,))
+                db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise ContextShrinkError(
+                f"Codex's thread index {index} could not be updated (is Codex running?): {exc}"
+            ) from None
+
+
 def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
     """In one immediate transaction: removed messages' rows and parts deleted, reasoning parts of reasoning
     deleted, tool outputs edited in their part's JSON."""
@@ -5628,6 +5695,8 @@ def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
             for i in changes["drop_reasoning"]:
                 db.execute("DELETE FROM part WHERE message_id = ? AND json_extract(data, '$.type') = 'reasoning'",
                            (ids(i, "message"),))  # fmt: skip
+            for copy in changes.get("erased") or []:  # the event table's copies of what was removed
+                db.execute("DELETE FROM event WHERE instr(data, ?) > 0", (copy,))
             for i, text in changes["edits"].items():
                 row = db.execute("SELECT data FROM part WHERE id = ?", (ids(i, "part"),)).fetchone()
                 part = json.loads(row[0])
@@ -5680,8 +5749,8 @@ def _restore_store(found: AgentSession, saved: Path) -> None:
         copy.backup(db)
 
 
-def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run: bool, now: float | None = None
-                  ) -> dict[str, Any]:  # fmt: skip
+def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run: bool, now: float | None = None,
+                  scrub: bool = False) -> dict[str, Any]:  # fmt: skip
     """Write ``new`` (the session's view, pruned or trimmed) back to the agent's store, in its own format,
     after a backup; ``dry_run`` only says what would change. A store changed in the last
     :data:`SESSION_QUIET_SECONDS` is refused (the agent may be writing it). The store is read again after
@@ -5691,7 +5760,7 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
     report = {"session": f"{found.agent}:{found.id}", "removed": len(changes["removed"]),
               "tool_results_replaced": len(changes["edits"]), "reasoning_removed": len(changes["drop_reasoning"]),
               "folded_into_summary": compaction["folded"] if compaction else 0,
-              "dry_run": dry_run, "backup": None}  # fmt: skip
+              "dry_run": dry_run, "backup": None, "scrubbed": scrub}  # fmt: skip
     if compaction and found.agent == "opencode":
         raise ContextShrinkError("a compaction cannot be written to an OpenCode session yet (prune or trim it)")
     if dry_run or not any(changes.values()):
@@ -5700,16 +5769,20 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
     if age < SESSION_QUIET_SECONDS:
         raise ContextShrinkError(f"{found.path} changed {age:.1f} s ago: the agent may be writing it; nothing "
                                  f"written (try again when it has been idle {SESSION_QUIET_SECONDS:g} s)")  # fmt: skip
+    erased = _erased_texts(found, changes) if scrub else []
     if found.agent == "opencode":
         saved = _backup_store(found)
-        _opencode_apply(found, changes)
+        _opencode_apply(found, {**changes, "erased": erased})
     else:  # the new text first: a store that cannot be rewritten leaves nothing behind, not even a backup
         if compaction:
             text = (_claude_compact if found.agent == "claude" else _codex_compact)(found, compaction)
         else:
             text = (_claude_rewrite if found.agent == "claude" else _codex_rewrite)(found, changes)
+        text = _scrub_jsonl(found.agent, text, erased) if erased else text
         saved = _backup_store(found)
         write_text_atomic(found.path, text)
+        if found.agent == "codex":
+            _codex_forget_index(found)
     again = read_opencode(found.path, found.id) if found.agent == "opencode" else (
         read_claude if found.agent == "claude" else read_codex)(found.path)  # fmt: skip
     if [_view_key(m, compaction) for m in again.messages] != [_view_key(m, compaction) for m in new]:
@@ -6157,10 +6230,14 @@ def session_report(found: AgentSession | None) -> dict[str, Any]:
                         "unreadable_lines": found.skipped_lines, "sources": sources}}  # fmt: skip
 
 
-async def session_result(found: AgentSession, result: dict[str, Any], dry_run: bool | None) -> dict[str, Any]:
-    """A trim or prune of an agent's session: written back to its store unless ``dry_run`` (the default),
-    reported without the messages (the store holds them)."""
-    written = await anyio.to_thread.run_sync(write_session, found, result["messages"], dry_run is not False)
+async def session_result(found: AgentSession, result: dict[str, Any], dry_run: bool | None, scrub: bool = False
+                         ) -> dict[str, Any]:  # fmt: skip
+    """A trim, prune or compaction of an agent's session: written back to its store unless ``dry_run`` (the
+    default), the hidden copies of what was removed erased too with ``scrub``; reported without the messages
+    (the store holds them)."""
+    written = await anyio.to_thread.run_sync(
+        functools.partial(write_session, found, result["messages"], dry_run is not False, scrub=scrub)
+    )
     return {
         **result,
         "messages": None,
@@ -6273,6 +6350,7 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
         tokenizer: TokenizerArg = None,
         reserve_tokens: ReserveArg = default_reserve,
         session: SessionArg = None,
+        scrub: Annotated[bool, Field()] = False,
     ) -> dict[str, Any]:
         """Remove messages by id (a tool call with its results), strip images or clear old tool results."""
         messages, found = await session_source(config, session, messages, messages_path)
@@ -6285,7 +6363,7 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
                      "reserve_tokens": reserve_tokens, "output_path": output_path, "dry_run": dry_run,
                      "source": source, "lines": lines}  # fmt: skip
         result = await prune_request(state_of(ctx), req, arguments)
-        return await session_result(found, result, dry_run) if found else result
+        return await session_result(found, result, dry_run, scrub) if found else result
 
 
 def session_tools(tool: Callable[..., Any], config: Config) -> None:

@@ -205,6 +205,19 @@ def test_the_tools_read_a_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert closed_read.is_error and "CONTEXT_SHRINK_SESSION_STORES=claude" in closed_read.content[0].text
 
 
+def store_text(agent: str, home: Path, path: Path) -> str:
+    """Everything the agent's store holds for a session, as text: the JSONL file, and for SQLite stores
+    (OpenCode's database, Codex's thread index) every text column of every table."""
+    databases = [path] if agent == "opencode" else list((home / ".codex").glob("thread_history_*.sqlite"))
+    texts = [] if agent == "opencode" else [path.read_text()]
+    for database in databases:
+        with sqlite3.connect(database) as db:
+            for (table,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
+                for row in db.execute(f'SELECT * FROM "{table}"').fetchall():
+                    texts += [str(value) for value in row]
+    return "\n".join(texts)
+
+
 def signature(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """Each message's kind and text (its tool calls for an assistant): what both sides must agree on."""
     return [(cs.message_kind(m), json.dumps(m.get("tool_calls")) if m.get("tool_calls") else
@@ -371,7 +384,7 @@ def test_a_real_agent_goes_on_from_its_shrunk_session(
     found = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
     first = next(k for k, m in enumerate(found.messages) if m.get("tool_calls"))
     server = cs.build_server(cs.Config(root=tmp_path / "project", tokenizer="tiktoken", session_stores=(agent,)))
-    arguments = {"session": f"{agent}:latest", "remove_ids": [cs.message_ids(found.messages)[first]]}
+    arguments = {"session": f"{agent}:latest", "remove_ids": [cs.message_ids(found.messages)[first]], "scrub": True}
 
     async def prune(dry_run: bool | None) -> Any:
         async with Client(server) as client:
@@ -390,6 +403,7 @@ def test_a_real_agent_goes_on_from_its_shrunk_session(
         assert Path(done["session_write"]["backup"]).read_bytes() == before
     pruned = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
     assert signature(pruned.messages) == signature(found.messages[:first] + found.messages[first + 2 :])
+    assert "file 0 line 7:" not in store_text(agent, tmp_path / "home", found.path)  # scrubbed: no copy left
     tokens = cs.count_messages(pruned.messages, cs.resolve_tokenizer("tiktoken"))[1]
     make_idle(found.path, idle)
 
@@ -510,3 +524,24 @@ def test_a_hostile_store_is_read_or_refused_never_a_crash(tmp_path: Path) -> Non
     with pytest.raises(cs.ContextShrinkError, match="not UTF-8"):
         cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=later(found))
     assert not list(path.parent.glob("*.pre-shrink-*"))  # refused before the backup: nothing left behind
+
+
+def test_scrub_erases_the_hidden_copies(tmp_path: Path) -> None:
+    """prune_context's scrub: a removed tool result's copies in bookkeeping records (a request log) and in
+    the kept record's toolUseResult go too; last-prompt keeps its leaf; without scrub they stay."""
+    secret = "print('the secret value 0123456789')"
+    for scrub in (False, True):
+        path = claude_store(tmp_path / str(scrub), "/x")
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.startswith('{"')]
+        for record in records:
+            if record.get("uuid") == "t1":
+                record["message"]["content"][0]["content"] = [{"type": "text", "text": secret}]
+                record["toolUseResult"] = {"stdout": secret}
+        records.append({"type": "api-request-blob", "content": [{"type": "text", "text": secret}]})
+        write_jsonl(path, records)
+        found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path / str(scrub)))
+        new = [m for k, m in enumerate(found.messages) if k not in (2, 3)]
+        cs.write_session(found, new, dry_run=False, now=later(found), scrub=scrub)
+        text = path.read_text()
+        assert (secret in text) is not scrub
+        assert '"leafUuid": "r3"' in text.replace('":"', '": "') and '"api-request"' in text  # unrelated kept

@@ -67,6 +67,7 @@ CONTRACT = {
         *COMMON,
         "reserve_tokens",
         "session",
+        "scrub",
     ],
     "compact_context": [
         "messages",
