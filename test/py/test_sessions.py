@@ -545,3 +545,19 @@ def test_scrub_erases_the_hidden_copies(tmp_path: Path) -> None:
         text = path.read_text()
         assert (secret in text) is not scrub
         assert '"leafUuid": "r3"' in text.replace('":"', '": "') and '"api-request"' in text  # unrelated kept
+
+
+def test_an_opencode_database_held_by_a_writer_is_not_written(tmp_path: Path) -> None:
+    """Another connection holding the write lock (the agent mid-write): refused, nothing changed, the
+    backup taken before it left beside the database."""
+    path = opencode_store(tmp_path, "/x")
+    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(cs.ContextShrinkError, match="locked"):
+            cs.write_session(found, found.messages[:1], dry_run=False, now=later(found))
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path)).messages == found.messages
