@@ -4947,6 +4947,7 @@ def search_archive(entries: Sequence[Mapping[str, Any]], query: str, limit: int)
 
 SESSION_AGENTS = ("claude", "codex", "opencode")
 SESSION_LIST_LIMIT = 200  # sessions listed, newest first
+OPENCODE_COMPACTION_PROMPT = "What did we do so far?"  # what OpenCode 1.18 sends for a compaction part
 
 
 @dataclasses.dataclass
@@ -5253,7 +5254,8 @@ def _opencode_message(
     """One OpenCode message as chat messages with the part each came from: a tool part is a call on the
     assistant message and its result after it."""
     if info.get("role") == "user":
-        text = [(p.get("text", ""), pid) for pid, p in parts if p.get("type") == "text" and not p.get("synthetic")]
+        text = [(str(p.get("text", "")), pid) for pid, p in parts if p.get("type") == "text"]
+        text += [(OPENCODE_COMPACTION_PROMPT, pid) for pid, p in parts if p.get("type") == "compaction"]
         return [({"role": "user", "content": "\n".join(t for t, _ in text)}, text[0][1])] if text else []
     text = "\n".join(p.get("text", "") for _, p in parts if p.get("type") == "text")
     reasoning = "\n".join(p.get("text", "") for _, p in parts if p.get("type") == "reasoning")
@@ -5284,28 +5286,41 @@ def _opencode_output(part: dict[str, Any]) -> str:
     return str(state.get("output") or "") if state.get("status") == "completed" else "[Tool execution was interrupted]"
 
 
+def _opencode_sent(rows: list[Any]) -> tuple[list[Any], bool]:
+    """The rows OpenCode sends, in the order it sends them: after its last compaction (a user message with a
+    ``compaction`` part and the summary after it), that pair, then the kept tail (from the part's
+    ``tail_start_id``, messages older than the compaction), then what followed the summary."""
+    marks = [k for k, (_, info, parts) in enumerate(rows)
+             if info.get("role") == "user" and any(p.get("type") == "compaction" for _, p in parts)]  # fmt: skip
+    if not marks:
+        return rows, False
+    at = marks[-1]
+    after = at + 1 if at + 1 < len(rows) and rows[at + 1][1].get("summary") else at
+    tail_id = next((p.get("tail_start_id") for _, p in rows[at][2] if p.get("type") == "compaction"), None)
+    tail = next((k for k, row in enumerate(rows[:at]) if row[0] == tail_id), at)
+    return [rows[at], *rows[at + 1 : after + 1], *rows[tail:at], *rows[after + 1 :]], True
+
+
 def read_opencode(path: Path, session: str) -> AgentSession:
-    """An OpenCode session: from its last compaction's summary (an assistant message with ``summary``) on,
-    user text parts, assistant text and tool parts (a call and its result are one part)."""
+    """An OpenCode session as OpenCode sends it (:func:`_opencode_sent`): user text parts (a compaction part
+    as the question OpenCode asks), assistant text and tool parts (a call and its result are one part)."""
     rows = _opencode_rows(path, session)
     if not rows:
         raise ContextShrinkError(f"OpenCode has no session {session!r} in {path}")
-    summaries = [k for k, (_, info, _) in enumerate(rows) if info.get("role") == "assistant" and info.get("summary")]
-    start = summaries[-1] if summaries else 0
+    sent, compacted = _opencode_sent(rows)
     messages: list[dict[str, Any]] = []
     sources: list[list[str]] = []
     unsent: collections.Counter[str] = collections.Counter()
-    for message_id, info, parts in rows[start:]:
+    for message_id, info, parts in sent:
         converted = _opencode_message(info, parts)
-        if summaries and message_id == rows[start][0]:  # the summary stands for what came before
-            converted = [({**m, "role": "user"}, pid) for m, pid in converted if m["role"] == "assistant"]
         messages += [m for m, _ in converted]
         sources += [[f"message {message_id}", f"part {pid}"] for _, pid in converted]
-        unsent.update(f"part ({p.get('type')})" for _, p in parts if p.get("type") not in ("text", "tool", "reasoning"))
-    unsent["message (before the last compaction)"] += start
+        unsent.update(f"part ({p.get('type')})" for _, p in parts if p.get("type") not in ("text", "tool", "reasoning",
+                                                                                          "compaction"))  # fmt: skip
+    unsent["message (before the last compaction)"] += len(rows) - len(sent)
     where = rows[0][1].get("path") if isinstance(rows[0][1].get("path"), dict) else {}
     return AgentSession("opencode", session, path, where.get("cwd"), messages, sources,
-                        {k: v for k, v in unsent.items() if v}, bool(summaries))  # fmt: skip
+                        {k: v for k, v in unsent.items() if v}, compacted)  # fmt: skip
 
 
 def _opencode_sessions(store: Path) -> list[dict[str, Any]]:

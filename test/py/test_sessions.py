@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
+import test_agents
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mcp import Client
@@ -139,6 +140,7 @@ def opencode_store(home: Path, cwd: str) -> Path:
         db.execute("INSERT INTO session VALUES ('ses_1', ?, 'title', 1000)", (cwd,))
         rows = [
             ("m1", {"role": "user"}, [("p1", {"type": "text", "text": "an old question"})]),
+            ("m1c", {"role": "user"}, [("p1c", {"type": "compaction", "auto": True})]),
             ("m2", {"role": "assistant", "summary": True}, [("p2", {"type": "text", "text": "Summary: answered."})]),
             ("m3", {"role": "user"}, [("p3", {"type": "text", "text": "read a.py"})]),
             ("m4", {"role": "assistant"}, [("p4", {"type": "step-start"}), ("p5", {"type": "tool", "callID": "c1",
@@ -156,10 +158,11 @@ def test_an_opencode_session_from_its_last_compaction(tmp_path: Path) -> None:
     opencode_store(tmp_path, "/x")
     found = cs.read_session("opencode:latest", ["opencode"], Path("/x"), environ(tmp_path))
     seen = [(m["role"], plain(m.get("content"))) for m in found.messages]
-    assert found.compacted and seen == [("user", "Summary: answered."), ("user", "read a.py"),
-                                        ("assistant", "It prints 1."), ("tool", "print(1)")]  # fmt: skip
-    assert found.messages[2]["tool_calls"][0]["function"]["arguments"] == '{"filePath":"a.py"}'
-    assert found.sources[3] == ["message m4", "part p5"] and found.bookkeeping["part (step-start)"] == 1
+    expected = [("user", "What did we do so far?"), ("assistant", "Summary: answered."), ("user", "read a.py"),
+                ("assistant", "It prints 1."), ("tool", "print(1)")]  # fmt: skip
+    assert found.compacted and seen == expected
+    assert found.messages[3]["tool_calls"][0]["function"]["arguments"] == '{"filePath":"a.py"}'
+    assert found.sources[4] == ["message m4", "part p5"] and found.bookkeeping["part (step-start)"] == 1
 
 
 def test_sessions_are_reachable_only_when_allowed(tmp_path: Path) -> None:
@@ -355,7 +358,7 @@ def test_a_codex_rollout_written_back_inside_its_compaction(tmp_path: Path) -> N
 def test_an_opencode_session_written_back_in_one_transaction(tmp_path: Path) -> None:
     path = opencode_store(tmp_path, "/x")
     found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
-    new = [*found.messages[:3], {**found.messages[3], "content": "[cleared]"}]
+    new = [*found.messages[:4], {**found.messages[4], "content": "[cleared]"}]
     report = cs.write_session(found, new, dry_run=False, now=later(found))
     with sqlite3.connect(path) as db:
         part = json.loads(db.execute("SELECT data FROM part WHERE id = 'p5'").fetchone()[0])
@@ -364,9 +367,10 @@ def test_an_opencode_session_written_back_in_one_transaction(tmp_path: Path) -> 
     with sqlite3.connect(report["backup"]) as db:  # the backup holds the original
         assert "print(1)" in db.execute("SELECT data FROM part WHERE id = 'p5'").fetchone()[0]
     again = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
-    cs.write_session(again, again.messages[:1], dry_run=False, now=later(again) + 60)
+    cs.write_session(again, again.messages[:2], dry_run=False, now=later(again) + 60)
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT count(*) FROM part WHERE message_id IN ('m3', 'm4')").fetchone()[0] == 0
+        assert db.execute("SELECT count(*) FROM part WHERE message_id IN ('m1c', 'm2')").fetchone()[0] == 2
 
 
 @pytest.mark.parametrize("agent", ["claude", "codex", "opencode"])
@@ -561,3 +565,18 @@ def test_an_opencode_database_held_by_a_writer_is_not_written(tmp_path: Path) ->
         writer.execute("ROLLBACK")
         writer.close()
     assert cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path)).messages == found.messages
+
+
+def test_a_real_opencode_session_after_its_own_compactions_reads_as_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenCode given a small limit compacts on its own (a compaction part with a kept tail, the summary, a
+    synthetic "Continue" message); the session read from its store is what it sent last."""
+    binary("opencode")
+    monkeypatch.setattr(test_agents, "WINDOW", 11_000)  # OpenCode's limit: it compacts between the reads
+    session = run_session("opencode", tmp_path, proxied=False, steps=3)
+    assert session.returncode == 0, session.output[-2000:]
+    found = cs.read_session("opencode:latest", ["opencode"], tmp_path / "project", environ(tmp_path / "home"))
+    _, body = [entry for entry in session.upstream.log if entry[1].get("tools")][-1]
+    assert found.compacted and signature(found.messages)[:-1] == signature(body["messages"])[1:]
+    assert ("user", "What did we do so far?") in signature(found.messages)
