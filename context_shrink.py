@@ -102,6 +102,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "history_shape",
     "image_tokens",
     "jsonrpc_id",
+    "list_sessions",
     "listening",
     "load_messages_file",
     "main",
@@ -6262,8 +6263,8 @@ async def session_result(found: AgentSession, result: dict[str, Any], dry_run: b
     }
 
 
-def history_tools(tool: Callable[..., Any], config: Config) -> None:
-    """Register the tools that measure and cut a history: estimate, trim, analyze, prune."""
+def measure_tools(tool: Callable[..., Any], config: Config) -> None:
+    """Register the tools that measure a history: estimate, analyze."""
     default_window, default_reserve = config.max_context_tokens, config.reserve_tokens
 
     @tool(read_only=True, idempotent=True, open_world=False)
@@ -6289,6 +6290,37 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
             result.update(tokens=req.exact, remaining=req.window - reserve_tokens - req.exact)
             result["should_trim"] = result["remaining"] < 0
         return {**result, "max_context_source": req.window_source, **session_report(found)}
+
+    @tool(read_only=True, idempotent=True, open_world=False)
+    async def analyze_context(
+        ctx: Context,
+        messages: MessagesArg = None,
+        messages_path: PathArg = None,
+        max_context_tokens: WindowArg = default_window,
+        sort: Annotated[Literal["chrono", "largest"], Field()] = "chrono",
+        limit: Annotated[int, Field(ge=1, le=1000)] = 100,
+        offset: Annotated[int, Field(ge=0)] = 0,
+        tools: ToolsArg = None,
+        tokenizer: TokenizerArg = None,
+        model: ModelArg = None,
+        reserve_tokens: ReserveArg = default_reserve,
+        session: SessionArg = None,
+    ) -> dict[str, Any]:
+        """List what fills the window, one line per message: '<id> <kind> <tokens>tok: <gist>'."""
+        messages, found = await session_source(config, session, messages, messages_path)
+        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
+        result = await anyio.to_thread.run_sync(
+            lambda: analyze_messages(req.messages, req.tokenizer, req.window, tools=req.tools,
+                                     reserve_tokens=reserve_tokens, sort=sort, limit=limit, offset=offset)
+        )  # fmt: skip
+        if req.exact is not None:
+            result.update(tokens=req.exact, percent_of_budget=round(100 * req.exact / result["budget_tokens"], 1))
+        return {**result, "max_context_source": req.window_source, **session_report(found)}
+
+
+def history_tools(tool: Callable[..., Any], config: Config) -> None:
+    """Register the tools that cut a history: trim, prune."""
+    default_window, default_reserve = config.max_context_tokens, config.reserve_tokens
 
     @tool(read_only=False, idempotent=True, open_world=False)
     async def trim_context(
@@ -6321,32 +6353,6 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
 
         result = await recount(req, await anyio.to_thread.run_sync(trim, reserve_tokens), reserve_tokens, trim)
         return await session_result(found, result, dry_run) if found else deliver(config, result, output_path, req)
-
-    @tool(read_only=True, idempotent=True, open_world=False)
-    async def analyze_context(
-        ctx: Context,
-        messages: MessagesArg = None,
-        messages_path: PathArg = None,
-        max_context_tokens: WindowArg = default_window,
-        sort: Annotated[Literal["chrono", "largest"], Field()] = "chrono",
-        limit: Annotated[int, Field(ge=1, le=1000)] = 100,
-        offset: Annotated[int, Field(ge=0)] = 0,
-        tools: ToolsArg = None,
-        tokenizer: TokenizerArg = None,
-        model: ModelArg = None,
-        reserve_tokens: ReserveArg = default_reserve,
-        session: SessionArg = None,
-    ) -> dict[str, Any]:
-        """List what fills the window, one line per message: '<id> <kind> <tokens>tok: <gist>'."""
-        messages, found = await session_source(config, session, messages, messages_path)
-        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
-        result = await anyio.to_thread.run_sync(
-            lambda: analyze_messages(req.messages, req.tokenizer, req.window, tools=req.tools,
-                                     reserve_tokens=reserve_tokens, sort=sort, limit=limit, offset=offset)
-        )  # fmt: skip
-        if req.exact is not None:
-            result.update(tokens=req.exact, percent_of_budget=round(100 * req.exact / result["budget_tokens"], 1))
-        return {**result, "max_context_source": req.window_source, **session_report(found)}
 
     @tool(read_only=False, idempotent=True, open_world=False)
     async def prune_context(
@@ -6514,7 +6520,7 @@ def build_server(config: Config | None = None) -> MCPServer:
             yield ServerState(config, http)
 
     registry: dict[str, Tool] = {}
-    for add in (history_tools, text_tools, compaction_tools, session_tools):
+    for add in (measure_tools, history_tools, text_tools, compaction_tools, session_tools):
         add(functools.partial(register, registry), config)
     chosen = [registry[name] for name in TOOL_NAMES if config.tools is None or name in config.tools]
     return MCPServer(
@@ -7116,7 +7122,7 @@ def _decoded_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in _reply_headers(headers).items() if k.lower() != "content-encoding"}
 
 
-def scrub(data: bytes, secrets: Sequence[str]) -> bytes:
+def scrub_secrets(data: bytes, secrets: Sequence[str]) -> bytes:
     """A reply body with the proxy's own key taken out (an upstream that echoes it in an error must not
     hand it to clients); bytes without a secret are returned as they are."""
     forms = [f for s in secrets for f in (s, json.dumps(s)[1:-1])]
@@ -7319,7 +7325,7 @@ class ProxyFront:
         """After an upstream error: a strictly smaller request to retry with, when it refused for length and
         one can be made; else the reply for the client (the upstream's answer)."""
         st, model = self.state, body.get("model") if isinstance(body.get("model"), str) else None
-        error = scrub(await self.read_whole(upstream), self.secrets)
+        error = scrub_secrets(await self.read_whole(upstream), self.secrets)
         said = {**self.reply_headers(upstream, decoded=True), "x-context-shrink": shrink_header(report)}
         overflow = parse_overflow(error)
         if overflow is None:  # not about length
@@ -7350,7 +7356,7 @@ class ProxyFront:
             report["conversation"] = conversation  # what was folded away stays on disk
         extra = {"x-context-shrink": shrink_header(report)}
         if upstream.status_code >= 400:
-            error = scrub(await self.read_whole(upstream), self.secrets)
+            error = scrub_secrets(await self.read_whole(upstream), self.secrets)
             report["refusals"] = report.get("refusals", 0) + (parse_overflow(error) is not None)
             headers = {**self.reply_headers(upstream, decoded=True), **extra}
             return Response(error, upstream.status_code, headers=headers)
@@ -7425,7 +7431,7 @@ class ProxyFront:
 
     async def error_reply(self, upstream: httpx2.Response, extra: Mapping[str, str] | None = None) -> Response:
         """An upstream error, decoded, with the proxy's key taken out."""
-        content = scrub(await self.read_whole(upstream), self.secrets)
+        content = scrub_secrets(await self.read_whole(upstream), self.secrets)
         return Response(
             content, upstream.status_code, headers={**self.reply_headers(upstream, decoded=True), **(extra or {})}
         )

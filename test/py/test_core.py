@@ -180,7 +180,7 @@ def test_the_shells_are_thin() -> None:
     assert top["build_server"].end_lineno - top["build_server"].lineno + 1 <= 30
     tools = [
         f
-        for shell in ("history_tools", "text_tools", "compaction_tools", "session_tools")
+        for shell in ("measure_tools", "history_tools", "text_tools", "compaction_tools", "session_tools")
         for f in ast.walk(top[shell])
         if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
         and any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "tool" for d in f.decorator_list)
