@@ -4694,19 +4694,26 @@ def render_jsonl(
     return "".join(out)
 
 
-def _backup(path: Path) -> Path:
-    """Copy ``path`` to a new ``<file>.pre-shrink-<UTC stamp>[-n]``: never one that exists already."""
+def _backup_path(path: Path) -> Path:
+    """A new, empty ``<file>.pre-shrink-<UTC stamp>[-n]`` beside ``path``, with its mode: never one that exists
+    already."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     for n in itertools.count():
         saved = path.with_name(f"{path.name}.pre-shrink-{stamp}" + (f"-{n}" if n else ""))
         try:
-            fd = os.open(saved, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IMODE(path.stat().st_mode))
+            os.close(os.open(saved, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IMODE(path.stat().st_mode)))
         except FileExistsError:
             continue
-        with os.fdopen(fd, "wb") as out, path.open("rb") as source:
-            shutil.copyfileobj(source, out)
         return saved
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _backup(path: Path) -> Path:
+    """Copy ``path`` to a new :func:`_backup_path`."""
+    saved = _backup_path(path)
+    with saved.open("wb") as out, path.open("rb") as source:
+        shutil.copyfileobj(source, out)
+    return saved
 
 
 def write_text_atomic(path: Path, text: str, backup: bool = False) -> Path | None:
@@ -4997,21 +5004,26 @@ def session_spec(spec: str, allowed: Sequence[str]) -> tuple[str, str]:
     return agent, ident
 
 
+def _parsed_record(line: str) -> dict[str, Any] | None:
+    """A store line's record, or None when it is not a JSON object (nested too deeply included)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _jsonl_records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], int]:
     """A JSONL store's records with their line numbers (from 1), and how many lines did not parse."""
     records, skipped = [], 0
     for number, line in enumerate(_lines(read_file_text(path, errors="replace")), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
+        record = _parsed_record(line)
+        if record is None:
             skipped += 1
-            continue
-        if isinstance(record, dict):
-            records.append((number, record))
         else:
-            skipped += 1
+            records.append((number, record))
     return records, skipped
 
 
@@ -5374,9 +5386,14 @@ def read_session(spec: str, allowed: Sequence[str], cwd: Path, environ: Mapping[
         chosen = next((s for s in sessions if s["id"] == ident), None)
         if chosen is None:
             raise ContextShrinkError(f"no {agent} session {ident!r} in {session_stores(environ)[agent]}")
-    path = Path(chosen["path"])
-    readers = {"claude": read_claude, "codex": read_codex}
-    return read_opencode(path, chosen["id"]) if agent == "opencode" else readers[agent](path)
+    return _read_store(agent, Path(chosen["path"]), chosen["id"])
+
+
+def _read_store(agent: str, path: Path, ident: str) -> AgentSession:
+    """The session ``ident`` of ``agent`` read from ``path`` (a JSONL file, or OpenCode's database)."""
+    if agent == "opencode":
+        return read_opencode(path, ident)
+    return read_claude(path) if agent == "claude" else read_codex(path)
 
 
 # --- writing a shrunk view back, in the agent's own format --------------------------------------------------
@@ -5436,17 +5453,14 @@ def _same_slot(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     return old.get("role") == "assistant" and fingerprint(without_reasoning(old)) == fingerprint(new)
 
 
-def _jsonl_rewrite(path: Path, change: Callable[[int, dict[str, Any]], dict[str, Any] | None]) -> str:
-    """The file's text with ``change(line number, record)`` applied to every record: None drops the line,
-    another dict replaces it; unparsable lines and untouched records stay byte for byte."""
+def _jsonl_rewrite(text: str, change: Callable[[int, dict[str, Any]], dict[str, Any] | None]) -> str:
+    """A JSONL store's ``text`` with ``change(line number, record)`` applied to every record: None drops the
+    line, another dict replaces it (keeping the line's ending); other lines and untouched records stay byte
+    for byte."""
     out = []
-    for number, raw in enumerate(_lines(read_file_text(path)), 1):  # strict: a rewrite keeps every byte
-        try:
-            record = json.loads(raw)
-        except (ValueError, RecursionError):
-            out.append(raw)
-            continue
-        new = change(number, record) if isinstance(record, dict) else record
+    for number, raw in enumerate(_lines(text), 1):
+        record = _parsed_record(raw)
+        new = record if record is None else change(number, record)
         if new is record:
             out.append(raw)
         elif new is not None:
@@ -5498,7 +5512,7 @@ def _claude_rewrite(found: AgentSession, changes: Mapping[str, Any]) -> str:
             new = {**new, "message": {**record["message"], "content": _claude_results(blocks, results)}}
         return new
 
-    return _jsonl_rewrite(found.path, change)
+    return _jsonl_rewrite(read_file_text(found.path), change)  # strict: a rewrite keeps every byte
 
 
 def _only_thinking(record: Mapping[str, Any]) -> bool:
@@ -5560,7 +5574,7 @@ def _codex_rewrite(found: AgentSession, changes: Mapping[str, Any]) -> str:
             return {**record, "payload": new_payload}
         return record
 
-    return _jsonl_rewrite(found.path, change)
+    return _jsonl_rewrite(read_file_text(found.path), change)  # strict: a rewrite keeps every byte
 
 
 def _claude_compact(found: AgentSession, compaction: Mapping[str, Any]) -> str:
@@ -5641,24 +5655,19 @@ def _erased_texts(found: AgentSession, changes: Mapping[str, Any]) -> list[str]:
 def _scrub_jsonl(agent: str, text: str, erased: Sequence[str]) -> str:
     """``text`` without the hidden copies of ``erased``: bookkeeping records holding one are dropped (Claude
     Code's last-prompt keeps its leaf and loses its text), a kept record's ``toolUseResult`` copy goes."""
-    out = []
-    for raw in _lines(text):
-        try:
-            record = json.loads(raw)
-        except (ValueError, RecursionError):
-            out.append(raw)
-            continue
-        if not isinstance(record, dict) or not any(t in raw for t in erased):
-            out.append(raw)
-        elif record.get("type") in CONVERSATION_RECORDS[agent]:
-            copy = json.dumps(record.get("toolUseResult"), ensure_ascii=False)
-            if agent == "claude" and any(t in copy for t in erased):
-                record = {k: v for k, v in record.items() if k != "toolUseResult"}
-                raw = json.dumps(record, ensure_ascii=False) + "\n"
-            out.append(raw)
-        elif agent == "claude" and record.get("type") == "last-prompt":
-            out.append(json.dumps({**record, "lastPrompt": ""}, ensure_ascii=False) + "\n")
-    return "".join(out)
+
+    def holds(value: Any) -> bool:
+        return any(t in json.dumps(value, ensure_ascii=False) for t in erased)
+
+    def change(_: int, record: dict[str, Any]) -> dict[str, Any] | None:
+        if not holds(record):
+            return record
+        if record.get("type") in CONVERSATION_RECORDS[agent]:
+            copy = agent == "claude" and holds(record.get("toolUseResult"))
+            return {k: v for k, v in record.items() if k != "toolUseResult"} if copy else record
+        return {**record, "lastPrompt": ""} if agent == "claude" and record.get("type") == "last-prompt" else None
+
+    return _jsonl_rewrite(text, change)
 
 
 def _codex_forget_index(found: AgentSession) -> None:
@@ -5732,8 +5741,7 @@ def _backup_store(found: AgentSession) -> Path:
         return _backup(found.path)
     import sqlite3
 
-    saved = found.path.with_name(f"{found.path.name}.pre-shrink-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    saved = saved.with_name(f"{saved.name}-{os.getpid()}-{time.monotonic_ns()}") if saved.exists() else saved
+    saved = _backup_path(found.path)  # empty: SQLite writes the copy into it
     with contextlib.closing(sqlite3.connect(found.path)) as source, contextlib.closing(sqlite3.connect(saved)) as copy:
         source.backup(copy)
     return saved
@@ -5799,8 +5807,7 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
         write_text_atomic(found.path, text)
         if found.agent == "codex":
             _codex_forget_index(found)
-    again = read_opencode(found.path, found.id) if found.agent == "opencode" else (
-        read_claude if found.agent == "claude" else read_codex)(found.path)  # fmt: skip
+    again = _read_store(found.agent, found.path, found.id)
     if [_view_key(m, compaction) for m in again.messages] != [_view_key(m, compaction) for m in new]:
         _restore_store(found, saved)
         raise ContextShrinkError(f"the {found.agent} session did not read back as written; restored from {saved}")

@@ -72,7 +72,7 @@ class AgentUpstream(FakeOpenAI):
         body = await request.json()
         self.log.append(("chat", body))
         self.credentials |= {v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
-        view = cs.ChatView(body["messages"], body.get("tools") or [], [None] * len(body["messages"]))
+        view = request_view("chat", body)
         tokens, refusal = self.check("chat", view)
         if refusal is not None:
             return refusal
@@ -91,11 +91,11 @@ class AgentUpstream(FakeOpenAI):
         body = await request.json()
         self.log.append(("responses", body))
         self.credentials |= {v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
-        tokens, refusal = self.check("responses", cs.responses_view(body))
+        view = request_view("responses", body)
+        tokens, refusal = self.check("responses", view)
         if refusal is not None:
             return refusal
         tools = [(t["name"], t.get("parameters") or {}) for t in body.get("tools") or [] if t.get("type") == "function"]
-        view = cs.responses_view(body)
         events = list(responses_events(self.next_call(tools, view), tokens, reply_text(view)))
         if not body.get("stream"):
             return JSONResponse(events[-1][1]["response"])
@@ -105,11 +105,11 @@ class AgentUpstream(FakeOpenAI):
         body = await request.json()
         self.log.append(("messages", body))
         self.credentials |= {v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
-        tokens, refusal = self.check("messages", cs.messages_view(body))
+        view = request_view("messages", body)
+        tokens, refusal = self.check("messages", view)
         if refusal is not None:
             return refusal
         tools = [(t["name"], t.get("input_schema") or {}) for t in body.get("tools") or [] if "name" in t]
-        view = cs.messages_view(body)
         events = list(messages_events(self.next_call(tools, view), tokens, reply_text(view)))
         if not body.get("stream"):
             return JSONResponse(messages_reply(events))
@@ -126,6 +126,13 @@ class AgentUpstream(FakeOpenAI):
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "test"}]})
+
+
+def request_view(path: str, body: dict[str, Any]) -> cs.ChatView:
+    """A logged request (``chat``, ``responses`` or ``messages``) seen as a chat request."""
+    if path == "chat":
+        return cs.ChatView(body["messages"], body.get("tools") or [], [None] * len(body["messages"]))
+    return cs.responses_view(body) if path == "responses" else cs.messages_view(body)
 
 
 def reply_text(view: cs.ChatView) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_upstream import AgentUpstream
+from agent_upstream import AgentUpstream, request_view
 from checks import anthropic_problems, responses_problems
 from fake_openai import serve
 from proxy_helpers import proxy, started
@@ -200,15 +200,7 @@ def test_through_the_proxy_no_request_is_refused(agent: str, door: str, tmp_path
     assert "forwarded unchanged" not in session.proxy_log, session.proxy_log[-3000:]
     before = [int(m) for m in re.findall(r"tokens_before=(\d+)", session.proxy_log)]
     assert max(before) > WINDOW, "the agent never sent a request over the window: the test proves nothing"
-    assert max(upstream_size(upstream, path, body) for path, body in upstream.log) <= WINDOW
-
-
-def upstream_size(upstream: AgentUpstream, path: str, body: dict[str, Any]) -> int:
-    if path == "chat":
-        view = cs.ChatView(body["messages"], body.get("tools") or [], [None] * len(body["messages"]))
-    else:
-        view = cs.responses_view(body) if path == "responses" else cs.messages_view(body)
-    return upstream.over_window(view, 0)[0]
+    assert max(upstream.over_window(request_view(path, body), 0)[0] for path, body in upstream.log) <= WINDOW
 
 
 def deploy_block(client: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import pytest
 import test_agents
+from agent_upstream import request_view
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mcp import Client
@@ -238,8 +239,7 @@ def test_a_real_agents_session_reads_as_the_request_it_sent(agent: str, tmp_path
     assert session.returncode == 0, session.output[-2000:]
     found = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", environ(tmp_path / "home"))
     path, body = [entry for entry in session.upstream.log if entry[1].get("tools")][-1]
-    sent = {"chat": lambda b: b["messages"], "responses": lambda b: cs.responses_view(b).messages,
-            "messages": lambda b: cs.messages_view(b).messages}[path](body)  # fmt: skip
+    sent = request_view(path, body).messages
     view, request = signature(found.messages), signature(sent)
     assert view[-1] == ("assistant", "done") and cs.api_problems(found.messages) == []
     if agent in ("codex", "opencode"):  # the agent's own first system/developer message is rendered per request
@@ -373,6 +373,21 @@ def test_an_opencode_session_written_back_in_one_transaction(tmp_path: Path) -> 
         assert db.execute("SELECT count(*) FROM part WHERE message_id IN ('m1c', 'm2')").fetchone()[0] == 2
 
 
+def real_session(
+    agent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[cs.AgentSession, dict[str, str], Any]:
+    """A real session of ``agent`` (three file reads) under ``tmp_path`` read from its store, the environment
+    pointing at the agent's home, and a server allowed to write the session."""
+    binary(agent)
+    assert run_session(agent, tmp_path, proxied=False, steps=3).returncode == 0
+    env = environ(tmp_path / "home")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    found = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    server = cs.build_server(cs.Config(root=tmp_path / "project", tokenizer="tiktoken", session_stores=(agent,)))
+    return found, env, server
+
+
 @pytest.mark.parametrize("agent", ["claude", "codex", "opencode"])
 def test_a_real_agent_goes_on_from_its_shrunk_session(
     agent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -380,14 +395,8 @@ def test_a_real_agent_goes_on_from_its_shrunk_session(
     """A real session (three file reads); prune_context removes the first read (the call with its result)
     from the agent's own store (a backup first, byte for byte), then trim_context shortens a result in place;
     the agent resumed sends the model everything else and the shortened result, and not what was removed."""
-    binary(agent)
-    assert run_session(agent, tmp_path, proxied=False, steps=3).returncode == 0
-    env = environ(tmp_path / "home")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    found = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    found, env, server = real_session(agent, tmp_path, monkeypatch)
     first = next(k for k, m in enumerate(found.messages) if m.get("tool_calls"))
-    server = cs.build_server(cs.Config(root=tmp_path / "project", tokenizer="tiktoken", session_stores=(agent,)))
     arguments = {"session": f"{agent}:latest", "remove_ids": [cs.message_ids(found.messages)[first]], "scrub": True}
 
     async def prune(dry_run: bool | None) -> Any:
@@ -425,8 +434,7 @@ def test_a_real_agent_goes_on_from_its_shrunk_session(
     again = run_session(agent, tmp_path, proxied=False, steps=1, resume=found.id)
     assert again.returncode == 0, again.output[-2000:]
     path, body = next(entry for entry in again.upstream.log if entry[1].get("tools"))
-    sent = {"chat": lambda b: b["messages"], "responses": lambda b: cs.responses_view(b).messages,
-            "messages": lambda b: cs.messages_view(b).messages}[path](body)  # fmt: skip
+    sent = request_view(path, body).messages
     texts = " ".join(plain(m.get("content")) + json.dumps(m.get("tool_calls")) for m in sent)
     assert "file 0 line 7:" not in texts and "notes_00" not in texts  # the removed read, call and result
     assert all(text[:300] in texts for text in shortened)  # what trim_context wrote in place of the results
@@ -445,15 +453,8 @@ def test_a_real_agent_goes_on_from_a_compaction_in_its_own_records(
     a summary record, the newest records copied after them; Codex: a compacted record whose replacement
     history is the summary and the newest items), the old records kept but unsent; the agent resumed sends
     the summary and the newest messages, not the folded ones. OpenCode's is not written yet: refused."""
-    binary(agent)
-    assert run_session(agent, tmp_path, proxied=False, steps=3).returncode == 0
-    env = environ(tmp_path / "home")
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    found = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
-    idle = found.path.stat().st_mtime - 60
-    make_idle(found.path, idle)
-    server = cs.build_server(cs.Config(root=tmp_path / "project", tokenizer="tiktoken", session_stores=(agent,)))
+    found, env, server = real_session(agent, tmp_path, monkeypatch)
+    make_idle(found.path, found.path.stat().st_mtime - 60)
     arguments = {"session": f"{agent}:latest", "summary": SUMMARY_TEXT, "force": True, "keep_last": 3,
                  "dry_run": False}  # fmt: skip
 
@@ -473,8 +474,7 @@ def test_a_real_agent_goes_on_from_a_compaction_in_its_own_records(
     again = run_session(agent, tmp_path, proxied=False, steps=1, resume=found.id)
     assert again.returncode == 0, again.output[-2000:]
     path, body = next(entry for entry in again.upstream.log if entry[1].get("tools"))
-    sent = {"chat": lambda b: b["messages"], "responses": lambda b: cs.responses_view(b).messages,
-            "messages": lambda b: cs.messages_view(b).messages}[path](body)  # fmt: skip
+    sent = request_view(path, body).messages
     texts = " ".join(plain(m.get("content")) + json.dumps(m.get("tool_calls")) for m in sent)
     assert SUMMARY_TEXT in texts and "file 0 line 7:" not in texts and "file 2 line 7:" in texts
 
