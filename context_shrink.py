@@ -3384,6 +3384,7 @@ def plan_compaction(
     keep_last: int,
     room: int | None = None,
     counts: Sequence[int] | None = None,
+    tail_starts: Collection[int] | None = None,
 ) -> tuple[int, int, range]:
     """``(start, end, pins)``: summarise ``messages[start:end]`` except ``pins``, keep the rest verbatim.
 
@@ -3396,6 +3397,11 @@ def plan_compaction(
     ``room=None`` (``force``) the tail is exactly the newest ``keep_last`` messages (whole units). ``pins`` are
     the opening user messages of the turn the tail starts in: they are kept right after the summary, so the
     history still starts on a user turn and an open agent loop can be compacted.
+
+    ``tail_starts`` are, for a history whose store can keep only a contiguous newest run (an OpenCode
+    session), the only places the tail may start: then there are no pins and ``end`` is the first of them at
+    or after the planned cut that starts a unit and is not a tool result (a shorter tail, so it still fits;
+    ``len(messages)`` when none is).
     """
     shape = history_shape(messages)
     lead, n = shape.lead, len(messages)
@@ -3411,6 +3417,10 @@ def plan_compaction(
         end = StableReplay(planner, max(1, room * 3 // 4), floor=0).run().cut
     else:  # not even the newest unit fits the room: a summary can still stand for everything before it
         end = planner.last(n)
+    if tail_starts is not None:  # of them, a unit's start that is not a tool result (an orphan's unit)
+        fit = [s for s in set(tail_starts).intersection(shape.unit_starts) if s >= end and
+               messages[s]["role"] not in RESULT_ROLES]  # fmt: skip
+        return start, min(fit, default=n), range(0)
     return start, end, planner.pins(end, n)
 
 
@@ -3428,15 +3438,17 @@ def compact_messages(
     tools: Sequence[Mapping[str, Any]] | None = None,
     reserve_tokens: int = 0,
     target_ratio: float = DEFAULT_TARGET_RATIO,
+    tail_starts: Collection[int] | None = None,
 ) -> dict[str, Any]:
     """Replace the oldest messages by ``summary``; with ``summary=None``, plan only (no content echoed).
 
     Below ``threshold`` x the budget (window minus reserve) nothing changes unless ``force``. The kept
     tail is as long as fits in ``target_ratio`` x the budget together with the summary (at least the
     newest ``keep_last`` messages; exactly those with ``force``), so the next turns do not need to
-    compact again at once. The
-    result reports the span (``summarize_from_index``/``kept_from_index``), token counts and whether
-    it fits; an earlier summary in the span is counted into the new one's header.
+    compact again at once (``tail_starts``: where a store that keeps only a contiguous newest run lets the
+    tail start, see :func:`plan_compaction`). The result reports the span
+    (``summarize_from_index``/``kept_from_index``), token counts and whether it fits; an earlier summary in
+    the span is counted into the new one's header.
     """
     messages = validate_messages(messages)
     _check_int("keep_last", keep_last, 0, 1_000_000)
@@ -3458,7 +3470,7 @@ def compact_messages(
     # The kept tail, with the summary, fits target_ratio x the budget, so the next turns need no compaction; it
     # moves in steps of a quarter of that room, so later calls pick the same span (and summary) meanwhile.
     room = None if force else int(target_ratio * budget) - fixed - max_summary_tokens  # force: exactly keep_last
-    start, end, pins = plan_compaction(messages, tokenizer, keep_last, room, counts)
+    start, end, pins = plan_compaction(messages, tokenizer, keep_last, room, counts, tail_starts)
     replaced = end - start - len(pins)
     span = [m for i, m in enumerate(messages[start:end], start) if i not in pins]
     _, earlier, found = previous_summary_in(span)

@@ -97,3 +97,29 @@ def test_compact_invariants(messages: list[dict[str, Any]], keep_last: int, role
         assert result["tokens_after"] == cs.count_messages(out, cs.HEURISTIC)[1]
     else:
         assert out == messages
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations(), st.integers(0, 10), st.integers(10, 3000), st.booleans(), st.data())
+def test_compaction_keeps_a_tail_only_where_the_store_can(
+    messages: list[dict[str, Any]], keep_last: int, window: int, force: bool, data: st.DataObject
+) -> None:
+    """With ``tail_starts`` (an OpenCode session: only a contiguous newest run can be kept), the compacted
+    history is the leading system messages, the summary and ``messages[end:]`` with ``end`` one of the
+    allowed starts (or nothing kept), never a pinned message ahead of it, and never a longer tail than the
+    unconstrained plan keeps (so it fits wherever that fits)."""
+    starts = data.draw(st.sets(st.integers(0, len(messages))))
+    common = {"summary": "summary", "max_context_tokens": window, "keep_last": keep_last, "force": force}
+    free = cs.compact_messages(messages, cs.HEURISTIC, **common)
+    bound = cs.compact_messages(messages, cs.HEURISTIC, tail_starts=starts, **common)
+    assert bound["pinned_indices"] == [] and bound["summarize_from_index"] == free["summarize_from_index"]
+    end = bound["kept_from_index"]
+    assert end >= free["kept_from_index"] and (end in starts or end == len(messages))
+    assert end == len(messages) or messages[end]["role"] not in cs.RESULT_ROLES  # never a result without its call
+    if bound["compacted"]:
+        lead = cs._leading_system(messages)
+        out = bound["messages"]
+        assert out[:lead] == messages[:lead] and out[lead + 1 :] == messages[end:]
+        assert cs.api_problems(messages[end:]) == [] or cs.api_problems(messages) != []
+    else:
+        assert bound["messages"] == messages
