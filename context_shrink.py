@@ -102,6 +102,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "history_shape",
     "image_tokens",
     "jsonrpc_id",
+    "kept_origins",
     "list_sessions",
     "listening",
     "load_messages_file",
@@ -171,6 +172,7 @@ import re
 import shutil
 import socket
 import stat
+import string
 import struct
 import sys
 import tempfile
@@ -178,7 +180,7 @@ import threading
 import time
 import uuid as uuid_module
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -4986,6 +4988,7 @@ class AgentSession:
     bookkeeping: dict[str, int]
     compacted: bool = False
     skipped_lines: int = 0  # lines that did not parse (the agent skips them too)
+    tail_starts: tuple[int, ...] | None = None  # where a compaction's kept tail can start (None: anywhere)
 
 
 def session_stores(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
@@ -5311,19 +5314,56 @@ def _opencode_output(part: dict[str, Any]) -> str:
     return str(state.get("output") or "") if state.get("status") == "completed" else "[Tool execution was interrupted]"
 
 
-def _opencode_sent(rows: list[Any]) -> tuple[list[Any], bool]:
-    """The rows OpenCode sends, in the order it sends them: after its last compaction (a user message with a
-    ``compaction`` part and the summary after it), that pair, then the kept tail (from the part's
-    ``tail_start_id``, messages older than the compaction), then what followed the summary."""
-    marks = [k for k, (_, info, parts) in enumerate(rows)
-             if info.get("role") == "user" and any(p.get("type") == "compaction" for _, p in parts)]  # fmt: skip
+def _opencode_sent(rows: list[Any]) -> tuple[list[int], bool]:
+    """Which rows OpenCode sends, in the order it sends them, and whether a compaction decided it. From the
+    newest back to the last compaction a finished summary answers (a user message with a ``compaction``
+    part; the summary is an assistant message with ``summary`` and ``finish`` whose ``parentID`` names it), or
+    to that part's ``tail_start_id`` (the kept tail, older than the compaction); then, when the kept rows
+    hold a compaction with a tail: that compaction and its summary first, the tail, what followed."""
+
+    def compaction(k: int) -> dict[str, Any] | None:
+        _, info, parts = rows[k]
+        user = info.get("role") == "user"
+        return next((p for _, p in parts if p.get("type") == "compaction"), None) if user else None
+
+    answered: set[Any] = set()
+    start, tail_id, decided = 0, None, False
+    for k in range(len(rows) - 1, -1, -1):
+        message_id, info, _ = rows[k]
+        if tail_id is not None or (message_id in answered and (part := compaction(k)) is not None):
+            tail_id = tail_id or part.get("tail_start_id")
+            if not tail_id or message_id == tail_id:
+                start, decided = k, True
+                break
+        elif info.get("role") == "assistant" and info.get("summary") and info.get("finish") and not info.get("error"):
+            answered.add(info.get("parentID"))
+    kept = list(range(start, len(rows)))
+    marks = [j for j, k in enumerate(kept) if (part := compaction(k)) is not None and "tail_start_id" in part]
     if not marks:
-        return rows, False
+        return kept, decided
     at = marks[-1]
-    after = at + 1 if at + 1 < len(rows) and rows[at + 1][1].get("summary") else at
-    tail_id = next((p.get("tail_start_id") for _, p in rows[at][2] if p.get("type") == "compaction"), None)
-    tail = next((k for k, row in enumerate(rows[:at]) if row[0] == tail_id), at)
-    return [rows[at], *rows[at + 1 : after + 1], *rows[tail:at], *rows[after + 1 :]], True
+    summary = next((j for j in range(at + 1, len(kept)) if rows[kept[j]][1].get("role") == "assistant"
+                    and rows[kept[j]][1].get("summary") and rows[kept[j]][1].get("parentID") == rows[kept[at]][0]),
+                   -1)  # fmt: skip
+    tail = next((j for j, k in enumerate(kept) if rows[k][0] == compaction(kept[at]).get("tail_start_id")), -1)
+    if 0 <= tail < at < summary:
+        return [*kept[at : summary + 1], *kept[tail:at], *kept[summary + 1 :]], True
+    return kept, decided
+
+
+def _row_suffixes(order: Sequence[int]) -> list[int]:
+    """The positions ``k`` of a view whose messages come from rows ``order`` (row index per message) where the
+    view from ``k`` on is exactly the rows from ``order[k]`` on that give messages, in row order: where a
+    kept tail named by its first row can start."""
+    shown = sorted(set(order))
+    following = {row: shown[j + 1] if j + 1 < len(shown) else None for j, row in enumerate(shown)}
+    starts, ok = [], False
+    for k in range(len(order) - 1, -1, -1):
+        row = order[k]
+        ok = following[row] is None if k == len(order) - 1 else ok and order[k + 1] in (row, following[row])
+        if ok and (k == 0 or order[k - 1] != row):
+            starts.append(k)
+    return starts[::-1]
 
 
 def read_opencode(path: Path, session: str) -> AgentSession:
@@ -5335,17 +5375,20 @@ def read_opencode(path: Path, session: str) -> AgentSession:
     sent, compacted = _opencode_sent(rows)
     messages: list[dict[str, Any]] = []
     sources: list[list[str]] = []
+    order: list[int] = []
     unsent: collections.Counter[str] = collections.Counter()
-    for message_id, info, parts in sent:
+    for k in sent:
+        message_id, info, parts = rows[k]
         converted = _opencode_message(info, parts)
         messages += [m for m, _ in converted]
         sources += [[f"message {message_id}", f"part {pid}"] for _, pid in converted]
+        order += [k] * len(converted)
         unsent.update(f"part ({p.get('type')})" for _, p in parts if p.get("type") not in ("text", "tool", "reasoning",
                                                                                           "compaction"))  # fmt: skip
     unsent["message (before the last compaction)"] += len(rows) - len(sent)
     where = rows[0][1].get("path") if isinstance(rows[0][1].get("path"), dict) else {}
     return AgentSession("opencode", session, path, where.get("cwd"), messages, sources,
-                        {k: v for k, v in unsent.items() if v}, compacted)  # fmt: skip
+                        {k: v for k, v in unsent.items() if v}, compacted, 0, tuple(_row_suffixes(order)))  # fmt: skip
 
 
 def _opencode_sessions(store: Path) -> list[dict[str, Any]]:
@@ -5413,12 +5456,37 @@ def _read_store(agent: str, path: Path, ident: str) -> AgentSession:
 SESSION_QUIET_SECONDS = 5.0  # a store changed more recently than this may be in use: it is not written
 
 
+def kept_origins(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[int | None]:
+    """For each message of ``new`` (``old`` pruned, trimmed or compacted: order kept), where it is in ``old``
+    unchanged, else None. Identical messages are told apart by order: the first occurrence after the one
+    before; after a new summary, from the end (the kept tail is the newest), the last before the one after."""
+    where: dict[str, list[int]] = collections.defaultdict(list)
+    for i, message in enumerate(old):
+        where[fingerprint(message)].append(i)
+    split = next((j for j, m in enumerate(new) if fingerprint(m) not in where and
+                  _plain_content(m.get("content")).startswith(SUMMARY_MARKER)), len(new))  # fmt: skip
+    origins: list[int | None] = []
+    last = -1
+    for message in new[:split]:
+        places = where.get(fingerprint(message), [])
+        k = bisect.bisect_right(places, last)
+        last = places[k] if k < len(places) else last
+        origins.append(places[k] if k < len(places) else None)
+    tail: list[int | None] = []
+    last = len(old)
+    for message in reversed(new[split + 1 :]):
+        places = where.get(fingerprint(message), [])
+        k = bisect.bisect_left(places, last) - 1
+        last = places[k] if k >= 0 else last
+        tail.append(places[k] if k >= 0 else None)
+    return origins + ([None] if split < len(new) else []) + tail[::-1]
+
+
 def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """How ``new`` (the session's view after pruning or trimming) differs from the session's view: the
     messages removed, tool results replaced (old index -> text) and assistant messages that lost only their
     reasoning. Any other change (a summary, an edited text) raises: it cannot be written back yet."""
-    origin_of = ChatView(found.messages, [], list(range(len(found.messages)))).matcher()
-    origins = [origin_of(m) for m in new]
+    origins = kept_origins(found.messages, new)
     kept = {i for i in origins if i is not None}
     fresh = [m for m, i in zip(new, origins, strict=True) if i is None]
     removed = [i for i in range(len(found.messages)) if i not in kept]
@@ -5451,6 +5519,12 @@ def _session_compaction(found: AgentSession, new: Sequence[Mapping[str, Any]], o
         raise ContextShrinkError(
             "a compaction can be written to an agent's session only as one summary among messages kept "
             "unchanged and in order"
+        )
+    if found.tail_starts is not None and (head or (tail and (tail[0] not in found.tail_starts or
+                                                              tail != list(range(tail[0], total))))):  # fmt: skip
+        raise ContextShrinkError(
+            f"a compaction of a {found.agent} session keeps after its summary only the newest messages, from a "
+            f"message where {found.agent} can start its kept tail (compact_context plans it so)"
         )
     folded = total - len(head) - len(tail)
     compaction = {"summary": _plain_content(new[at[0]].get("content")), "head": head, "tail": tail, "folded": folded}
@@ -5708,43 +5782,133 @@ def _codex_forget_index(found: AgentSession) -> None:
             ) from None
 
 
-def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
-    """In one immediate transaction: removed messages' rows and parts deleted, reasoning parts of reasoning
-    deleted, tool outputs edited in their part's JSON."""
+def _opencode_ids(prefix: str, count: int) -> list[str]:
+    """New ids in OpenCode's ascending form: the prefix, 12 hex digits of the millisecond clock x 4096 plus a
+    counter (so they sort after every id made before), 14 random letters and digits."""
+    now, alphabet = time.time_ns() // 1_000_000, string.digits + string.ascii_letters
+    return [f"{prefix}_{(now * 4096 + k) & 0xFFFF_FFFF_FFFF:012x}" + "".join(random.choices(alphabet, k=14))
+            for k in range(1, count + 1)]  # fmt: skip
+
+
+@contextlib.contextmanager
+def _opencode_transaction(path: Path) -> Iterator[Any]:
+    """One immediate transaction on OpenCode's database (WAL-safe): committed, or rolled back on any error."""
     import sqlite3
 
-    def ids(i: int, kind: str) -> str:
-        return next(s.split(" ", 1)[1] for s in found.sources[i] if s.startswith(kind + " "))
-
-    removed = {ids(i, "message") for i in changes["removed"]}
-    if lone := [i for i in changes["removed"] if found.messages[i]["role"] == "tool" and ids(i, "message") not in
-                {ids(j, "message") for j in changes["removed"] if found.messages[j]["role"] != "tool"}]:  # fmt: skip
-        raise ContextShrinkError(f"tool result {lone[0]} without its call cannot be removed from an OpenCode session")
-    with contextlib.closing(sqlite3.connect(found.path, timeout=1, isolation_level=None)) as db:
+    with contextlib.closing(sqlite3.connect(path, timeout=1, isolation_level=None)) as db:
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
             raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
         try:
-            for message in removed:
-                db.execute("DELETE FROM part WHERE message_id = ?", (message,))
-                db.execute("DELETE FROM message WHERE id = ?", (message,))
-            for i in changes["drop_reasoning"]:
-                db.execute("DELETE FROM part WHERE message_id = ? AND json_extract(data, '$.type') = 'reasoning'",
-                           (ids(i, "message"),))  # fmt: skip
-            for copy in changes.get("erased") or []:  # the event table's copies of what was removed
-                db.execute("DELETE FROM event WHERE instr(data, ?) > 0", (copy,))
-            for i, text in changes["edits"].items():
-                row = db.execute("SELECT data FROM part WHERE id = ?", (ids(i, "part"),)).fetchone()
-                part = json.loads(row[0])
-                part["state"] = {**_state(part), "output": text}
-                db.execute(
-                    "UPDATE part SET data = ? WHERE id = ?", (json.dumps(part, ensure_ascii=False), ids(i, "part"))
-                )
+            yield db
             db.execute("COMMIT")
-        except BaseException:
+        except BaseException as exc:
             db.execute("ROLLBACK")
-            raise
+            if not isinstance(exc, sqlite3.Error):
+                raise
+            raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
+
+
+def _opencode_log(db: Any, session: str, events: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    """The session's event log (``event``, OpenCode's sync log, replayed to rebuild the rows) told the same
+    change as the rows, as OpenCode tells its own: one event each, with the next sequence numbers. A
+    session with no log gets none."""
+    row = db.execute("SELECT seq FROM event_sequence WHERE aggregate_id = ?", (session,)).fetchone()
+    if row is None or not events:
+        return
+    for k, (event_id, (kind, data)) in enumerate(zip(_opencode_ids("evt", len(events)), events, strict=True), 1):
+        record = json.dumps({"sessionID": session, **data}, ensure_ascii=False)
+        db.execute("INSERT INTO event (id, aggregate_id, seq, type, data) VALUES (?, ?, ?, ?, ?)",
+                   (event_id, session, row[0] + k, f"{kind}.1", record))  # fmt: skip
+    db.execute("UPDATE event_sequence SET seq = ? WHERE aggregate_id = ?", (row[0] + len(events), session))
+
+
+def _json_rows(db: Any, query: str, *args: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``(id, data)`` rows whose JSON data reads as an object (OpenCode skips the others too)."""
+    out = []
+    for ident, data in db.execute(query, args).fetchall():
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
+            if isinstance(value := json.loads(data), dict):
+                out.append((ident, value))
+    return out
+
+
+def _source(found: AgentSession, i: int, kind: str) -> str:
+    """The id of the store record of ``kind`` (``message``, ``part``) that message ``i`` came from."""
+    return next(s.split(" ", 1)[1] for s in found.sources[i] if s.startswith(kind + " "))
+
+
+def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
+    """In one immediate transaction: removed messages' rows and parts deleted, reasoning parts of reasoning
+    deleted, tool outputs edited in their part's JSON, a compaction appended (:func:`_opencode_compact`); the
+    event log told each change (with ``erased``, first its copies of the removed texts deleted)."""
+    removed = {_source(found, i, "message") for i in changes["removed"]}
+    calls = {_source(found, j, "message") for j in changes["removed"] if found.messages[j]["role"] != "tool"}
+    if lone := [i for i in changes["removed"] if _source(found, i, "message") not in calls]:
+        raise ContextShrinkError(f"tool result {lone[0]} without its call cannot be removed from an OpenCode session")
+    now = time.time_ns() // 1_000_000
+    with _opencode_transaction(found.path) as db:
+        for copy in changes.get("erased") or []:  # the event log's copies of what was removed
+            db.execute("DELETE FROM event WHERE aggregate_id = ? AND instr(data, ?) > 0", (found.id, copy))
+        events: list[tuple[str, dict[str, Any]]] = []
+        for message in removed:
+            db.execute("DELETE FROM part WHERE message_id = ?", (message,))
+            db.execute("DELETE FROM message WHERE id = ?", (message,))
+            events.append(("message.removed", {"messageID": message}))
+        for message in (_source(found, i, "message") for i in changes["drop_reasoning"]):
+            for part_id, part in _json_rows(db, "SELECT id, data FROM part WHERE message_id = ?", message):
+                if part.get("type") == "reasoning":
+                    db.execute("DELETE FROM part WHERE id = ?", (part_id,))
+                    events.append(("message.part.removed", {"messageID": message, "partID": part_id}))
+        for i, text in changes["edits"].items():
+            part_id, message = _source(found, i, "part"), _source(found, i, "message")
+            part = next((p for _, p in _json_rows(db, "SELECT id, data FROM part WHERE id = ?", part_id)), None)
+            if part is None:
+                raise ContextShrinkError(f"OpenCode's part {part_id} changed since it was read: nothing written")
+            part["state"] = {**_state(part), "output": text}
+            db.execute("UPDATE part SET data = ? WHERE id = ?", (json.dumps(part, ensure_ascii=False), part_id))
+            whole = {"id": part_id, "sessionID": found.id, "messageID": message, **part}
+            events.append(("message.part.updated", {"part": whole, "time": now}))
+        if changes.get("compaction"):
+            events += _opencode_compact(db, found, changes["compaction"], now)
+        _opencode_log(db, found.id, events)
+
+
+def _opencode_compact(db: Any, found: AgentSession, compaction: Mapping[str, Any], now: int) -> list[Any]:
+    """OpenCode's own compaction appended: a user message with a ``compaction`` part whose ``tail_start_id``
+    names the first kept message, and the finished summary message answering it (``summary``, mode and agent
+    ``compaction``, ``parentID`` the user message) with the summary as its text part; the rows before stay,
+    unsent but for the tail. Returns the events that tell it."""
+    infos = [info for _, info in _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? "
+                                             "ORDER BY time_created DESC, id DESC", found.id)]  # fmt: skip
+    user, assistant = (next((i for i in infos if i.get("role") == role), {}) for role in ("user", "assistant"))
+    asked, answer = _opencode_ids("msg", 2)
+    question = {"role": "user", "time": {"created": now}, **{k: user[k] for k in ("agent", "model") if k in user}}
+    summary = {"role": "assistant", "parentID": asked, "mode": "compaction", "agent": "compaction", "summary": True,
+               **{k: assistant[k] for k in ("path", "modelID", "providerID") if k in assistant}, "cost": 0,
+               "tokens": {"input": 0, "output": 0, "reasoning": 0, "cache": {"read": 0, "write": 0}},
+               "time": {"created": now + 1, "completed": now + 1}, "finish": "stop"}  # fmt: skip
+    mark = {"type": "compaction", "auto": False, "overflow": False}
+    if compaction["tail"]:
+        mark["tail_start_id"] = _source(found, compaction["tail"][0], "message")
+    text = {"type": "text", "text": compaction["summary"], "time": {"start": now + 1, "end": now + 1}}
+    return [*_opencode_insert(db, found.id, asked, question, mark, now),
+            *_opencode_insert(db, found.id, answer, summary, text, now + 1)]  # fmt: skip
+
+
+def _opencode_insert(db: Any, session: str, message_id: str, info: dict[str, Any], part: dict[str, Any], when: int
+                     ) -> list[Any]:  # fmt: skip
+    """A new message with its one part; the events that tell it."""
+    part_id = _opencode_ids("prt", 1)[0]
+    db.execute("INSERT INTO message (id, session_id, time_created, time_updated, data) VALUES (?, ?, ?, ?, ?)",
+               (message_id, session, when, when, json.dumps(info, ensure_ascii=False)))  # fmt: skip
+    db.execute("INSERT INTO part (id, message_id, session_id, time_created, time_updated, data) "
+               "VALUES (?, ?, ?, ?, ?, ?)",
+               (part_id, message_id, session, when, when, json.dumps(part, ensure_ascii=False)))  # fmt: skip
+    whole = {"id": part_id, "sessionID": session, "messageID": message_id, **part}
+    return [("message.updated", {"info": {"id": message_id, "sessionID": session, **info}}),
+            ("message.part.updated", {"part": whole, "time": when})]  # fmt: skip
 
 
 def _backup_store(found: AgentSession) -> Path:
@@ -5787,8 +5951,8 @@ def _restore_store(found: AgentSession, saved: Path) -> None:
 
 def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run: bool, now: float | None = None,
                   scrub: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Write ``new`` (the session's view, pruned or trimmed) back to the agent's store, in its own format,
-    after a backup; ``dry_run`` only says what would change. A store changed in the last
+    """Write ``new`` (the session's view, pruned, trimmed or compacted) back to the agent's store, in its own
+    format, after a backup; ``dry_run`` only says what would change. A store changed in the last
     :data:`SESSION_QUIET_SECONDS` is refused (the agent may be writing it). The store is read again after
     the write and must give ``new``; if not, the backup is put back."""
     changes = session_changes(found, new)
@@ -5797,8 +5961,6 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
               "tool_results_replaced": len(changes["edits"]), "reasoning_removed": len(changes["drop_reasoning"]),
               "folded_into_summary": compaction["folded"] if compaction else 0,
               "dry_run": dry_run, "backup": None, "scrubbed": scrub}  # fmt: skip
-    if compaction and found.agent == "opencode":
-        raise ContextShrinkError("a compaction cannot be written to an OpenCode session yet (prune or trim it)")
     if dry_run or not any(changes.values()):
         return report
     age = (time.time() if now is None else now) - _last_change(found.path)
@@ -5820,7 +5982,9 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
         if found.agent == "codex":
             _codex_forget_index(found)
     again = _read_store(found.agent, found.path, found.id)
-    if [_view_key(m, compaction) for m in again.messages] != [_view_key(m, compaction) for m in new]:
+    opencode = compaction and found.agent == "opencode"  # its compaction is sent as a question, then the summary
+    asked = [{"role": "user", "content": OPENCODE_COMPACTION_PROMPT}] if opencode else []
+    if [_view_key(m, compaction) for m in again.messages] != [_view_key(m, compaction) for m in [*asked, *new]]:
         _restore_store(found, saved)
         raise ContextShrinkError(f"the {found.agent} session did not read back as written; restored from {saved}")
     return {**report, "backup": str(saved)}
@@ -6071,6 +6235,7 @@ class CompactOptions:
     fallback: str
     diet_tool_results: bool
     anchor_identifiers: bool
+    tail_starts: tuple[int, ...] | None = None  # where an agent's store lets the kept tail start (OpenCode's)
 
 
 COMPACT_STATS = {"summariser": None, "model_calls": 0, "map_chunks": 0, "reduce_steps": 0,
@@ -6092,7 +6257,7 @@ async def compact_request(
     compact = functools.partial(
         compact_messages, req.messages, req.tokenizer, max_context_tokens=req.window, keep_last=o.keep_last,
         threshold=o.threshold, force=o.force, max_summary_tokens=o.max_summary_tokens, summary_role=o.summary_role,
-        tools=req.tools, reserve_tokens=o.reserve_tokens, target_ratio=o.target_ratio,
+        tools=req.tools, reserve_tokens=o.reserve_tokens, target_ratio=o.target_ratio, tail_starts=o.tail_starts,
     )  # fmt: skip
     plan = await anyio.to_thread.run_sync(lambda: compact(summary=o.summary))
     if diet:
@@ -6517,7 +6682,7 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
         options = CompactOptions(
             keep_last, threshold, force, summary, max_summary_tokens, summary_role, reserve_tokens, target_ratio,
             summary_context_tokens or config.summary_context_tokens, summary_concurrency, previous_summary,
-            fallback, diet_tool_results, anchor_identifiers,
+            fallback, diet_tool_results, anchor_identifiers, found.tail_starts if found else None,
         )  # fmt: skip
         result = await compact_request(ctx, req, compact_mode(ctx, summary, model, model_name), model_name, options)
         if isinstance(result, InputRequiredResult) or found is None:

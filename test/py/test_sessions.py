@@ -8,6 +8,7 @@ actually sent last."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sqlite3
@@ -131,28 +132,98 @@ def test_a_codex_rollout_and_its_compaction(tmp_path: Path) -> None:
     assert again.sources[0] == ["line 8 replacement_history[0]"]
 
 
-def opencode_store(home: Path, cwd: str) -> Path:
+OPENCODE_ROWS = [
+    ("m1", {"role": "user"}, [("p1", {"type": "text", "text": "an old question"})]),
+    ("m1c", {"role": "user"}, [("p1c", {"type": "compaction", "auto": True})]),
+    ("m2", {"role": "assistant", "summary": True, "finish": "stop", "parentID": "m1c"},
+     [("p2", {"type": "text", "text": "Summary: answered."})]),
+    ("m3", {"role": "user"}, [("p3", {"type": "text", "text": "read a.py"})]),
+    ("m4", {"role": "assistant"}, [("p4", {"type": "step-start"}), ("p5", {"type": "tool", "callID": "c1",
+     "tool": "read", "state": {"status": "completed", "input": {"filePath": "a.py"}, "output": "print(1)"}}),
+     ("p6", {"type": "text", "text": "It prints 1."})]),
+]  # fmt: skip
+
+
+def opencode_store(home: Path, cwd: str, rows: list[Any] = OPENCODE_ROWS) -> Path:
+    """OpenCode's database (its tables as 1.18 has them) holding session ses_1: ``rows`` of (message id,
+    message JSON, [(part id, part JSON)]), each write told in the event log."""
     path = home / "data" / "opencode" / "opencode.db"
     path.parent.mkdir(parents=True)
     with sqlite3.connect(path) as db:
         db.execute("CREATE TABLE session (id text, directory text, title text, time_updated integer)")
-        db.execute("CREATE TABLE message (id text, session_id text, time_created integer, data text)")
-        db.execute("CREATE TABLE part (id text, message_id text, session_id text, time_created integer, data text)")
+        db.execute("CREATE TABLE message (id text, session_id text, time_created integer, time_updated integer, "
+                   "data text)")  # fmt: skip
+        db.execute("CREATE TABLE part (id text, message_id text, session_id text, time_created integer, "
+                   "time_updated integer, data text)")  # fmt: skip
+        db.execute("CREATE TABLE event_sequence (aggregate_id text PRIMARY KEY, seq integer NOT NULL, owner_id text)")
+        db.execute("CREATE TABLE event (id text PRIMARY KEY, aggregate_id text NOT NULL, seq integer NOT NULL, "
+                   "type text NOT NULL, data text NOT NULL)")  # fmt: skip
         db.execute("INSERT INTO session VALUES ('ses_1', ?, 'title', 1000)", (cwd,))
-        rows = [
-            ("m1", {"role": "user"}, [("p1", {"type": "text", "text": "an old question"})]),
-            ("m1c", {"role": "user"}, [("p1c", {"type": "compaction", "auto": True})]),
-            ("m2", {"role": "assistant", "summary": True}, [("p2", {"type": "text", "text": "Summary: answered."})]),
-            ("m3", {"role": "user"}, [("p3", {"type": "text", "text": "read a.py"})]),
-            ("m4", {"role": "assistant"}, [("p4", {"type": "step-start"}), ("p5", {"type": "tool", "callID": "c1",
-             "tool": "read", "state": {"status": "completed", "input": {"filePath": "a.py"}, "output": "print(1)"}}),
-             ("p6", {"type": "text", "text": "It prints 1."})]),
-        ]  # fmt: skip
+        events = []
         for t, (mid, info, parts) in enumerate(rows):
-            db.execute("INSERT INTO message VALUES (?, 'ses_1', ?, ?)", (mid, t, json.dumps(info)))
+            db.execute("INSERT INTO message VALUES (?, 'ses_1', ?, ?, ?)", (mid, t, t, json.dumps(info)))
+            events.append(("message.updated.1", {"info": {"id": mid, "sessionID": "ses_1", **info}}))
             for pid, part in parts:
-                db.execute("INSERT INTO part VALUES (?, ?, 'ses_1', ?, ?)", (pid, mid, t, json.dumps(part)))
+                db.execute("INSERT INTO part VALUES (?, ?, 'ses_1', ?, ?, ?)", (pid, mid, t, t, json.dumps(part)))
+                whole = {"id": pid, "sessionID": "ses_1", "messageID": mid, **part}
+                events.append(("message.part.updated.1", {"part": whole, "time": t}))
+        for seq, (kind, data) in enumerate(events):
+            db.execute("INSERT INTO event VALUES (?, 'ses_1', ?, ?, ?)",
+                       (f"evt_{seq:03}", seq, kind, json.dumps({"sessionID": "ses_1", **data})))  # fmt: skip
+        db.execute("INSERT INTO event_sequence VALUES ('ses_1', ?, NULL)", (len(events) - 1,))
     return path
+
+
+@st.composite
+def opencode_rows(draw: st.DrawFn) -> list[Any]:
+    """OpenCode sessions of any shape: prompts, answers, steps with tool parts, synthetic prompts,
+    compactions answered by a summary or not (yet), with a kept tail named anywhere before them or none."""
+    rows: list[Any] = []
+    for k in range(draw(st.integers(1, 14))):
+        kind = draw(st.sampled_from(["user", "text", "tools", "compaction", "pending"]))
+        mid = f"m{k:02}"
+        if kind == "user":
+            rows.append((mid, {"role": "user"}, [(f"{mid}p", {"type": "text", "text": f"ask {k}"})]))
+        elif kind == "text":
+            said = {"type": "text", "text": f"said {k}"}
+            rows.append((mid, {"role": "assistant", "finish": "stop"}, [(f"{mid}p", said)]))
+        elif kind == "tools":
+            parts = [(f"{mid}p{j}", {"type": "tool", "callID": f"c{k}_{j}", "tool": "read", "state": {
+                      "status": "completed", "input": {"n": j}, "output": f"out {k} {j}"}})
+                     for j in range(draw(st.integers(1, 2)))]  # fmt: skip
+            step = (f"{mid}s", {"type": "step-start"})
+            rows.append((mid, {"role": "assistant", "finish": "tool-calls"}, [step, *parts]))
+        else:
+            tail = draw(st.sampled_from([None, *[r[0] for r in rows]]))
+            mark = {"type": "compaction", "auto": True, **({"tail_start_id": tail} if tail else {})}
+            rows.append((mid, {"role": "user"}, [(f"{mid}p", mark)]))
+            if kind == "compaction":
+                summary = {"role": "assistant", "summary": True, "finish": "stop", "parentID": mid}
+                rows.append((f"{mid}s", summary, [(f"{mid}sp", {"type": "text", "text": f"summary {k}"})]))
+    return rows
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(opencode_rows(), st.data())
+def test_an_opencode_compaction_keeps_exactly_the_tail_it_names(
+    tmp_path_factory: pytest.TempPathFactory, rows: list[Any], data: st.DataObject
+) -> None:
+    """Any OpenCode session, compacted with the tail starting at any place the reader allows (or none kept):
+    read back as OpenCode sends it, it is OpenCode's question, the summary and exactly that tail; the event
+    log replays to the rows."""
+    home = tmp_path_factory.mktemp("opencode")
+    path = opencode_store(home, "/x", rows)
+    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(home))
+    start = data.draw(st.sampled_from([*(s for s in found.tail_starts if s > 0), len(found.messages)]))
+    summary = {"role": "system", "content": f"{cs.SUMMARY_MARKER} Summary of {start} earlier messages:\nall of it"}
+    kept = found.messages[start:]
+    cs.write_session(found, [summary, *kept], dry_run=False, now=later(found))
+    again = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(home))
+    assert [(m["role"], m["content"]) for m in again.messages[:2]] == [("user", "What did we do so far?"),
+                                                                       ("assistant", summary["content"])]  # fmt: skip
+    assert again.messages[2:] == kept and again.compacted
+    with sqlite3.connect(path) as db:
+        assert replayed(db) == rows_of(db)
 
 
 def test_an_opencode_session_from_its_last_compaction(tmp_path: Path) -> None:
@@ -255,12 +326,13 @@ def test_a_real_agents_session_reads_as_the_request_it_sent(agent: str, tmp_path
                 assert block[:60] in leading, block[:200]
 
 
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
-        ["type", "text", "content", "id", "role", "tool_use_id", "input", "name", "rendered"]), inner, max_size=3),
-    max_leaves=8,
-)  # fmt: skip
+def nested(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Lists and objects (with the keys the readers look at) of ``inner``."""
+    keys = st.sampled_from(["type", "text", "content", "id", "role", "tool_use_id", "input", "name", "rendered"])
+    return st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8), nested, max_leaves=8)
 RECORD = st.fixed_dictionaries(
     {"type": st.sampled_from(["user", "assistant", "attachment", "system", "response_item", "compacted", "x"])},
     optional={"uuid": st.sampled_from(["a", "b", "c"]) | JSON, "parentUuid": st.sampled_from(["a", "b", None]) | JSON,
@@ -332,6 +404,17 @@ def test_what_cannot_be_written_is_refused_and_nothing_changes(tmp_path: Path) -
     assert list(path.parent.glob("*.pre-shrink-*")) == []
 
 
+def test_identical_messages_are_told_apart_by_order() -> None:
+    """Which stored message a kept one is: in order, the first after the one before; after a new summary,
+    from the end (the kept tail is the newest)."""
+    a, b, c = ({"role": "user", "content": t} for t in "abc")
+    summary = {"role": "system", "content": f"{cs.SUMMARY_MARKER} s"}
+    assert cs.kept_origins([a, b, a], [b, a]) == [1, 2]  # the first a removed, not the last
+    assert cs.kept_origins([a, b, a, c], [summary, a, c]) == [None, 2, 3]
+    assert cs.kept_origins([a, b, a], [a, summary, a]) == [0, None, 2]
+    assert cs.kept_origins([a, b], [{**a, "content": "new"}, b]) == [None, 1]
+
+
 def test_a_codex_rollout_written_back_inside_its_compaction(tmp_path: Path) -> None:
     user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list the files"}]}
     call = {"type": "function_call", "call_id": "k1", "name": "exec_command", "arguments": "{}"}
@@ -356,13 +439,19 @@ def test_a_codex_rollout_written_back_inside_its_compaction(tmp_path: Path) -> N
 
 
 def test_an_opencode_session_written_back_in_one_transaction(tmp_path: Path) -> None:
+    """A tool output edited in its part, then messages removed with their parts; each time the event log
+    tells the same change (replayed, it gives the rows)."""
     path = opencode_store(tmp_path, "/x")
+    with sqlite3.connect(path) as db:
+        assert replayed(db) == rows_of(db)
     found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     new = [*found.messages[:4], {**found.messages[4], "content": "[cleared]"}]
     report = cs.write_session(found, new, dry_run=False, now=later(found))
     with sqlite3.connect(path) as db:
         part = json.loads(db.execute("SELECT data FROM part WHERE id = 'p5'").fetchone()[0])
     assert part["state"]["output"] == "[cleared]" and part["state"]["input"] == {"filePath": "a.py"}
+    with sqlite3.connect(path) as db:
+        assert replayed(db) == rows_of(db)
     assert cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path)).messages == new
     with sqlite3.connect(report["backup"]) as db:  # the backup holds the original
         assert "print(1)" in db.execute("SELECT data FROM part WHERE id = 'p5'").fetchone()[0]
@@ -371,6 +460,69 @@ def test_an_opencode_session_written_back_in_one_transaction(tmp_path: Path) -> 
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT count(*) FROM part WHERE message_id IN ('m3', 'm4')").fetchone()[0] == 0
         assert db.execute("SELECT count(*) FROM part WHERE message_id IN ('m1c', 'm2')").fetchone()[0] == 2
+        assert replayed(db) == rows_of(db)  # the event log told every change: replayed, it gives the rows
+
+
+def test_an_opencode_compaction_written_as_its_own(tmp_path: Path) -> None:
+    """OpenCode's own compaction appended: a user message with a compaction part whose tail_start_id names
+    the first kept message, a finished summary message answering it, the event log telling both. Read back:
+    OpenCode's question, the summary, the kept messages. The tail starts only where OpenCode can start it
+    (no pinned request ahead of it); right after a compaction, not inside the tail it kept (OpenCode would
+    send the older summary inside it), so a second compaction then keeps no tail."""
+    path = opencode_store(tmp_path, "/x")
+    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    assert found.tail_starts == (0, 1, 2, 3)  # not the tool result (its call's message)
+    tokenizer = cs.resolve_tokenizer("tiktoken")
+    plan = cs.compact_messages(found.messages, tokenizer, summary="the user wants a.py read", force=True,
+                               keep_last=2, tail_starts=found.tail_starts)  # fmt: skip
+    assert plan["kept_from_index"] == 3 and plan["pinned_indices"] == []  # without tail_starts, "read a.py" pinned
+    report = cs.write_session(found, plan["messages"], dry_run=False, now=later(found))
+    assert report["folded_into_summary"] == 3
+    again = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    assert again.compacted and again.messages[2:] == found.messages[3:]
+    assert [(m["role"], plain(m["content"])) for m in again.messages[:2]] == [
+        ("user", "What did we do so far?"), ("assistant", plan["messages"][0]["content"])]  # fmt: skip
+    with sqlite3.connect(path) as db:
+        assert replayed(db) == rows_of(db)
+        mark = [json.loads(d) for (d,) in db.execute("SELECT data FROM part ORDER BY time_created, id")][-2]
+        assert mark == {"type": "compaction", "auto": False, "overflow": False, "tail_start_id": "m4"}
+    assert again.tail_starts == ()
+    second = cs.compact_messages(again.messages, tokenizer, summary="still a.py", force=True, keep_last=2,
+                                 tail_starts=again.tail_starts)  # fmt: skip
+    assert second["kept_from_index"] == len(again.messages)
+    cs.write_session(again, second["messages"], dry_run=False, now=later(again) + 60)
+    last = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    assert [m["role"] for m in last.messages] == ["user", "assistant"] and "still a.py" in last.messages[1]["content"]
+    with pytest.raises(cs.ContextShrinkError, match="only the newest messages"):  # a tail OpenCode cannot keep
+        cs.write_session(found, [found.messages[0], plan["messages"][0], *found.messages[3:]], dry_run=True)
+
+
+def rows_of(db: sqlite3.Connection) -> dict[str, Any]:
+    """An OpenCode database's messages and parts (their JSON, with their ids)."""
+    messages = {i: json.loads(d) for i, d in db.execute("SELECT id, data FROM message")}
+    parts = {i: {**json.loads(d), "messageID": m} for i, m, d in db.execute("SELECT id, message_id, data FROM part")}
+    return {"messages": messages, "parts": parts}
+
+
+def replayed(db: sqlite3.Connection) -> dict[str, Any]:
+    """The rows OpenCode's event log gives when replayed in sequence order (the log has no gap)."""
+    messages: dict[str, Any] = {}
+    parts: dict[str, Any] = {}
+    events = db.execute("SELECT seq, type, data FROM event WHERE aggregate_id = 'ses_1' ORDER BY seq").fetchall()
+    assert [seq for seq, _, _ in events] == list(range(len(events)))
+    assert db.execute("SELECT seq FROM event_sequence WHERE aggregate_id = 'ses_1'").fetchone()[0] == len(events) - 1
+    for _, kind, data in events:
+        event = json.loads(data)
+        if kind == "message.updated.1":
+            messages[event["info"]["id"]] = {k: v for k, v in event["info"].items() if k not in ("id", "sessionID")}
+        elif kind == "message.removed.1":
+            messages.pop(event["messageID"])
+            parts = {i: p for i, p in parts.items() if p["messageID"] != event["messageID"]}
+        elif kind == "message.part.updated.1":
+            parts[event["part"]["id"]] = {k: v for k, v in event["part"].items() if k not in ("id", "sessionID")}
+        elif kind == "message.part.removed.1":
+            parts.pop(event["partID"])
+    return {"messages": messages, "parts": parts}
 
 
 def real_session(
@@ -451,8 +603,9 @@ def test_a_real_agent_goes_on_from_a_compaction_in_its_own_records(
 ) -> None:
     """compact_context writes the summary as the agent's own compaction (Claude Code: a compact_boundary and
     a summary record, the newest records copied after them; Codex: a compacted record whose replacement
-    history is the summary and the newest items), the old records kept but unsent; the agent resumed sends
-    the summary and the newest messages, not the folded ones. OpenCode's is not written yet: refused."""
+    history is the summary and the newest items; OpenCode: a compaction part naming the first kept message
+    and a summary message answering it), the old records kept but unsent; the agent resumed sends the
+    summary and the newest messages, not the folded ones."""
     found, env, server = real_session(agent, tmp_path, monkeypatch)
     make_idle(found.path, found.path.stat().st_mtime - 60)
     arguments = {"session": f"{agent}:latest", "summary": SUMMARY_TEXT, "force": True, "keep_last": 3,
@@ -463,12 +616,15 @@ def test_a_real_agent_goes_on_from_a_compaction_in_its_own_records(
             return await client.call_tool("compact_context", arguments)
 
     result = anyio.run(compact)
-    assert agent == "opencode" or not result.is_error, result.content[0].text
-    if agent == "opencode":
-        assert result.is_error and "cannot be written to an OpenCode session yet" in result.content[0].text
-        return
+    assert not result.is_error, result.content[0].text
     written = result.structured_content["session_write"]
-    assert written["folded_into_summary"] > 0 and Path(written["backup"]).read_bytes() in found.path.read_bytes()
+    assert written["folded_into_summary"] > 0
+    if agent == "opencode":  # only appended: every row of the backup (a SQLite copy) is still there
+        with sqlite3.connect(written["backup"]) as before, sqlite3.connect(found.path) as after:
+            kept = "SELECT id, data FROM message UNION ALL SELECT id, data FROM part"
+            assert set(before.execute(kept)) < set(after.execute(kept))
+    else:  # the file as it was, then the compaction's records
+        assert Path(written["backup"]).read_bytes() in found.path.read_bytes()
     compacted = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
     assert compacted.compacted and SUMMARY_TEXT in json.dumps(compacted.messages)
     again = run_session(agent, tmp_path, proxied=False, steps=1, resume=found.id)
@@ -477,6 +633,9 @@ def test_a_real_agent_goes_on_from_a_compaction_in_its_own_records(
     sent = request_view(path, body).messages
     texts = " ".join(plain(m.get("content")) + json.dumps(m.get("tool_calls")) for m in sent)
     assert SUMMARY_TEXT in texts and "file 0 line 7:" not in texts and "file 2 line 7:" in texts
+    if agent == "opencode":  # exactly its question, the summary, the kept tail (then the new prompt)
+        assert signature(sent)[1:-1] == signature(compacted.messages)
+        assert [m["role"] for m in compacted.messages[:3]] == ["user", "assistant", "assistant"]
 
 
 def test_a_compaction_written_as_the_agents_own(tmp_path: Path) -> None:
@@ -549,6 +708,41 @@ def test_scrub_erases_the_hidden_copies(tmp_path: Path) -> None:
         text = path.read_text()
         assert (secret in text) is not scrub
         assert '"leafUuid": "r3"' in text.replace('":"', '": "') and '"api-request"' in text  # unrelated kept
+
+
+@pytest.mark.parametrize("agent", ["claude", "codex", "opencode"])
+def test_a_write_that_does_not_read_back_is_undone_from_the_backup(
+    agent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the store, read again after the write, does not give the result, the backup is put back: the
+    JSONL file byte for byte, OpenCode's database row for row (its SQL dump)."""
+    if agent == "claude":
+        path, spec = claude_store(tmp_path, "/x"), "claude:s1"
+    elif agent == "codex":
+        path, spec = tmp_path / ".codex" / "sessions" / "2026" / "12" / "01" / "rollout-c1.jsonl", "codex:c1"
+        call = {"type": "function_call", "call_id": "k1", "name": "exec_command", "arguments": "{}"}
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list"}]}, call,
+                 {"type": "function_call_output", "call_id": "k1", "output": "a.py"}]  # fmt: skip
+        write_jsonl(path, [{"type": "session_meta", "payload": {"id": "c1", "cwd": "/x"}},
+                           *({"type": "response_item", "payload": i} for i in items)])  # fmt: skip
+    else:
+        path, spec = opencode_store(tmp_path, "/x"), "opencode:ses_1"
+
+    def dump() -> Any:
+        if agent != "opencode":
+            return path.read_bytes()
+        with sqlite3.connect(path) as db:
+            return list(db.iterdump())
+
+    found = cs.read_session(spec, [agent], Path("/x"), environ(tmp_path))
+    before = dump()
+    read = cs._read_store
+    monkeypatch.setattr(cs, "_read_store", lambda *a: dataclasses.replace(read(*a), messages=[]))
+    new = [*found.messages[:-1], {**found.messages[-1], "content": "[cleared]"}] if agent != "claude" else \
+        [m for k, m in enumerate(found.messages) if k not in (2, 3)]  # fmt: skip
+    with pytest.raises(cs.ContextShrinkError, match="did not read back as written; restored from"):
+        cs.write_session(found, new, dry_run=False, now=later(found))
+    assert dump() == before
 
 
 def test_an_opencode_database_held_by_a_writer_is_not_written(tmp_path: Path) -> None:
