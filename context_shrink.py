@@ -5249,31 +5249,38 @@ def _codex_sessions(store: Path) -> list[dict[str, Any]]:
 # --- OpenCode: $XDG_DATA_HOME/opencode/opencode.db (SQLite): message and part rows holding JSON ------------
 
 
-def _opencode_rows(path: Path, session: str) -> list[tuple[str, dict[str, Any], list[tuple[str, dict[str, Any]]]]]:
-    """A session's messages in order, each with its parts, read from a read-only connection."""
+def _json_rows(db: Any, query: str, *args: Any) -> list[tuple[Any, ...]]:
+    """The rows of ``query`` whose last column, JSON, reads as an object: the other columns, then it."""
+    out = []
+    for *keys, data in db.execute(query, args).fetchall():
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
+            if isinstance(value := json.loads(data), dict):
+                out.append((*keys, value))
+    return out
+
+
+def _opencode_rows(path: Path, session: str) -> tuple[list[Any], int]:
+    """A session's messages in order, each ``(id, JSON, [(part id, part JSON)])``, read from a read-only
+    connection, and how many rows did not read as a JSON object (skipped: OpenCode fails on them)."""
     import sqlite3  # only this store needs it
 
     if not path.is_file():
         raise ContextShrinkError(f"OpenCode's database {path} does not exist")
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as db:
         try:
-            rows = db.execute("SELECT id, data FROM message WHERE session_id = ? ORDER BY time_created, id",
-                              (session,)).fetchall()  # fmt: skip
-            parts = db.execute("SELECT message_id, id, data FROM part WHERE session_id = ? ORDER BY time_created, id",
-                               (session,)).fetchall()  # fmt: skip
+            messages = _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? ORDER BY time_created, id",
+                                  session)  # fmt: skip
+            parts = _json_rows(db, "SELECT message_id, id, data FROM part WHERE session_id = ? "
+                                   "ORDER BY time_created, id", session)  # fmt: skip
+            count = "SELECT (SELECT count(*) FROM message WHERE session_id = ?1) + (SELECT count(*) FROM part " \
+                    "WHERE session_id = ?1)"  # fmt: skip
+            total = db.execute(count, (session,)).fetchone()[0]
         except sqlite3.Error as exc:
             raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
     by_message: dict[str, list[tuple[str, dict[str, Any]]]] = collections.defaultdict(list)
-    for message_id, part_id, data in parts:
-        with contextlib.suppress(ValueError, TypeError, RecursionError):
-            by_message[message_id].append((part_id, json.loads(data)))
-    out = []
-    for message_id, data in rows:
-        with contextlib.suppress(ValueError, TypeError, RecursionError):
-            info = json.loads(data)
-            if isinstance(info, dict):
-                out.append((message_id, info, [(i, p) for i, p in by_message[message_id] if isinstance(p, dict)]))
-    return out
+    for message_id, part_id, part in parts:
+        by_message[message_id].append((part_id, part))
+    return [(i, info, by_message[i]) for i, info in messages], total - len(messages) - len(parts)
 
 
 def _opencode_message(
@@ -5369,7 +5376,7 @@ def _row_suffixes(order: Sequence[int]) -> list[int]:
 def read_opencode(path: Path, session: str) -> AgentSession:
     """An OpenCode session as OpenCode sends it (:func:`_opencode_sent`): user text parts (a compaction part
     as the question OpenCode asks), assistant text and tool parts (a call and its result are one part)."""
-    rows = _opencode_rows(path, session)
+    rows, unreadable = _opencode_rows(path, session)
     if not rows:
         raise ContextShrinkError(f"OpenCode has no session {session!r} in {path}")
     sent, compacted = _opencode_sent(rows)
@@ -5387,8 +5394,9 @@ def read_opencode(path: Path, session: str) -> AgentSession:
                                                                                           "compaction"))  # fmt: skip
     unsent["message (before the last compaction)"] += len(rows) - len(sent)
     where = rows[0][1].get("path") if isinstance(rows[0][1].get("path"), dict) else {}
-    return AgentSession("opencode", session, path, where.get("cwd"), messages, sources,
-                        {k: v for k, v in unsent.items() if v}, compacted, 0, tuple(_row_suffixes(order)))  # fmt: skip
+    bookkeeping = {k: v for k, v in unsent.items() if v}
+    return AgentSession("opencode", session, path, where.get("cwd"), messages, sources, bookkeeping, compacted,
+                        unreadable, tuple(_row_suffixes(order)))  # fmt: skip
 
 
 def _opencode_sessions(store: Path) -> list[dict[str, Any]]:
@@ -5822,16 +5830,6 @@ def _opencode_log(db: Any, session: str, events: Sequence[tuple[str, dict[str, A
         db.execute("INSERT INTO event (id, aggregate_id, seq, type, data) VALUES (?, ?, ?, ?, ?)",
                    (event_id, session, row[0] + k, f"{kind}.1", record))  # fmt: skip
     db.execute("UPDATE event_sequence SET seq = ? WHERE aggregate_id = ?", (row[0] + len(events), session))
-
-
-def _json_rows(db: Any, query: str, *args: Any) -> list[tuple[str, dict[str, Any]]]:
-    """``(id, data)`` rows whose JSON data reads as an object (OpenCode skips the others too)."""
-    out = []
-    for ident, data in db.execute(query, args).fetchall():
-        with contextlib.suppress(ValueError, TypeError, RecursionError):
-            if isinstance(value := json.loads(data), dict):
-                out.append((ident, value))
-    return out
 
 
 def _source(found: AgentSession, i: int, kind: str) -> str:

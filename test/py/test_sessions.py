@@ -745,6 +745,22 @@ def test_a_write_that_does_not_read_back_is_undone_from_the_backup(
     assert dump() == before
 
 
+def test_an_opencode_part_with_broken_json_is_skipped_and_counted(tmp_path: Path) -> None:
+    """A part whose JSON does not parse (OpenCode then fails on the whole session) is skipped and counted as
+    unreadable; the rest reads, and a write leaves that row as it is and adds no invalid JSON."""
+    path = opencode_store(tmp_path, "/x")
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO part VALUES ('pbad', 'm3', 'ses_1', 3, 3, '{\"type\": \"text\", \"te')")
+    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    assert found.skipped_lines == 1 and [plain(m["content"]) for m in found.messages][2] == "read a.py"
+    cs.write_session(found, [*found.messages[:4], {**found.messages[4], "content": "[x]"}], dry_run=False,
+                     now=later(found))  # fmt: skip
+    with sqlite3.connect(path) as db:
+        broken = [i for i, d in db.execute("SELECT id, data FROM part UNION ALL SELECT id, data FROM event")
+                  if not isinstance(json.loads(d) if d.startswith("{") and d.endswith("}") else None, dict)]  # fmt: skip
+    assert broken == ["pbad"]
+
+
 def test_an_opencode_database_held_by_a_writer_is_not_written(tmp_path: Path) -> None:
     """Another connection holding the write lock (the agent mid-write): refused, nothing changed, the
     backup taken before it left beside the database."""
