@@ -5818,12 +5818,22 @@ def _opencode_transaction(path: Path) -> Iterator[Any]:
             raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
 
 
+def _opencode_has_log(db: Any) -> bool:
+    """Whether the database has OpenCode's event log (1.18 does)."""
+    found = db.execute(
+        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name IN ('event', 'event_sequence')"
+    )
+    return found.fetchone()[0] == 2
+
+
 def _opencode_log(db: Any, session: str, events: Sequence[tuple[str, dict[str, Any]]]) -> None:
     """The session's event log (``event``, OpenCode's sync log, replayed to rebuild the rows) told the same
     change as the rows, as OpenCode tells its own: one event each, with the next sequence numbers. A
-    session with no log gets none."""
+    session with no log (or a database without one: OpenCode before 1.18) gets none."""
+    if not events or not _opencode_has_log(db):
+        return
     row = db.execute("SELECT seq FROM event_sequence WHERE aggregate_id = ?", (session,)).fetchone()
-    if row is None or not events:
+    if row is None:
         return
     for k, (event_id, (kind, data)) in enumerate(zip(_opencode_ids("evt", len(events)), events, strict=True), 1):
         record = json.dumps({"sessionID": session, **data}, ensure_ascii=False)
@@ -5847,7 +5857,8 @@ def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
         raise ContextShrinkError(f"tool result {lone[0]} without its call cannot be removed from an OpenCode session")
     now = time.time_ns() // 1_000_000
     with _opencode_transaction(found.path) as db:
-        for copy in changes.get("erased") or []:  # the event log's copies of what was removed
+        erased = (changes.get("erased") or []) if _opencode_has_log(db) else []
+        for copy in erased:  # the event log's copies of what was removed
             db.execute("DELETE FROM event WHERE aggregate_id = ? AND instr(data, ?) > 0", (found.id, copy))
         events: list[tuple[str, dict[str, Any]]] = []
         for message in removed:

@@ -745,6 +745,21 @@ def test_a_write_that_does_not_read_back_is_undone_from_the_backup(
     assert dump() == before
 
 
+def test_an_opencode_database_without_an_event_log_is_written_too(tmp_path: Path) -> None:
+    """OpenCode before 1.18 has no event log: pruning (with scrub) and compacting write the rows alone."""
+    path = opencode_store(tmp_path, "/x")
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE event")
+        db.execute("DROP TABLE event_sequence")
+    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    cs.write_session(found, found.messages[:3], dry_run=False, now=later(found), scrub=True)
+    again = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    summary = {"role": "system", "content": f"{cs.SUMMARY_MARKER} read a.py"}
+    cs.write_session(again, [summary, again.messages[2]], dry_run=False, now=later(again) + 60)
+    last = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    assert [plain(m["content"]) for m in last.messages] == ["What did we do so far?", summary["content"], "read a.py"]
+
+
 def test_an_opencode_part_with_broken_json_is_skipped_and_counted(tmp_path: Path) -> None:
     """A part whose JSON does not parse (OpenCode then fails on the whole session) is skipped and counted as
     unreadable; the rest reads, and a write leaves that row as it is and adds no invalid JSON."""
