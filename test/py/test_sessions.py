@@ -180,10 +180,13 @@ def opencode_rows(draw: st.DrawFn) -> list[Any]:
     compactions answered by a summary or not (yet), with a kept tail named anywhere before them or none."""
     rows: list[Any] = []
     for k in range(draw(st.integers(1, 14))):
-        kind = draw(st.sampled_from(["user", "text", "tools", "compaction", "pending"]))
+        kind = draw(st.sampled_from(["user", "synthetic", "text", "tools", "compaction", "pending"]))
         mid = f"m{k:02}"
         if kind == "user":
             rows.append((mid, {"role": "user"}, [(f"{mid}p", {"type": "text", "text": f"ask {k}"})]))
+        elif kind == "synthetic":  # as OpenCode adds after its own compaction
+            go_on = {"type": "text", "text": "Continue", "synthetic": True, "metadata": {"compaction_continue": True}}
+            rows.append((mid, {"role": "user"}, [(f"{mid}p", go_on)]))
         elif kind == "text":
             said = {"type": "text", "text": f"said {k}"}
             rows.append((mid, {"role": "assistant", "finish": "stop"}, [(f"{mid}p", said)]))
