@@ -5349,10 +5349,11 @@ def _opencode_sent(rows: list[Any]) -> tuple[list[int], bool]:
     if not marks:
         return kept, decided
     at = marks[-1]
-    summary = next((j for j in range(at + 1, len(kept)) if rows[kept[j]][1].get("role") == "assistant"
-                    and rows[kept[j]][1].get("summary") and rows[kept[j]][1].get("parentID") == rows[kept[at]][0]),
-                   -1)  # fmt: skip
-    tail = next((j for j, k in enumerate(kept) if rows[k][0] == compaction(kept[at]).get("tail_start_id")), -1)
+    mark, tail_id = rows[kept[at]][0], (compaction(kept[at]) or {}).get("tail_start_id")
+    summaries = [j for j in range(at + 1, len(kept)) if rows[kept[j]][1].get("role") == "assistant" and
+                 rows[kept[j]][1].get("summary") and rows[kept[j]][1].get("parentID") == mark]  # fmt: skip
+    summary = summaries[0] if summaries else -1
+    tail = next((j for j, k in enumerate(kept) if rows[k][0] == tail_id), -1)
     if 0 <= tail < at < summary:
         return [*kept[at : summary + 1], *kept[tail:at], *kept[summary + 1 :]], True
     return kept, decided
@@ -5531,8 +5532,8 @@ def _session_compaction(found: AgentSession, new: Sequence[Mapping[str, Any]], o
     if found.tail_starts is not None and (head or (tail and (tail[0] not in found.tail_starts or
                                                               tail != list(range(tail[0], total))))):  # fmt: skip
         raise ContextShrinkError(
-            f"a compaction of a {found.agent} session keeps after its summary only the newest messages, from a "
-            f"message where {found.agent} can start its kept tail (compact_context plans it so)"
+            f"a compaction of this {found.agent} session can keep after its summary only the newest messages, "
+            f"from a message where {found.agent} can start its kept tail (compact_context plans it so)"
         )
     folded = total - len(head) - len(tail)
     compaction = {"summary": _plain_content(new[at[0]].get("content")), "head": head, "tail": tail, "folded": folded}
