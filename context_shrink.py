@@ -5019,11 +5019,11 @@ def session_spec(spec: str, allowed: Sequence[str]) -> tuple[str, str]:
     return agent, ident
 
 
-def _parsed_record(line: str) -> dict[str, Any] | None:
-    """A store line's record, or None when it is not a JSON object (nested too deeply included)."""
+def _parsed_record(line: Any) -> dict[str, Any] | None:
+    """A store line's (or row's) record, or None when it is not a JSON object (nested too deeply included)."""
     try:
         record = json.loads(line)
-    except (ValueError, RecursionError):
+    except (ValueError, TypeError, RecursionError):
         return None
     return record if isinstance(record, dict) else None
 
@@ -5177,10 +5177,8 @@ def _first_cwd(path: Path) -> str | None:
     try:
         with path.open(encoding="utf-8", errors="replace") as handle:
             for line in itertools.islice(iter(lambda: handle.readline(1 << 20), ""), 50):
-                with contextlib.suppress(ValueError, RecursionError):
-                    record = json.loads(line)
-                    if isinstance(record, dict) and isinstance(record.get("cwd"), str):
-                        return record["cwd"]
+                if isinstance(cwd := (_parsed_record(line) or {}).get("cwd"), str):
+                    return cwd
     except OSError:
         return None
     return None
@@ -5251,12 +5249,15 @@ def _codex_sessions(store: Path) -> list[dict[str, Any]]:
 
 def _json_rows(db: Any, query: str, *args: Any) -> list[tuple[Any, ...]]:
     """The rows of ``query`` whose last column, JSON, reads as an object: the other columns, then it."""
-    out = []
-    for *keys, data in db.execute(query, args).fetchall():
-        with contextlib.suppress(ValueError, TypeError, RecursionError):
-            if isinstance(value := json.loads(data), dict):
-                out.append((*keys, value))
-    return out
+    rows = [(*keys, _parsed_record(data)) for *keys, data in db.execute(query, args).fetchall()]
+    return [row for row in rows if row[-1] is not None]
+
+
+def _read_only(path: Path) -> contextlib.closing[Any]:
+    """A read-only connection to an SQLite store, closed on leaving."""
+    import sqlite3
+
+    return contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5))
 
 
 def _opencode_rows(path: Path, session: str) -> tuple[list[Any], int]:
@@ -5266,7 +5267,7 @@ def _opencode_rows(path: Path, session: str) -> tuple[list[Any], int]:
 
     if not path.is_file():
         raise ContextShrinkError(f"OpenCode's database {path} does not exist")
-    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as db:
+    with _read_only(path) as db:
         try:
             messages = _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? ORDER BY time_created, id",
                                   session)  # fmt: skip
@@ -5406,7 +5407,7 @@ def _opencode_sessions(store: Path) -> list[dict[str, Any]]:
     if not store.is_file():
         return []
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=5)) as db:
+        with _read_only(store) as db:
             rows = db.execute("SELECT id, directory, title, time_updated FROM session").fetchall()
     except sqlite3.Error:
         return []
@@ -5465,30 +5466,34 @@ def _read_store(agent: str, path: Path, ident: str) -> AgentSession:
 SESSION_QUIET_SECONDS = 5.0  # a store changed more recently than this may be in use: it is not written
 
 
-def kept_origins(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[int | None]:
-    """For each message of ``new`` (``old`` pruned, trimmed or compacted: order kept), where it is in ``old``
-    unchanged, else None. Identical messages are told apart by order: the first occurrence after the one
-    before; after a new summary, from the end (the kept tail is the newest), the last before the one after."""
+def _embedding(old: Sequence[str], new: Sequence[str]) -> list[int | None]:
+    """Where each key of ``new`` is in ``old``, keeping their order: the first occurrence after the one
+    before (None when there is none)."""
     where: dict[str, list[int]] = collections.defaultdict(list)
-    for i, message in enumerate(old):
-        where[fingerprint(message)].append(i)
-    split = next((j for j, m in enumerate(new) if fingerprint(m) not in where and
-                  _plain_content(m.get("content")).startswith(SUMMARY_MARKER)), len(new))  # fmt: skip
-    origins: list[int | None] = []
+    for i, key in enumerate(old):
+        where[key].append(i)
+    out: list[int | None] = []
     last = -1
-    for message in new[:split]:
-        places = where.get(fingerprint(message), [])
+    for key in new:
+        places = where.get(key, [])
         k = bisect.bisect_right(places, last)
         last = places[k] if k < len(places) else last
-        origins.append(places[k] if k < len(places) else None)
-    tail: list[int | None] = []
-    last = len(old)
-    for message in reversed(new[split + 1 :]):
-        places = where.get(fingerprint(message), [])
-        k = bisect.bisect_left(places, last) - 1
-        last = places[k] if k >= 0 else last
-        tail.append(places[k] if k >= 0 else None)
-    return origins + ([None] if split < len(new) else []) + tail[::-1]
+        out.append(places[k] if k < len(places) else None)
+    return out
+
+
+def kept_origins(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[int | None]:
+    """For each message of ``new`` (``old`` pruned, trimmed or compacted: order kept), where it is in ``old``
+    unchanged, else None. Identical messages are told apart by order (:func:`_embedding`); after a new
+    summary, from the end (the kept tail is the newest)."""
+    keys, kept = [fingerprint(m) for m in old], [fingerprint(m) for m in new]
+    known = set(keys)
+    split = next((j for j, m in enumerate(new) if kept[j] not in known and
+                  _plain_content(m.get("content")).startswith(SUMMARY_MARKER)), len(new))  # fmt: skip
+    if split == len(new):
+        return _embedding(keys, kept)
+    back = _embedding(keys[::-1], kept[:split:-1])  # the tail, newest first, in the history newest first
+    return [*_embedding(keys, kept[:split]), None, *(None if p is None else len(old) - 1 - p for p in back[::-1])]
 
 
 def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -5830,9 +5835,7 @@ def _opencode_has_log(db: Any) -> bool:
 def _opencode_log(db: Any, session: str, events: Sequence[tuple[str, dict[str, Any]]]) -> None:
     """The session's event log (``event``, OpenCode's sync log, replayed to rebuild the rows) told the same
     change as the rows, as OpenCode tells its own: one event each, with the next sequence numbers. A
-    session with no log (or a database without one: OpenCode before 1.18) gets none."""
-    if not events or not _opencode_has_log(db):
-        return
+    session with no log gets none."""
     row = db.execute("SELECT seq FROM event_sequence WHERE aggregate_id = ?", (session,)).fetchone()
     if row is None:
         return
@@ -5858,8 +5861,8 @@ def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
         raise ContextShrinkError(f"tool result {lone[0]} without its call cannot be removed from an OpenCode session")
     now = time.time_ns() // 1_000_000
     with _opencode_transaction(found.path) as db:
-        erased = (changes.get("erased") or []) if _opencode_has_log(db) else []
-        for copy in erased:  # the event log's copies of what was removed
+        logged = _opencode_has_log(db)  # a database without one: OpenCode before 1.18
+        for copy in (changes.get("erased") or []) if logged else []:  # the event log's copies of what was removed
             db.execute("DELETE FROM event WHERE aggregate_id = ? AND instr(data, ?) > 0", (found.id, copy))
         events: list[tuple[str, dict[str, Any]]] = []
         for message in removed:
@@ -5882,7 +5885,8 @@ def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
             events.append(("message.part.updated", {"part": whole, "time": now}))
         if changes.get("compaction"):
             events += _opencode_compact(db, found, changes["compaction"], now)
-        _opencode_log(db, found.id, events)
+        if logged and events:
+            _opencode_log(db, found.id, events)
 
 
 def _opencode_compact(db: Any, found: AgentSession, compaction: Mapping[str, Any], now: int) -> list[Any]:
