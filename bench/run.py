@@ -208,8 +208,10 @@ def timed(
 
 
 def tools_list_size() -> list[tuple[str, int]]:
+    """The ``tools/list`` reply as sent, and the part a client forwards to its model (name, description, input
+    schema), for all the tools and for the core set."""
     rows = []
-    for label, tools in (("all seven tools", None), ("CONTEXT_SHRINK_TOOLS=core", cs.CORE_TOOLS)):
+    for label, tools in ((f"all {len(cs.TOOL_NAMES)} tools", None), ("CONTEXT_SHRINK_TOOLS=core", cs.CORE_TOOLS)):
         server = cs.build_server(cs.Config(tools=tools))
 
         async def listing(server: Any = server) -> Any:
@@ -218,6 +220,8 @@ def tools_list_size() -> list[tuple[str, int]]:
 
         dumped = [t.model_dump(by_alias=True, exclude_none=True, mode="json") for t in anyio.run(listing)]
         rows.append((label, REFERENCE.count(json.dumps({"tools": dumped}, separators=(",", ":")))))
+        model = [{k: t[k] for k in ("name", "description", "inputSchema")} for t in dumped]
+        rows.append((f"{label}: what the model is sent", REFERENCE.count(json.dumps(model, separators=(",", ":")))))
     return rows
 
 

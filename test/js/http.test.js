@@ -54,7 +54,13 @@ before(async () => {
   await new Promise((resolve) => backend.listen(0, "127.0.0.1", resolve));
   const port = await freePort();
   server = spawn(PYTHON, [path.join(ROOT, "context_shrink.py"), "serve", "--port", String(port), "--token", TOKEN], {
-    env: { ...process.env, CONTEXT_SHRINK_ROOT: work, CONTEXT_SHRINK_LOG_LEVEL: "WARNING" },
+    env: {
+      ...process.env,
+      CONTEXT_SHRINK_ROOT: work,
+      CONTEXT_SHRINK_LOG_LEVEL: "WARNING",
+      CONTEXT_SHRINK_BASE_URL: `http://127.0.0.1:${backend.address().port}/v1`, // the summariser
+      CONTEXT_SHRINK_TOKENIZER: "tiktoken",
+    },
     stdio: ["ignore", "ignore", "pipe"],
   });
   server.stderr.resume();
@@ -86,9 +92,8 @@ test("lists the tools and calls estimate, trim and compact over HTTP", async () 
   assert.equal(trimmed.structuredContent.fits, true);
   const progress = [];
   const args = { messages, max_context_tokens: 1200, keep_last: 2, max_summary_tokens: 128 };
-  const base = `http://127.0.0.1:${backend.address().port}/v1`;
   const model = await client.callTool(
-    { name: "compact_context", arguments: { ...args, model: "fake", base_url: base } },
+    { name: "compact_context", arguments: { ...args, model: "fake" } },
     undefined,
     { onprogress: (p) => progress.push(p.progress) },
   );
@@ -97,6 +102,9 @@ test("lists the tools and calls estimate, trim and compact over HTTP", async () 
   const bad = await client.callTool({ name: "trim_context", arguments: { messages: [{ role: "robot", content: "x" }] } });
   assert.equal(bad.isError, true);
   assert.match(bad.content[0].text, /messages\[0\]\.role 'robot'/);
+  const misspelt = await client.callTool({ name: "trim_context", arguments: { messages, target_raito: 0.6 } });
+  assert.equal(misspelt.isError, true);
+  assert.match(misspelt.content[0].text, /unknown argument `target_raito`; did you mean `target_ratio`\?/);
   await client.close();
 });
 

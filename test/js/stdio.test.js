@@ -46,6 +46,10 @@ before(async () => {
       CONTEXT_SHRINK_ROOT: work,
       CONTEXT_SHRINK_ARCHIVE_DIR: path.join(work, "archive"),
       CONTEXT_SHRINK_LOG_LEVEL: "WARNING",
+      // The summariser is the server's setting (a tool call cannot name another).
+      CONTEXT_SHRINK_BASE_URL: `http://127.0.0.1:${backend.address().port}/v1`,
+      CONTEXT_SHRINK_API_KEY: "sk-js-test",
+      CONTEXT_SHRINK_TOKENIZER: "tiktoken",
     },
     stderr: "pipe",
   });
@@ -78,12 +82,12 @@ test("lists the three tools with their parameters", async () => {
     "max_context_tokens",
     "messages_path",
     "tools",
-    "tokenizer",
     "model",
     "reserve_tokens",
     "session",
   ]);
-  assert.equal(byName.compact_context.inputSchema.properties.summary_role.default, "system");
+  assert.equal(byName.compact_context.inputSchema.properties.keep_last.default, 8);
+  assert.equal(byName.estimate_context.inputSchema.additionalProperties, false);
 });
 
 test("recall_context returns an archived message verbatim", async () => {
@@ -130,10 +134,9 @@ test("compact_context: plan, summary and model modes", async () => {
   assert.equal(given.structuredContent.compacted, true);
   assert.match(given.structuredContent.messages[1].content, /^\[context-shrink summary\]/);
 
-  const url = `http://127.0.0.1:${backend.address().port}/v1`;
   const model = await client.callTool({
     name: "compact_context",
-    arguments: { ...args, model: "fake", base_url: url, api_key: "sk-js-test", max_summary_tokens: 128 },
+    arguments: { ...args, model: "fake", max_summary_tokens: 128 },
   });
   assert.equal(model.structuredContent.mode, "model");
   assert.equal(model.structuredContent.compacted, true, model.structuredContent.reason);
@@ -141,6 +144,12 @@ test("compact_context: plan, summary and model modes", async () => {
   assert.equal(backendRequests.at(-1).url, "/v1/chat/completions");
   assert.equal(backendRequests.at(-1).auth, "Bearer sk-js-test");
   assert.doesNotMatch(JSON.stringify(model), /sk-js-test/);
+});
+
+test("a misspelt argument is a tool error naming the closest one", async () => {
+  const bad = await client.callTool({ name: "estimate_context", arguments: { messages, max_context_tokns: 5 } });
+  assert.equal(bad.isError, true);
+  assert.match(bad.content[0].text, /unknown argument `max_context_tokns`; did you mean `max_context_tokens`\?/);
 });
 
 test("bad input is a tool error and the server keeps running", async () => {

@@ -237,3 +237,12 @@ def messages_reply(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     else:
         block["text"] = delta["text"]
     return {**message, "content": [block], "stop_reason": events[4][1]["delta"]["stop_reason"]}
+
+
+def fixed_tokens(path: str, body: dict[str, Any], task: str) -> int:
+    """What an agent sends before the task's first word: its system prompt, its standing messages and every one
+    of its tool definitions (all kinds: Codex's ``namespace`` and ``web_search`` too, as JSON), in cl100k tokens."""
+    view = request_view(path, body)
+    tokenizer = cs.resolve_tokenizer("tiktoken")
+    counted = cs.count_messages(view.messages, tokenizer)[1] - tokenizer.count(task)
+    return counted + tokenizer.count(json.dumps(body.get("tools") or [], separators=(",", ":")))

@@ -18,12 +18,12 @@ import re
 import shlex
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_upstream import AgentUpstream, request_view
+from agent_upstream import AgentUpstream, fixed_tokens, request_view
 from checks import anthropic_problems, responses_problems
 from fake_openai import serve
 from proxy_helpers import proxy, started
@@ -65,34 +65,46 @@ def token_addition(agent: str) -> str:
     return rows[{"opencode": "OpenCode", "codex": "Codex CLI", "claude": "Claude Code"}[agent]]
 
 
-def opencode(project: Path, home: Path, url: str, token: bool) -> tuple[list[str], dict[str, str]]:
-    config = json.loads(readme_block("OpenCode").replace(README_URL, url.removesuffix("/v1")))
+def opencode(project: Path, home: Path, url: str, token: bool, setup: Setup) -> tuple[list[str], dict[str, str]]:
+    config = json.loads(setup.edit(readme_block("OpenCode")).replace(README_URL, url.removesuffix("/v1")))
     provider_name, provider = next(iter(config["provider"].items()))
     model = next(iter(provider["models"]))
-    provider["models"][model]["limit"]["context"] = WINDOW  # "give the model its real limit"
+    provider["models"][model]["limit"]["context"] = setup.window  # "give the model its real limit"
     if token:
         provider["options"].update(json.loads("{" + token_addition("opencode") + "}"))
     (project / "opencode.json").write_text(json.dumps(config))
     return [str(binary("opencode")), "run", "--model", f"{provider_name}/{model}"], {}
 
 
-def codex(project: Path, home: Path, url: str, token: bool) -> tuple[list[str], dict[str, str]]:
+def codex(project: Path, home: Path, url: str, token: bool, setup: Setup) -> tuple[list[str], dict[str, str]]:
     (home / ".codex").mkdir(exist_ok=True)
-    config = readme_block("Codex CLI").replace(README_URL, url.removesuffix("/v1"))
+    config = setup.edit(readme_block("Codex CLI")).replace(README_URL, url.removesuffix("/v1"))
     assert config.rstrip().splitlines()[-1].startswith("wire_api")  # the provider's table ends the block
     (home / ".codex" / "config.toml").write_text(config + (token_addition("codex") + "\n" if token else ""))
     command = [str(binary("codex")), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
     return command, {"CODEX_HOME": str(home / ".codex")}
 
 
-def claude(project: Path, home: Path, url: str, token: bool) -> tuple[list[str], dict[str, str]]:
-    *assignments, program = shlex.split(readme_block("Claude Code").replace(README_URL, url.removesuffix("/v1")))
+def claude(project: Path, home: Path, url: str, token: bool, setup: Setup) -> tuple[list[str], dict[str, str]]:
+    *assignments, program = shlex.split(
+        setup.edit(readme_block("Claude Code")).replace(README_URL, url.removesuffix("/v1"))
+    )
     assert program == "claude"
     environment = dict(a.split("=", 1) for a in assignments)
     if token:
         name, value = token_addition("claude").split("=", 1)
         environment[name] = shlex.split(value.replace("$CONTEXT_SHRINK_HTTP_TOKEN", TOKEN))[0]
     return [str(binary("claude")), "--allowedTools", "Read", "-p"], environment
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """How a session's agent and server are set up beyond the README's block: the server's window, a change to
+    the block (``edit``), and a number of requests after which the agent is stopped (a loop)."""
+
+    window: int = WINDOW
+    edit: Callable[[str], str] = lambda block: block
+    max_requests: int | None = None
 
 
 AGENTS = {"opencode": opencode, "codex": codex, "claude": claude}
@@ -109,7 +121,8 @@ class Session:
 
 
 def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = False, served: bool = False,
-                token: bool = False, steps: int = STEPS, resume: str | None = None) -> Session:  # fmt: skip
+                token: bool = False, steps: int = STEPS, resume: str | None = None, setup: Setup = Setup()
+                ) -> Session:  # fmt: skip
     """Run ``agent`` on the task in a fresh home and project under ``where``: directly, or through
     ``context-shrink proxy`` (``proxied``), or through the proxy of ``context-shrink serve`` (``served``,
     with a bearer token the agent sends as its key when ``token``); or go on with the session ``resume``
@@ -122,7 +135,7 @@ def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = 
         lines = [f"file {k} line {i}: the parser handles case {k * 1000 + i} by rule {i % 17}\n" for i in range(100)]
         (project / f"notes_{k:02d}.txt").write_text("".join(lines))
         files.append(project / f"notes_{k:02d}.txt")
-    upstream = AgentUpstream(WINDOW, files, steps)
+    upstream = AgentUpstream(setup.window, files, steps)
     log = where / "proxy.log"
     with serve(upstream) as direct:
         front = proxy(direct, "--no-archive", log=log) if proxied else contextlib.nullcontext(direct)
@@ -131,24 +144,26 @@ def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = 
                             log=log)  # fmt: skip
         with front as url:
             url = url + "/v1" if served else url
-            command, extra = AGENTS[agent](project, home, url, token)
+            command, extra = AGENTS[agent](project, home, url, token, setup)
             environment = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", **extra}
             environment.update({"CONTEXT_SHRINK_HTTP_TOKEN": TOKEN} if token else {})
             environment.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
             go_on = {"opencode": ["--session", resume], "codex": ["resume", resume], "claude": ["--resume", resume]}
             arguments = [PROMPT] if resume is None else [*go_on[agent], GO_ON]
-            returncode, output = drive([*command, *arguments], project, environment, upstream, stop_at_refusal)
+            returncode, output = drive([*command, *arguments], project, environment, upstream, stop_at_refusal,
+                                       setup.max_requests)  # fmt: skip
     return Session(upstream, returncode, output, log.read_text() if log.exists() else "")
 
 
-def drive(command: list[str], cwd: Path, env: dict[str, str], upstream: AgentUpstream, stop_at_refusal: bool
-          ) -> tuple[int | None, str]:  # fmt: skip
-    """Run the agent to its end (at most 300 s), or until the server's first refusal when asked."""
+def drive(command: list[str], cwd: Path, env: dict[str, str], upstream: AgentUpstream, stop_at_refusal: bool,
+          max_requests: int | None = None) -> tuple[int | None, str]:  # fmt: skip
+    """Run the agent to its end (at most 300 s), or until the server's first refusal when asked, or until the
+    server has had ``max_requests``."""
     with (cwd.parent / "agent.out").open("w+") as out:
         process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
         deadline = time.monotonic() + 300
         while process.poll() is None and time.monotonic() < deadline:
-            if stop_at_refusal and upstream.refused:
+            if (stop_at_refusal and upstream.refused) or (max_requests and len(upstream.log) >= max_requests):
                 break
             time.sleep(0.1)
         if process.poll() is None:
@@ -237,3 +252,67 @@ def test_the_agents_reach_a_remote_server_as_the_deploy_page_says(name: str, tmp
             states.append(listed.stdout + listed.stderr)
     assert "connected" in states[0].lower() and "context-shrink" in states[0], states[0]
     assert "connected" not in states[1].lower().replace("not connected", "").replace("disconnected", ""), states[1]
+
+
+def readme_fixed_parts() -> dict[str, tuple[int, str]]:
+    """The README's table of what each agent needs before one turn fits: agent -> (tokens, what it asks for
+    the reply)."""
+    rows = re.findall(r"^\| (OpenCode|Codex CLI|Claude Code) [\d.]+ \| ([\d,]+) \| (.*?) \|", README.read_text(), re.M)
+    names = {"OpenCode": "opencode", "Codex CLI": "codex", "Claude Code": "claude"}
+    return {names[name]: (int(tokens.replace(",", "")), reply) for name, tokens, reply in rows}
+
+
+README = ROOT / "README.md"
+
+
+def test_the_agents_own_prompts_and_tools_are_what_the_readme_says(agent: str, tmp_path: Path) -> None:
+    """Each agent's own system prompt and tools (its first request, less the task) are within 15 % of the
+    README's figure, and Claude Code asks the reply size the README says."""
+    stated, reply = readme_fixed_parts()[agent]
+    session = run_session(agent, tmp_path, proxied=False, steps=1)
+    path, body = next((p, b) for p, b in session.upstream.log if b.get("tools"))
+    measured = fixed_tokens(path, body, PROMPT)
+    assert abs(measured - stated) <= 0.15 * stated, (agent, measured, stated)
+    if agent == "claude":
+        assert f"`max_tokens: {body['max_tokens']}`" in reply, (body["max_tokens"], reply)
+
+
+def output_limit(output: int) -> Callable[[str], str]:
+    return lambda block: block.replace('"output": 4096', f'"output": {output}')
+
+
+@pytest.mark.parametrize("proxied", [False, True], ids=["direct", "proxy"])
+def test_opencode_compacts_in_a_loop_when_its_output_limit_leaves_no_room(proxied: bool, tmp_path: Path) -> None:
+    """As the README says: at an 8k window, ``limit.output`` 4096 leaves less than OpenCode's own prompt, and it
+    compacts again and again, with or without the proxy (stopped after 60 requests for a 4-read task)."""
+    binary("opencode")
+    setup = Setup(window=8192, edit=output_limit(4096), max_requests=60)
+    session = run_session("opencode", tmp_path, proxied=proxied, steps=4, setup=setup)
+    assert len(session.upstream.log) >= 60 and session.returncode is None, (
+        len(session.upstream.log),
+        session.returncode,
+    )
+    assert "8k window `output: 4096`" in README.read_text()
+
+
+def test_opencode_with_room_for_its_prompt_finishes_through_the_proxy(tmp_path: Path) -> None:
+    """``limit.output`` 1024 at the same 8k window: OpenCode finishes the task through the proxy, no refusal."""
+    binary("opencode")
+    setup = Setup(window=8192, edit=output_limit(1024), max_requests=60)
+    session = run_session("opencode", tmp_path, proxied=True, steps=4, setup=setup)
+    assert session.returncode == 0 and "done" in session.output and not session.upstream.refused
+    assert len(session.upstream.log) < 30
+    assert "`output: 1024` works" in README.read_text()
+
+
+def test_codex_given_its_window_compacts_on_its_own(tmp_path: Path) -> None:
+    """As the README says: Codex CLI with ``model_context_window`` compacts by itself (no refusal, its own
+    checkpoint summary); without it, it is refused going direct (test_without_the_proxy_the_session_is_refused)."""
+    binary("codex")
+    window = f'model_provider = "local"\nmodel_context_window = {WINDOW}'
+    setup = Setup(edit=lambda block: block.replace('model_provider = "local"', window))
+    session = run_session("codex", tmp_path, proxied=False, setup=setup)
+    assert session.returncode == 0 and "done" in session.output and not session.upstream.refused
+    asked = [json.dumps(b) for _, b in session.upstream.log]
+    assert any("CONTEXT CHECKPOINT" in text for text in asked), "Codex never compacted"
+    assert "`model_context_window`" in README.read_text()

@@ -179,11 +179,11 @@ def test_a_client_that_goes_away_cancels_the_compaction(tmp_path: Path, mode: st
     """A compaction whose summariser takes a second a request, one request at a time: the client gives up
     after 1.5 s, and the server asks the summariser nothing more (the whole compaction asks more than
     twice), then serves the next client."""
-    arguments = {"messages": session(), "force": True, "summary_context_tokens": 2500, "max_summary_tokens": 200,
-                 "summary_concurrency": 1}  # fmt: skip
+    arguments = {"messages": session(), "force": True, "summary_context_tokens": 2500, "max_summary_tokens": 200}
     whole = FakeOpenAI(window=2500)
     with serve(whole) as url:
-        server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", model="m", base_url=url))
+        config = cs.Config(root=tmp_path, tokenizer="tiktoken", model="m", base_url=url, summary_concurrency=1)
+        server = cs.build_server(config)
 
         async def uncancelled() -> dict[str, Any]:
             async with Client(server) as mcp:
@@ -193,7 +193,8 @@ def test_a_client_that_goes_away_cancels_the_compaction(tmp_path: Path, mode: st
     fake = FakeOpenAI(window=2500, latency=1.0)
     flags = ["serve", "--token", TOKEN, *(["--stateless"] if mode == "stateless" else [])]
     with serve(fake) as backend:
-        env = {"CONTEXT_SHRINK_ROOT": str(tmp_path), "CONTEXT_SHRINK_BASE_URL": backend, "CONTEXT_SHRINK_MODEL": "m"}
+        env = {"CONTEXT_SHRINK_ROOT": str(tmp_path), "CONTEXT_SHRINK_BASE_URL": backend, "CONTEXT_SHRINK_MODEL": "m",
+               "CONTEXT_SHRINK_SUMMARY_CONCURRENCY": "1"}  # fmt: skip
         with started(*flags, log=tmp_path / "log", env=env) as base:
 
             async def leave() -> None:

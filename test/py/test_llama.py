@@ -82,9 +82,10 @@ def test_overflow_refusal_is_learned_and_retried(
 
 
 def test_dead_summariser_returns_messages_untouched(tmp_path: Path) -> None:
-    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", model="tiny", timeout=5))
+    config = cs.Config(root=tmp_path, tokenizer="tiktoken", model="tiny", timeout=5, base_url="http://127.0.0.1:9/v1")
+    server = cs.build_server(config)
     messages = session()
-    arguments = {"messages": messages, "force": True, "base_url": "http://127.0.0.1:9/v1", "output_path": "o.json"}
+    arguments = {"messages": messages, "force": True, "output_path": "o.json"}
     result = ok(run(call(server, "compact_context", arguments)))
     assert result["compacted"] is False and "backend unreachable" in result["reason"]
     assert json.loads((tmp_path / "o.json").read_text()) == messages
@@ -100,7 +101,8 @@ def test_server_exact_count_equals_usage(llama_url: str, tmp_path: Path) -> None
     assert result["tokens"] == usage
     assert result["tokenizer"] == "server:llama.cpp /v1/chat/completions/input_tokens"
     assert (result["max_context_tokens"], result["max_context_source"]) == (8192, "llama.cpp /props")
-    local = ok(run(call(server, "estimate_context", {"messages": messages, "tokenizer": "tiktoken"})))
+    counted_here = cs.build_server(cs.Config(root=tmp_path, base_url=llama_url, tokenizer="tiktoken"))
+    local = ok(run(call(counted_here, "estimate_context", {"messages": messages})))
     assert local["tokenizer"] == "tiktoken:cl100k_base" and local["tokens"] < usage  # the tiny vocabulary is small
 
 

@@ -54,7 +54,7 @@ def check_honest(messages: list[dict[str, Any]], result: dict[str, Any]) -> None
 
 
 def trim(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: float) -> dict[str, Any]:
-    return cs.trim_messages(messages, TOK, budget, keep_last, target_ratio=ratio)
+    return cs.trim_messages(messages, TOK, budget, keep_last=keep_last, target_ratio=ratio)
 
 
 @PROPERTY

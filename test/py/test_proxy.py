@@ -129,15 +129,17 @@ def test_proxy_config_flags_environment_and_errors(tmp_path: Path) -> None:
     assert raised.value.variable == "--port"
     with pytest.raises(cs.ConfigError, match="window"):
         cs.proxy_config(args(window="12"), env)
-    for name, value in (("PORT", "70000"), ("KEEP_LAST", "-1"), ("TIMEOUT", "0"), ("MAX_SUMMARY_TOKENS", "x")):
+    bad = (("PORT", "70000"), ("KEEP_LAST", "-1"), ("TIMEOUT", "0"), ("MAX_SUMMARY_TOKENS", "x"), ("TRIGGER", "0"),
+           ("TRIM_RATIO", "1.5"), ("RUNGS", "trim,shred"), ("RUNGS", ","), ("SUMMARY_CONCURRENCY", "99"))  # fmt: skip
+    for name, value in bad:
         with pytest.raises(cs.ConfigError) as raised:
             cs.proxy_config(args(), {**env, f"CONTEXT_SHRINK_PROXY_{name}": value})
         assert raised.value.variable == f"CONTEXT_SHRINK_PROXY_{name}"
     tuned = cs.proxy_config(
         args(keep_last="2", timeout="30"), {**env, "CONTEXT_SHRINK_PROXY_MAX_SUMMARY_TOKENS": "300"}
     )
-    assert (tuned.keep_last, tuned.timeout, tuned.max_summary_tokens) == (2, 30.0, 300)
-    assert tuned.policy.keep_last == 2 and tuned.policy.max_summary_tokens == 300
+    assert tuned.timeout == 30.0 and tuned.policy.keep_last == 2 and tuned.policy.max_summary_tokens == 300
+    assert cs.proxy_config(args(rungs="diet, trim"), env).policy.rungs == ("diet", "trim")
 
 
 def test_cli_rejects_a_missing_upstream(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

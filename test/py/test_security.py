@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from test_core import conversation
-from test_tools import call, ok, run
+from test_tools import call, error, ok, run
 from tiny_llama import free_port
 
 import context_shrink as cs
@@ -59,20 +59,20 @@ def compact_args(**extra: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- secrets
 
 
-def test_the_configured_key_goes_only_to_the_configured_url(tmp_path: Path) -> None:
+def test_the_history_and_the_key_go_only_to_the_configured_url(tmp_path: Path) -> None:
+    """A tool call cannot name another summariser: a prompt-injected call could send the history (and once
+    the configured key) anywhere. ``base_url`` and ``api_key`` are server settings only."""
     mine, other = Recorder(), Recorder()
     with serve(mine) as configured, serve(other) as foreign:
         config = cs.Config(root=tmp_path, tokenizer="tiktoken", base_url=configured, api_key=SECRET,
                            extra_headers={"api-key": "azure-" + SECRET})  # fmt: skip
         server = cs.build_server(config)
         assert ok(run(call(server, "compact_context", compact_args())))["compacted"]
-        assert ok(run(call(server, "compact_context", compact_args(base_url=foreign))))["compacted"]
-        ok(run(call(server, "compact_context", compact_args(base_url=foreign, api_key="sk-caller-1"))))
+        refused = error(run(call(server, "compact_context", compact_args(base_url=foreign, api_key="sk-caller-1"))))
+    assert "unknown argument `api_key`" in refused and "unknown argument `base_url`" in refused
     assert mine.headers and all(h["authorization"] == f"Bearer {SECRET}" for h in mine.headers)
     assert all(h["api-key"] == "azure-" + SECRET for h in mine.headers)
-    sent = json.dumps(other.headers)
-    assert SECRET not in sent and "api-key" not in sent  # a caller-given URL gets no configured credential
-    assert other.headers[-1]["authorization"] == "Bearer sk-caller-1"  # only what the caller gave
+    assert other.headers == []  # the foreign URL was never asked
 
 
 def test_a_key_is_redacted_before_an_error_is_cut(tmp_path: Path) -> None:

@@ -206,8 +206,8 @@ def test_chat_formats_change_the_overhead(cl100k: cs.Tokenizer) -> None:
 def test_tools_and_reserve_shrink_the_budget(cl100k: cs.Tokenizer) -> None:
     messages = conversation(6, size=100)
     tools = [{"type": "function", "function": {"name": "bash", "description": "run a command " * 100}}]
-    plain = cs.trim_messages(messages, cl100k, 3000, 2, strategy="drop")
-    with_tools = cs.trim_messages(messages, cl100k, 3000, 2, tools=tools, reserve_tokens=500, strategy="drop")
+    plain = cs.trim_messages(messages, cl100k, 3000, keep_last=2, strategy="drop")
+    with_tools = cs.trim_messages(messages, cl100k, 3000, keep_last=2, tools=tools, reserve_tokens=500, strategy="drop")
     assert with_tools["tools_tokens"] > 200 and with_tools["reserve_tokens"] == 500
     assert with_tools["tokens_after"] <= 2500 and with_tools["fits"]
     assert with_tools["dropped"] > plain["dropped"]

