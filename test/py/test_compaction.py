@@ -51,7 +51,8 @@ def test_map_requests_run_concurrently_and_bounded(tmp_path: Path) -> None:
     for concurrency in (1, 3):
         fake = FakeOpenAI(window=1500, latency=0.3)
         with serve(fake) as url:
-            arguments = {"messages": session(), "force": True, "summary_context_tokens": 1500, "max_summary_tokens": 200}
+            arguments = {"messages": session(), "force": True, "summary_context_tokens": 1500,
+                         "max_summary_tokens": 200}  # fmt: skip
             result = compact(tmp_path, url, arguments, summary_concurrency=concurrency)
         assert result["compacted"] and result["map_chunks"] >= 5
         assert fake.max_active == concurrency
