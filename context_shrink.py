@@ -172,6 +172,7 @@ import random
 import re
 import shutil
 import socket
+import sqlite3
 import stat
 import string
 import struct
@@ -1223,6 +1224,28 @@ def _plain_content(content: Any) -> str:
         elif isinstance(part.get("text"), str):
             parts.append(part["text"])
     return "\n".join(parts)
+
+
+def tool_call(call_id: Any, name: Any, arguments: str) -> dict[str, Any]:
+    """One tool call in the chat shape."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def assistant_message(text: str, calls: Sequence[Mapping[str, Any]] = (), reasoning: str = "") -> dict[str, Any]:
+    """An assistant turn in the chat shape, the one way every reader builds one: its text (None beside tool
+    calls when there is none), its tool calls, its reasoning."""
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    message.update({"tool_calls": list(calls)} if calls else {})
+    message.update({"reasoning_content": reasoning} if reasoning else {})
+    return message
+
+
+def chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Content parts as chat content: text parts only are their text (joined by newlines, as
+    :func:`_plain_content` reads them); with an image, the parts."""
+    if all(p.get("type") == "text" for p in parts):
+        return "\n".join(p.get("text", "") for p in parts)
+    return parts
 
 
 def message_problem(m: Any) -> str | None:
@@ -4299,29 +4322,25 @@ def _anthropic_message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any
     if role not in ("user", "assistant", "system") or not isinstance(blocks, list):
         raise ContextShrinkError(f"messages[{i}] must be a user, assistant or system message with content")
     if role == "system":  # Claude Code sends its environment so, between the turns
-        return [{"role": "system", "content": _anthropic_parts(blocks)}]
+        return [{"role": "system", "content": chat_content(_anthropic_parts(blocks))}]
     if role == "assistant":
-        text = [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
-        calls = [{"id": b.get("id"), "type": "function", "function": {"name": b.get("name"),
-                  "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}}
-                 for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
-        thinking = [b.get("thinking", "") for b in blocks if isinstance(b, dict) and b.get("type") == "thinking"]
         known = {"text", "tool_use", "thinking", "redacted_thinking"}
         if unknown := [b.get("type") for b in blocks if not isinstance(b, dict) or b.get("type") not in known]:
             raise ContextShrinkError(f"content block type {unknown[0]!r} is not understood")
-        out: dict[str, Any] = {"role": "assistant", "content": _plain_content(text) or None}
-        out.update({"tool_calls": calls} if calls else {})
-        out.update({"reasoning_content": "\n".join(thinking)} if any(thinking) else {})
-        return [out]
+        text = _plain_content([b for b in blocks if b.get("type") == "text"])
+        calls = [tool_call(b.get("id"), b.get("name"), json.dumps(b.get("input") or {}, ensure_ascii=False))
+                 for b in blocks if b.get("type") == "tool_use"]  # fmt: skip
+        thinking = "\n".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
+        return [assistant_message(text, calls, thinking if thinking.strip("\n") else "")]
     results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
     rest = [b for b in blocks if not (isinstance(b, dict) and b.get("type") == "tool_result")]
     out_messages: list[dict[str, Any]] = []
     for block in results:
         content = block.get("content")
-        content = content if isinstance(content, str) else _anthropic_parts(content or [])
+        content = content if isinstance(content, str) else chat_content(_anthropic_parts(content or []))
         out_messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
     if rest:
-        out_messages.append({"role": "user", "content": _anthropic_parts(rest)})
+        out_messages.append({"role": "user", "content": chat_content(_anthropic_parts(rest))})
     return out_messages
 
 
@@ -5142,19 +5161,59 @@ def search_archive(entries: Sequence[Mapping[str, Any]], query: str, limit: int)
 
 
 # =============================================================================
-# 13. Agent sessions: Claude Code, Codex CLI and OpenCode stores, read as chat histories
+# 13. Agent sessions: one store per agent (Claude Code, Codex CLI, OpenCode), read as a chat history and
+#     written back in the agent's own format
 # =============================================================================
 
-SESSION_AGENTS = ("claude", "codex", "opencode")
 SESSION_LIST_LIMIT = 200  # sessions listed, newest first
+SESSION_QUIET_SECONDS = 5.0  # a store changed more recently than this may be in use: it is not written
 OPENCODE_COMPACTION_PROMPT = "What did we do so far?"  # what OpenCode 1.18 sends for a compaction part
+
+
+# --- references into a store, the session read, and a change to write -------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaudeRecord:
+    """A Claude Code record, by its ``uuid``."""
+
+    uuid: str
+
+    def labels(self) -> list[str]:
+        return [self.uuid]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodexItem:
+    """A Codex rollout item: the ``line`` it is on (from 1) and, inside a ``compacted`` record, its ``index`` in
+    the replacement history (None: the line's own ``response_item``)."""
+
+    line: int
+    index: int | None = None
+
+    def labels(self) -> list[str]:
+        return [f"line {self.line}" + ("" if self.index is None else f" replacement_history[{self.index}]")]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenCodePart:
+    """An OpenCode part row and the message row it belongs to."""
+
+    message: str
+    part: str
+
+    def labels(self) -> list[str]:
+        return [f"message {self.message}", f"part {self.part}"]
+
+
+StoreRef = ClaudeRecord | CodexItem | OpenCodePart
 
 
 @dataclasses.dataclass
 class AgentSession:
     """One agent session read from the agent's own store. ``messages`` is what the model is sent next turn
     (after the last compaction, without the agent's system prompt and tools, which the agent renders per
-    request), in the chat shape; ``sources`` names, for each message, the store records it came from;
+    request), in the chat shape; ``refs`` names, for each message, the store records it came from;
     ``bookkeeping`` counts, by kind, the records the model is not sent (some hold copies of the prompts)."""
 
     agent: str
@@ -5162,39 +5221,46 @@ class AgentSession:
     path: Path
     cwd: str | None
     messages: list[dict[str, Any]]
-    sources: list[list[str]]
+    refs: list[tuple[StoreRef, ...]]
     bookkeeping: dict[str, int]
     compacted: bool = False
     skipped_lines: int = 0  # lines that did not parse (the agent skips them too)
     tail_starts: tuple[int, ...] | None = None  # where a compaction's kept tail can start (None: anywhere)
 
-
-def session_stores(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
-    """Where each agent keeps its sessions: Claude Code ``~/.claude/projects``, Codex CLI
-    ``$CODEX_HOME/sessions`` (``~/.codex``), OpenCode ``$XDG_DATA_HOME/opencode/opencode.db``."""
-    environ = os.environ if environ is None else environ
-    home = Path(environ.get("HOME") or Path.home())
-    data = Path(environ.get("XDG_DATA_HOME") or home / ".local" / "share")
-    return {
-        "claude": home / ".claude" / "projects",
-        "codex": Path(environ.get("CODEX_HOME") or home / ".codex") / "sessions",
-        "opencode": data / "opencode" / "opencode.db",
-    }
+    @property
+    def sources(self) -> list[list[str]]:
+        """For each message, its store records as the results name them."""
+        return [[label for ref in refs for label in ref.labels()] for refs in self.refs]
 
 
-def session_spec(spec: str, allowed: Sequence[str]) -> tuple[str, str]:
-    """``"<agent>:<id>"`` or ``"<agent>:latest"`` split and checked against the stores the user allowed."""
-    agent, _, ident = spec.partition(":") if isinstance(spec, str) else ("", "", "")
-    if agent not in SESSION_AGENTS or not ident or not re.fullmatch(r"[\w.:-]{1,200}", ident):
-        raise ContextShrinkError(
-            f"session must be 'claude:<id>', 'codex:<id>' or 'opencode:<id>' (or ':latest'), got {str(spec)[:80]!r}"
-        )
-    if agent not in allowed:
-        raise ContextShrinkError(
-            f"reading {agent} sessions is not allowed: set CONTEXT_SHRINK_SESSION_STORES={agent} (or a list such "
-            "as claude,codex,opencode) to let the tools read that agent's own session store"
-        )
-    return agent, ident
+@dataclasses.dataclass(frozen=True)
+class Compaction:
+    """A summary written as the agent's own compaction: the view's messages kept before it (``head``) and
+    after it (``tail``), by index, and how many it stands for."""
+
+    summary: str
+    head: tuple[int, ...]
+    tail: tuple[int, ...]
+    folded: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionChanges:
+    """How a new view differs from the session's, by index of the session's view: messages removed, tool
+    results given another text, assistant messages that lost only their reasoning, or a compaction; ``erased``
+    are the removed texts as they look inside the store (with ``scrub``: their hidden copies go too)."""
+
+    removed: tuple[int, ...] = ()
+    edits: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    drop_reasoning: tuple[int, ...] = ()
+    compaction: Compaction | None = None
+    erased: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.removed or self.edits or self.drop_reasoning or self.compaction)
+
+
+# --- what every store shares ---------------------------------------------------------------------------------
 
 
 def _parsed_record(line: Any) -> dict[str, Any] | None:
@@ -5220,6 +5286,28 @@ def _jsonl_records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], int]:
     return records, skipped
 
 
+def _jsonl_rewrite(text: str, change: Callable[[int, dict[str, Any]], dict[str, Any] | None]) -> str:
+    """A JSONL store's ``text`` with ``change(line number, record)`` applied to every record: None drops the
+    line, another dict replaces it (keeping the line's ending); other lines and untouched records stay byte
+    for byte."""
+    out = []
+    for number, raw in enumerate(_lines(text), 1):
+        record = _parsed_record(raw)
+        new = record if record is None else change(number, record)
+        if new is record:
+            out.append(raw)
+        elif new is not None:
+            out.append(json.dumps(new, ensure_ascii=False) + raw[len(raw.rstrip("\r\n")) :])
+    return "".join(out)
+
+
+def _appended(path: Path, records: Sequence[Mapping[str, Any]]) -> str:
+    """A JSONL store's text with ``records`` appended (strict: a store that is not UTF-8 is not written)."""
+    text = read_file_text(path)
+    text += "" if not text or text.endswith("\n") else "\n"
+    return text + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
 def _text_of(content: Any) -> str:
     """The text of a tool result or rendered block: a string, or the text parts of a list."""
     if isinstance(content, str):
@@ -5227,125 +5315,6 @@ def _text_of(content: Any) -> str:
     if isinstance(content, list):
         return "\n".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
     return "" if content is None else json.dumps(content, ensure_ascii=False)
-
-
-# --- Claude Code: ~/.claude/projects/<cwd slug>/<id>.jsonl, records chained by uuid -> parentUuid ---------
-
-
-def _claude_chain(records: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The records the conversation runs through: from the newest chained record back to the root, then in
-    order, from just after the last compaction boundary."""
-    by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
-    chained = [
-        r for _, r in records if r.get("uuid") and r.get("type") in ("user", "assistant", "attachment", "system")
-    ]
-    chain: list[dict[str, Any]] = []
-    record = chained[-1] if chained else None
-    seen: set[str] = set()
-    while record is not None and record["uuid"] not in seen:
-        seen.add(record["uuid"])
-        chain.append(record)
-        parent = record.get("parentUuid")
-        record = by_uuid.get(parent) if isinstance(parent, str) else None
-    chain.reverse()
-    boundaries = [
-        k for k, r in enumerate(chain) if r.get("type") == "system" and r.get("subtype") == "compact_boundary"
-    ]
-    return chain[boundaries[-1] + 1 :] if boundaries else chain
-
-
-def _claude_content(record: dict[str, Any]) -> list[Any]:
-    """A record's ``message.content`` as a list of blocks (text given as a string is one text block)."""
-    message = record.get("message") if isinstance(record.get("message"), dict) else {}
-    content = message.get("content")
-    return (
-        [{"type": "text", "text": content}]
-        if isinstance(content, str)
-        else content
-        if isinstance(content, list)
-        else []
-    )
-
-
-def _claude_user(record: dict[str, Any]) -> list[dict[str, Any]]:
-    blocks = _claude_content(record)
-    out = [{"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": _text_of(b.get("content"))}
-           for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]  # fmt: skip
-    text = [str(b.get("text", "")) for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
-    if text:
-        out.append({"role": "user", "content": "\n".join(text)})
-    return out
-
-
-def _message_id(record: dict[str, Any]) -> Any:
-    message = record.get("message")
-    return message.get("id") if isinstance(message, dict) and isinstance(message.get("id"), str) else None
-
-
-def _claude_assistant(group: list[dict[str, Any]]) -> dict[str, Any]:
-    """One API response, written by Claude Code as one record per content block (same ``message.id``)."""
-    blocks = [b for r in group for b in _claude_content(r) if isinstance(b, dict)]
-    text = "\n".join(str(b.get("text", "")) for b in blocks if b.get("type") == "text")
-    calls = [{"id": b.get("id"), "type": "function", "function": {"name": b.get("name"),
-              "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}}
-             for b in blocks if b.get("type") == "tool_use"]  # fmt: skip
-    thinking = "\n".join(str(b.get("thinking", "")) for b in blocks if b.get("type") == "thinking")
-    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
-    message.update({"tool_calls": calls} if calls else {})
-    message.update({"reasoning_content": thinking} if thinking else {})
-    return message
-
-
-def read_claude(path: Path) -> AgentSession:
-    """A Claude Code session: user and assistant records as chat messages (an assistant response's
-    per-block records joined), attachments as the text they render to, from after the last compaction."""
-    records, skipped = _jsonl_records(path)
-    chain = _claude_chain(records)
-    messages: list[dict[str, Any]] = []
-    sources: list[list[str]] = []
-    unsent: collections.Counter[str] = collections.Counter()
-    k = 0
-    while k < len(chain):
-        record, kind = chain[k], chain[k].get("type")
-        if kind == "assistant":
-            mid = (record.get("message") or {}).get("id")
-            end = k + 1
-            while (
-                end < len(chain)
-                and chain[end].get("type") == "assistant"
-                and mid
-                and ((chain[end].get("message") or {}).get("id") == mid)
-            ):
-                end += 1
-            messages.append(_claude_assistant(chain[k:end]))
-            sources.append([r["uuid"] for r in chain[k:end]])
-            k = end
-            continue
-        if kind == "user":
-            converted = _claude_user(record)
-        elif kind == "attachment" and isinstance(record.get("rendered"), list):
-            role = "system" if record.get("renderedRole") == "system" else "user"
-            converted = [{"role": role, "content": _text_of(b.get("content"))} for b in record["rendered"]
-                         if isinstance(b, dict) and _text_of(b.get("content"))]  # fmt: skip
-        else:
-            converted = []
-        if not converted:
-            attachment = record.get("attachment") if isinstance(record.get("attachment"), dict) else {}
-            unsent[f"{kind} ({attachment.get('type') or record.get('subtype') or 'empty'})"] += 1
-        messages += converted
-        sources += [[record["uuid"]]] * len(converted)
-        k += 1
-    in_chain = {r["uuid"] for r in chain}
-    unsent.update(str(r.get("type")) for _, r in records if r.get("uuid") not in in_chain)
-    first = next((r for _, r in records if r.get("sessionId")), {})
-    return AgentSession("claude", str(first.get("sessionId") or path.stem), path, first.get("cwd"), messages,
-                        sources, dict(unsent), len(chain) < len([r for _, r in records if r.get("uuid")]),
-                        skipped)  # fmt: skip
-
-
-def _claude_sessions(store: Path) -> list[dict[str, Any]]:
-    return [{"id": path.stem, "cwd": _first_cwd(path), "path": path}
-            for path in (store.glob("*/*.jsonl") if store.is_dir() else [])]  # fmt: skip
 
 
 def _first_cwd(path: Path) -> str | None:
@@ -5360,6 +5329,324 @@ def _first_cwd(path: Path) -> str | None:
     except OSError:
         return None
     return None
+
+
+def _read_only(path: Path) -> contextlib.closing[sqlite3.Connection]:
+    """A read-only connection to an SQLite store, closed on leaving."""
+    return contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5))
+
+
+def _utc_stamp(timespec: str = "auto") -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec=timespec).replace("+00:00", "Z")
+
+
+class AgentStore:
+    """One agent's session store: where it is, its sessions, reading one as the chat view the agent sends, and
+    writing a change back in the agent's own format with a backup. A fourth agent is one more subclass."""
+
+    agent = ""  # the name the tools and CONTEXT_SHRINK_SESSION_STORES use
+
+    def place(self, home: Path, environ: Mapping[str, str]) -> Path:
+        raise NotImplementedError
+
+    def sessions(self, place: Path) -> list[dict[str, Any]]:
+        """``{"id", "cwd", "path"}`` (and ``title``, ``updated_ms`` where the store keeps them) per session."""
+        raise NotImplementedError
+
+    def read(self, path: Path, ident: str) -> AgentSession:
+        raise NotImplementedError
+
+    def write(self, found: AgentSession, changes: SessionChanges) -> Path:
+        """Apply ``changes`` to the store after a backup; returns the backup's path."""
+        raise NotImplementedError
+
+    def backup(self, path: Path) -> Path:
+        return _backup(path)
+
+    def restore(self, path: Path, saved: Path) -> None:
+        shutil.copyfile(saved, path)  # byte for byte
+
+    def forget_index(self, found: AgentSession) -> None:
+        """After a write: make the agent forget what it derived from the old store (nothing, but for Codex)."""
+
+    def last_change(self, path: Path) -> float:
+        return path.stat().st_mtime
+
+    def sent_after(self, new: Sequence[Mapping[str, Any]], compaction: Compaction | None) -> list[Any]:
+        """What reading the store back must give after writing ``new``."""
+        return list(new)
+
+
+class JsonlStore(AgentStore):
+    """A store of one JSONL file per session (Claude Code, Codex CLI): a change is the file's new text, built
+    before anything is touched (a store that cannot be rewritten leaves nothing behind, not even a backup),
+    then a backup and an atomic replace."""
+
+    conversation_records: tuple[str, ...] = ()  # the record types that make up the conversation
+
+    def rewrite(self, found: AgentSession, changes: SessionChanges) -> str:
+        raise NotImplementedError
+
+    def compact(self, found: AgentSession, compaction: Compaction) -> str:
+        raise NotImplementedError
+
+    def write(self, found: AgentSession, changes: SessionChanges) -> Path:
+        c = changes.compaction
+        text = self.compact(found, c) if c else self.rewrite(found, changes)
+        text = self.scrub(text, changes.erased) if changes.erased else text
+        saved = self.backup(found.path)
+        write_text_atomic(found.path, text)
+        return saved
+
+    def scrub(self, text: str, erased: Sequence[str]) -> str:
+        """``text`` without the hidden copies of ``erased``: a conversation record keeps what it must
+        (:meth:`scrubbed_kept`), a bookkeeping record holding one goes (:meth:`scrubbed_unsent`)."""
+
+        def holds(value: Any) -> bool:
+            return any(t in json.dumps(value, ensure_ascii=False) for t in erased)
+
+        def change(_: int, record: dict[str, Any]) -> dict[str, Any] | None:
+            if not holds(record):
+                return record
+            if record.get("type") in self.conversation_records:
+                return self.scrubbed_kept(record, holds)
+            return self.scrubbed_unsent(record)
+
+        return _jsonl_rewrite(text, change)
+
+    def scrubbed_kept(self, record: dict[str, Any], holds: Callable[[Any], bool]) -> dict[str, Any]:
+        return record
+
+    def scrubbed_unsent(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        return None
+
+
+# --- Claude Code: ~/.claude/projects/<cwd slug>/<id>.jsonl, records chained by uuid -> parentUuid ---------
+
+
+def _claude_blocks(record: Mapping[str, Any]) -> list[Any]:
+    """A record's ``message.content`` as a list of blocks (text given as a string is one text block)."""
+    message = record.get("message") if isinstance(record.get("message"), dict) else {}
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return content if isinstance(content, list) else []
+
+
+CLAUDE_BLOCKS = {"user": ("text", "image", "tool_result"), "system": ("text",),
+                 "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}  # fmt: skip
+"""The content blocks the Anthropic Messages converter reads, by role (in a tool result: text and images)."""
+
+
+def _claude_sendable(message: dict[str, Any], unsent: collections.Counter[str]) -> dict[str, Any] | None:
+    """``message`` with only the blocks the converter reads (tool results' inner blocks too), the others counted
+    in ``unsent``; None when nothing is left."""
+    if isinstance(message["content"], str):
+        return message
+    known = CLAUDE_BLOCKS[message["role"]]
+    blocks = []
+    for block in message["content"]:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in known:
+            unsent[f"block ({kind})"] += 1
+        elif kind == "tool_result" and isinstance(block.get("content"), list):
+            inner = [b for b in block["content"] if isinstance(b, dict) and b.get("type") in ("text", "image")]
+            unsent.update(f"block ({b.get('type') if isinstance(b, dict) else None})" for b in block["content"]
+                          if not (isinstance(b, dict) and b in inner))  # fmt: skip
+            blocks.append({**block, "content": inner})
+        else:
+            blocks.append(block)
+    return {**message, "content": blocks} if blocks else None
+
+
+class ClaudeStore(JsonlStore):
+    """Claude Code: records chained by ``uuid`` -> ``parentUuid``; the conversation runs from the newest record
+    back to the root, from after the last ``compact_boundary``. An API response is written as one record per
+    content block (the same ``message.id``); parallel tool calls as chained assistant records, each result a
+    child of its own call's record."""
+
+    agent = "claude"
+    conversation_records = ("user", "assistant", "attachment", "system")
+
+    def place(self, home: Path, environ: Mapping[str, str]) -> Path:
+        return home / ".claude" / "projects"
+
+    def sessions(self, place: Path) -> list[dict[str, Any]]:
+        return [{"id": path.stem, "cwd": _first_cwd(path), "path": path}
+                for path in (place.glob("*/*.jsonl") if place.is_dir() else [])]  # fmt: skip
+
+    @staticmethod
+    def chain(records: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """The records the conversation runs through, in order, from just after the last compaction boundary."""
+        by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
+        chained = [r for _, r in records if r.get("uuid") and r.get("type") in ClaudeStore.conversation_records]
+        chain: list[dict[str, Any]] = []
+        record = chained[-1] if chained else None
+        seen: set[str] = set()
+        while record is not None and record["uuid"] not in seen:
+            seen.add(record["uuid"])
+            chain.append(record)
+            parent = record.get("parentUuid")
+            record = by_uuid.get(parent) if isinstance(parent, str) else None
+        chain.reverse()
+        boundaries = [k for k, r in enumerate(chain) if r.get("type") == "system" and
+                      r.get("subtype") == "compact_boundary"]  # fmt: skip
+        return chain[boundaries[-1] + 1 :] if boundaries else chain
+
+    @staticmethod
+    def turns(chain: list[dict[str, Any]]) -> Iterator[tuple[list[dict[str, Any]], dict[str, Any] | None]]:
+        """The chain as Anthropic messages, each with the records it came from (None: a record the model is not
+        sent): a response's block records joined, an attachment as the text it renders to."""
+        k = 0
+        while k < len(chain):
+            record, kind = chain[k], chain[k].get("type")
+            if kind == "assistant":
+                mid, end = (record.get("message") or {}).get("id"), k + 1
+                while end < len(chain) and chain[end].get("type") == "assistant" and mid and (
+                        (chain[end].get("message") or {}).get("id") == mid):  # fmt: skip
+                    end += 1
+                group = chain[k:end]
+                yield group, {"role": "assistant", "content": [b for r in group for b in _claude_blocks(r)]}
+                k = end
+                continue
+            if kind == "user":
+                yield [record], {"role": "user", "content": _claude_blocks(record)}
+            elif kind == "attachment" and isinstance(record.get("rendered"), list):
+                role = "system" if record.get("renderedRole") == "system" else "user"
+                texts = [_text_of(b.get("content")) for b in record["rendered"] if isinstance(b, dict)]
+                for text in filter(None, texts):
+                    yield [record], {"role": role, "content": text}
+                if not any(texts):
+                    yield [record], None
+            else:
+                yield [record], None
+            k += 1
+
+    def read(self, path: Path, ident: str) -> AgentSession:
+        """The chain's records as Claude Code sends them, through the Anthropic Messages converter (section 10);
+        blocks it does not send (and records with none) are counted as bookkeeping."""
+        records, skipped = _jsonl_records(path)
+        chain = self.chain(records)
+        anthropic: list[dict[str, Any]] = []
+        owners: list[list[dict[str, Any]]] = []
+        unsent: collections.Counter[str] = collections.Counter()
+        for group, turn in self.turns(chain):
+            message = None if turn is None else _claude_sendable(turn, unsent)
+            if message is None:
+                record = group[0]
+                attachment = record.get("attachment") if isinstance(record.get("attachment"), dict) else {}
+                unsent[f"{record.get('type')} ({attachment.get('type') or record.get('subtype') or 'empty'})"] += 1
+                continue
+            anthropic.append(message)
+            owners.append(group)
+        view = messages_view({"messages": anthropic})
+        refs = [tuple(ClaudeRecord(r["uuid"]) for r in owners[origin]) for origin in view.origins]
+        in_chain = {r["uuid"] for r in chain}
+        unsent.update(str(r.get("type")) for _, r in records if r.get("uuid") not in in_chain)
+        first = next((r for _, r in records if r.get("sessionId")), {})
+        compacted = any(r.get("type") == "system" and r.get("subtype") == "compact_boundary" for _, r in records)
+        return AgentSession(self.agent, str(first.get("sessionId") or path.stem), path, first.get("cwd"),
+                            view.messages, refs, dict(unsent), compacted, skipped)  # fmt: skip
+
+    def rewrite(self, found: AgentSession, changes: SessionChanges) -> str:
+        """Records of removed messages dropped (their children re-pointed to the nearest kept ancestor),
+        thinking records of reasoning dropped, tool_result blocks edited or removed where the record holds
+        more."""
+        records, _ = _jsonl_records(found.path)
+        by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
+        owners: dict[str, list[int]] = collections.defaultdict(list)
+        for i, refs in enumerate(found.refs):
+            for ref in refs:
+                owners[ref.uuid].append(i)
+        removed = set(changes.removed)
+        dropped = {u for u, idx in owners.items() if set(idx) <= removed}
+        thinking = {r.uuid for i in changes.drop_reasoning for r in found.refs[i]}
+        dropped |= {u for u in thinking if self.only_thinking(by_uuid.get(u, {}))}
+        results: dict[Any, str | None] = {found.messages[i].get("tool_call_id"): None for i in removed
+                                          if found.messages[i]["role"] == "tool"}  # fmt: skip
+        results.update({found.messages[i].get("tool_call_id"): text for i, text in changes.edits.items()})
+        shared = [i for u, idx in owners.items() if u not in dropped for i in idx
+                  if i in removed and found.messages[i]["role"] != "tool"]  # fmt: skip
+        if shared:
+            raise ContextShrinkError(f"message {shared[0]} shares its Claude Code record with kept ones: not written")
+
+        def parent(uuid: Any) -> Any:
+            while isinstance(uuid, str) and uuid in dropped:
+                uuid = by_uuid[uuid].get("parentUuid")
+            return uuid
+
+        def change(_: int, record: dict[str, Any]) -> dict[str, Any] | None:
+            if record.get("uuid") in dropped:
+                return None
+            new = record
+            for key in ("parentUuid", "leafUuid"):
+                if new.get(key) in dropped:
+                    new = {**new, key: parent(new[key])}
+            blocks = _claude_blocks(record)
+            if record.get("type") == "user" and any(isinstance(b, dict) and b.get("tool_use_id") in results
+                                                    for b in blocks):  # fmt: skip
+                new = {**new, "message": {**record["message"], "content": self.results(blocks, results)}}
+            return new
+
+        return _jsonl_rewrite(read_file_text(found.path), change)  # strict: a rewrite keeps every byte
+
+    @staticmethod
+    def only_thinking(record: Mapping[str, Any]) -> bool:
+        blocks = _claude_blocks(record)
+        return bool(blocks) and all(isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking")
+                                    for b in blocks)  # fmt: skip
+
+    @staticmethod
+    def results(blocks: list[Any], results: Mapping[Any, str | None]) -> list[Any]:
+        """``blocks`` with the tool results named in ``results`` given their new text, or removed (None)."""
+        out = []
+        for block in blocks:
+            named = isinstance(block, dict) and block.get("tool_use_id") in results
+            if not named:
+                out.append(block)
+            elif (text := results[block["tool_use_id"]]) is not None:
+                out.append({**block, "content": text})
+        return out
+
+    def compact(self, found: AgentSession, compaction: Compaction) -> str:
+        """Claude Code's own compaction appended: a ``compact_boundary`` record, copies of the kept first
+        records, the summary record (``isCompactSummary``), copies of the kept newest records, chained, and a
+        ``last-prompt`` record naming the new leaf (``--resume`` starts there); the records before stay in the
+        file, unsent."""
+        records, _ = _jsonl_records(found.path)
+        by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
+        leaf = self.chain(records)[-1]
+        keys = ("sessionId", "cwd", "version", "userType", "entrypoint", "gitBranch")
+        common = {k: leaf[k] for k in keys if k in leaf} | {"isSidechain": False, "timestamp": _utc_stamp()}
+        boundary = {**common, "parentUuid": None, "logicalParentUuid": leaf.get("uuid"), "type": "system",
+                    "subtype": "compact_boundary", "content": "Conversation compacted", "isMeta": False,
+                    "level": "info", "uuid": str(uuid_module.uuid4()),
+                    "compactMetadata": {"trigger": "context-shrink", "folded": compaction.folded}}  # fmt: skip
+        summary = {**common, "type": "user", "message": {"role": "user", "content": compaction.summary},
+                   "isCompactSummary": True, "isVisibleInTranscriptOnly": True}  # fmt: skip
+        chain = [boundary]
+        for record in [*self.copied(found, compaction.head, by_uuid), summary,
+                       *self.copied(found, compaction.tail, by_uuid)]:  # fmt: skip
+            chain.append({**record, "parentUuid": chain[-1]["uuid"], "uuid": str(uuid_module.uuid4())})
+        prompts = [r for _, r in records if r.get("type") == "last-prompt"]  # where --resume picks the leaf up
+        last = {**(prompts[-1] if prompts else {"type": "last-prompt", "sessionId": common.get("sessionId")})}
+        return _appended(found.path, [*chain, {**last, "leafUuid": chain[-1]["uuid"]}])
+
+    @staticmethod
+    def copied(found: AgentSession, indices: Sequence[int], by_uuid: Mapping[str, dict[str, Any]]) -> list[Any]:
+        """The records the messages at ``indices`` came from, once each, in order."""
+        uuids = dict.fromkeys(r.uuid for i in indices for r in found.refs[i])
+        return [dict(by_uuid[u]) for u in uuids if u in by_uuid]
+
+    def scrubbed_kept(self, record: dict[str, Any], holds: Callable[[Any], bool]) -> dict[str, Any]:
+        """A kept record's ``toolUseResult`` (Claude Code's copy of a tool's output) goes when it holds one."""
+        return (
+            {k: v for k, v in record.items() if k != "toolUseResult"} if holds(record.get("toolUseResult")) else record
+        )
+
+    def scrubbed_unsent(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """``last-prompt`` keeps its leaf (``--resume`` needs it) and loses its text; other bookkeeping goes."""
+        return {**record, "lastPrompt": ""} if record.get("type") == "last-prompt" else None
 
 
 # --- Codex CLI: $CODEX_HOME/sessions/YYYY/MM/DD/rollout-...-<id>.jsonl -------------------------------------
@@ -5381,45 +5668,137 @@ def _codex_item(item: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def read_codex(path: Path) -> AgentSession:
-    """A Codex CLI rollout: ``response_item`` records (after a ``compacted`` record, its replacement history
-    and what follows) read through the Responses chat view. The first developer message Codex sends is
-    rendered per request from ``session_meta``'s base instructions and ``world_state``: not in the view."""
-    records, skipped = _jsonl_records(path)
-    meta = next((r.get("payload") or {} for _, r in records if r.get("type") == "session_meta"), {})
-    items: list[dict[str, Any]] = []
-    places: list[str] = []
-    unsent: collections.Counter[str] = collections.Counter()
-    compacted = False
-    for number, record in records:
-        payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
-        if record.get("type") == "compacted" and isinstance(payload.get("replacement_history"), list):
-            history = [(k, _codex_item(i)) for k, i in enumerate(payload["replacement_history"]) if isinstance(i, dict)]
-            items = [i for _, i in history if i is not None]
-            places = [f"line {number} replacement_history[{k}]" for k, i in history if i is not None]
-            compacted = True
-        elif record.get("type") == "response_item" and (item := _codex_item(payload)) is not None:
-            items.append(item)
-            places.append(f"line {number}")
-        else:
-            unsent[f"{record.get('type')}" + (f" ({payload.get('type')})" if payload.get("type") else "")] += 1
-    view = responses_view({"input": items})  # the base instructions are a template Codex renders per request
-    sources = [[places[i] for i in origin] for origin in view.origins]
-    return AgentSession("codex", str(meta.get("id") or path.stem), path, meta.get("cwd"), view.messages, sources,
-                        dict(unsent), compacted, skipped)  # fmt: skip
+def _replacement_history(record: Mapping[str, Any]) -> list[Any] | None:
+    """A ``compacted`` record's replacement history, or None for any other record."""
+    payload = record.get("payload")
+    if (
+        record.get("type") == "compacted"
+        and isinstance(payload, dict)
+        and isinstance(payload.get("replacement_history"), list)
+    ):
+        return payload["replacement_history"]
+    return None
 
 
-def _codex_sessions(store: Path) -> list[dict[str, Any]]:
-    found = []
-    for path in store.glob("*/*/*/rollout-*.jsonl") if store.is_dir() else []:
-        meta: Any = {}
-        with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
-            if path.is_file():  # never a FIFO: opening one would wait for a writer
-                with path.open(encoding="utf-8", errors="replace") as handle:
-                    meta = json.loads(handle.readline(1 << 20)).get("payload")
-        meta = meta if isinstance(meta, dict) else {}
-        found.append({"id": str(meta.get("id") or path.stem[-36:]), "cwd": meta.get("cwd"), "path": path})
-    return found
+class CodexStore(JsonlStore):
+    """Codex CLI: a rollout of ``response_item`` records; a ``compacted`` record's replacement history replaces
+    everything before it. Beside it, a thread index (``thread_history_*.sqlite``) Codex projects from it."""
+
+    agent = "codex"
+    conversation_records = ("response_item", "compacted", "session_meta", "turn_context", "world_state")
+
+    def place(self, home: Path, environ: Mapping[str, str]) -> Path:
+        return Path(environ.get("CODEX_HOME") or home / ".codex") / "sessions"
+
+    def sessions(self, place: Path) -> list[dict[str, Any]]:
+        found = []
+        for path in place.glob("*/*/*/rollout-*.jsonl") if place.is_dir() else []:
+            meta: Any = {}
+            with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
+                if path.is_file():  # never a FIFO: opening one would wait for a writer
+                    with path.open(encoding="utf-8", errors="replace") as handle:
+                        meta = json.loads(handle.readline(1 << 20)).get("payload")
+            meta = meta if isinstance(meta, dict) else {}
+            found.append({"id": str(meta.get("id") or path.stem[-36:]), "cwd": meta.get("cwd"), "path": path})
+        return found
+
+    def read(self, path: Path, ident: str) -> AgentSession:
+        """``response_item`` records (after a ``compacted`` record, its replacement history and what follows)
+        read through the Responses chat view (section 10). The first developer message Codex sends is rendered
+        per request from ``session_meta``'s base instructions and ``world_state``: not in the view."""
+        records, skipped = _jsonl_records(path)
+        meta = next((r.get("payload") or {} for _, r in records if r.get("type") == "session_meta"), {})
+        items: list[dict[str, Any]] = []
+        places: list[CodexItem] = []
+        unsent: collections.Counter[str] = collections.Counter()
+        compacted = False
+        for number, record in records:
+            payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
+            if (history := _replacement_history(record)) is not None:
+                kept = [(k, _codex_item(i)) for k, i in enumerate(history) if isinstance(i, dict)]
+                items = [i for _, i in kept if i is not None]
+                places = [CodexItem(number, k) for k, i in kept if i is not None]
+                compacted = True
+            elif record.get("type") == "response_item" and (item := _codex_item(payload)) is not None:
+                items.append(item)
+                places.append(CodexItem(number))
+            else:
+                unsent[f"{record.get('type')}" + (f" ({payload.get('type')})" if payload.get("type") else "")] += 1
+        view = responses_view({"input": items})  # the base instructions are a template Codex renders per request
+        refs = [tuple(places[i] for i in origin) for origin in view.origins]
+        return AgentSession(self.agent, str(meta.get("id") or path.stem), path, meta.get("cwd"), view.messages, refs,
+                            dict(unsent), compacted, skipped)  # fmt: skip
+
+    def rewrite(self, found: AgentSession, changes: SessionChanges) -> str:
+        """Removed items' lines dropped (inside a compaction, its replacement history and metadata at the same
+        indices), reasoning items of reasoning dropped, function outputs edited."""
+        gone = {ref for i in changes.removed for ref in found.refs[i]}
+        edits = {found.refs[i][-1]: text for i, text in changes.edits.items()}
+        reasoning = {ref for i in changes.drop_reasoning for ref in found.refs[i]}
+
+        def item_change(place: CodexItem, item: dict[str, Any]) -> dict[str, Any] | None:
+            if place in gone or (place in reasoning and item.get("type") == "reasoning"):
+                return None
+            return {**item, "output": edits[place]} if place in edits else item
+
+        def change(number: int, record: dict[str, Any]) -> dict[str, Any] | None:
+            payload = record.get("payload")
+            if record.get("type") == "response_item" and isinstance(payload, dict):
+                new = item_change(CodexItem(number), payload)
+                return None if new is None else record if new is payload else {**record, "payload": new}
+            if (history := _replacement_history(record)) is None:
+                return record
+            keep = [
+                (k, item_change(CodexItem(number, k), i) if isinstance(i, dict) else i) for k, i in enumerate(history)
+            ]
+            if all(new is history[k] for k, new in keep):
+                return record
+            payload = {**record["payload"], "replacement_history": [new for _, new in keep if new is not None]}
+            metadata = payload.get("replacement_history_metadata")
+            if isinstance(metadata, list) and len(metadata) == len(history):
+                payload["replacement_history_metadata"] = [metadata[k] for k, new in keep if new is not None]
+            return {**record, "payload": payload}
+
+        return _jsonl_rewrite(read_file_text(found.path), change)  # strict: a rewrite keeps every byte
+
+    def compact(self, found: AgentSession, compaction: Compaction) -> str:
+        """Codex's own compaction appended: a ``compacted`` record (with the next ``ordinal`` where the rollout
+        numbers its records) whose replacement history is the kept first items, the summary as a user message,
+        the kept newest items; the records before stay, unsent."""
+        records, _ = _jsonl_records(found.path)
+        lines = dict(records)
+
+        def item(place: CodexItem) -> dict[str, Any]:
+            record = lines[place.line]
+            return record["payload"] if place.index is None else record["payload"]["replacement_history"][place.index]
+
+        def items(indices: Sequence[int]) -> list[dict[str, Any]]:
+            return [item(place) for place in dict.fromkeys(p for i in indices for p in found.refs[i])]
+
+        summary = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": compaction.summary}]}
+        history = [*items(compaction.head), summary, *items(compaction.tail)]
+        ordinals = [r["ordinal"] for _, r in records if isinstance(r.get("ordinal"), int)]
+        payload = {"message": compaction.summary, "replacement_history": history}
+        record = {"timestamp": _utc_stamp("milliseconds"), **({"ordinal": max(ordinals) + 1} if ordinals else {}),
+                  "type": "compacted", "payload": payload}  # fmt: skip
+        return _appended(found.path, [record])
+
+    def forget_index(self, found: AgentSession) -> None:
+        """Codex's thread history index forgets this thread, so Codex projects it again from the rewritten
+        rollout (a stale one reads past the end and stops updating)."""
+        home = found.path.parents[4] if len(found.path.parents) > 4 else found.path.parent
+        tables = ("thread_items", "thread_turns", "thread_history_projection_state", "thread_realtime_items")
+        for index in home.glob("thread_history_*.sqlite"):
+            try:
+                with contextlib.closing(sqlite3.connect(index, timeout=2, isolation_level=None)) as db:
+                    present = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                    db.execute("BEGIN IMMEDIATE")
+                    for table in (t for t in tables if t in present):
+                        db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (found.id,))
+                    db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                raise ContextShrinkError(f"Codex's thread index {index} could not be updated (is Codex running?): "
+                                         f"{exc}") from None  # fmt: skip
 
 
 # --- OpenCode: $XDG_DATA_HOME/opencode/opencode.db (SQLite): message and part rows holding JSON ------------
@@ -5431,35 +5810,15 @@ def _json_rows(db: Any, query: str, *args: Any) -> list[tuple[Any, ...]]:
     return [row for row in rows if row[-1] is not None]
 
 
-def _read_only(path: Path) -> contextlib.closing[Any]:
-    """A read-only connection to an SQLite store, closed on leaving."""
-    import sqlite3
-
-    return contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5))
+def _state(part: dict[str, Any]) -> dict[str, Any]:
+    return part["state"] if isinstance(part.get("state"), dict) else {}
 
 
-def _opencode_rows(path: Path, session: str) -> tuple[list[Any], int]:
-    """A session's messages in order, each ``(id, JSON, [(part id, part JSON)])``, read from a read-only
-    connection, and how many rows did not read as a JSON object (skipped: OpenCode fails on them)."""
-    import sqlite3  # only this store needs it
-
-    if not path.is_file():
-        raise ContextShrinkError(f"OpenCode's database {path} does not exist")
-    with _read_only(path) as db:
-        try:
-            messages = _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? ORDER BY time_created, id",
-                                  session)  # fmt: skip
-            parts = _json_rows(db, "SELECT message_id, id, data FROM part WHERE session_id = ? "
-                                   "ORDER BY time_created, id", session)  # fmt: skip
-            count = "SELECT (SELECT count(*) FROM message WHERE session_id = ?1) + (SELECT count(*) FROM part " \
-                    "WHERE session_id = ?1)"  # fmt: skip
-            total = db.execute(count, (session,)).fetchone()[0]
-        except sqlite3.Error as exc:
-            raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
-    by_message: dict[str, list[tuple[str, dict[str, Any]]]] = collections.defaultdict(list)
-    for message_id, part_id, part in parts:
-        by_message[message_id].append((part_id, part))
-    return [(i, info, by_message[i]) for i, info in messages], total - len(messages) - len(parts)
+def _opencode_output(part: dict[str, Any]) -> str:
+    state = _state(part)
+    if state.get("status") == "error":
+        return str(state.get("error") or "error")
+    return str(state.get("output") or "") if state.get("status") == "completed" else "[Tool execution was interrupted]"
 
 
 def _opencode_message(
@@ -5474,30 +5833,15 @@ def _opencode_message(
     text = "\n".join(p.get("text", "") for _, p in parts if p.get("type") == "text")
     reasoning = "\n".join(p.get("text", "") for _, p in parts if p.get("type") == "reasoning")
     tools = [(pid, p) for pid, p in parts if p.get("type") == "tool"]
-    calls = [{"id": p.get("callID"), "type": "function", "function": {"name": p.get("tool"),
-              "arguments": json.dumps(_state(p).get("input") or {}, ensure_ascii=False,
-                                      separators=(",", ":"))}}  # as OpenCode sends them (JSON.stringify)
-             for _, p in tools]  # fmt: skip
+    arguments = [json.dumps(_state(p).get("input") or {}, ensure_ascii=False, separators=(",", ":"))
+                 for _, p in tools]  # as OpenCode sends them (JSON.stringify)  # fmt: skip
+    calls = [tool_call(p.get("callID"), p.get("tool"), a) for (_, p), a in zip(tools, arguments, strict=True)]
     if not (text or calls):
         return []
-    message: dict[str, Any] = {"role": "assistant", "content": text or None}
-    message.update({"tool_calls": calls} if calls else {})
-    message.update({"reasoning_content": reasoning} if reasoning else {})
     owner = next((pid for pid, p in parts if p.get("type") in ("text", "tool")), "")
     results = [({"role": "tool", "tool_call_id": p.get("callID"), "content": _opencode_output(p)}, pid)
                for pid, p in tools]  # fmt: skip
-    return [(message, owner), *results]
-
-
-def _state(part: dict[str, Any]) -> dict[str, Any]:
-    return part["state"] if isinstance(part.get("state"), dict) else {}
-
-
-def _opencode_output(part: dict[str, Any]) -> str:
-    state = _state(part)
-    if state.get("status") == "error":
-        return str(state.get("error") or "error")
-    return str(state.get("output") or "") if state.get("status") == "completed" else "[Tool execution was interrupted]"
+    return [(assistant_message(text, calls, reasoning), owner), *results]
 
 
 def _opencode_sent(rows: list[Any]) -> tuple[list[int], bool]:
@@ -5553,56 +5897,266 @@ def _row_suffixes(order: Sequence[int]) -> list[int]:
     return starts[::-1]
 
 
-def read_opencode(path: Path, session: str) -> AgentSession:
-    """An OpenCode session as OpenCode sends it (:func:`_opencode_sent`): user text parts (a compaction part
-    as the question OpenCode asks), assistant text and tool parts (a call and its result are one part)."""
-    rows, unreadable = _opencode_rows(path, session)
-    if not rows:
-        raise ContextShrinkError(f"OpenCode has no session {session!r} in {path}")
-    sent, compacted = _opencode_sent(rows)
-    messages: list[dict[str, Any]] = []
-    sources: list[list[str]] = []
-    order: list[int] = []
-    unsent: collections.Counter[str] = collections.Counter()
-    for k in sent:
-        message_id, info, parts = rows[k]
-        converted = _opencode_message(info, parts)
-        messages += [m for m, _ in converted]
-        sources += [[f"message {message_id}", f"part {pid}"] for _, pid in converted]
-        order += [k] * len(converted)
-        unsent.update(f"part ({p.get('type')})" for _, p in parts if p.get("type") not in ("text", "tool", "reasoning",
-                                                                                          "compaction"))  # fmt: skip
-    unsent["message (before the last compaction)"] += len(rows) - len(sent)
-    where = rows[0][1].get("path") if isinstance(rows[0][1].get("path"), dict) else {}
-    bookkeeping = {k: v for k, v in unsent.items() if v}
-    return AgentSession("opencode", session, path, where.get("cwd"), messages, sources, bookkeeping, compacted,
-                        unreadable, tuple(_row_suffixes(order)))  # fmt: skip
+def _opencode_ids(prefix: str, count: int) -> list[str]:
+    """New ids in OpenCode's ascending form: the prefix, 12 hex digits of the millisecond clock x 4096 plus a
+    counter (so they sort after every id made before), 14 random letters and digits."""
+    now, alphabet = time.time_ns() // 1_000_000, string.digits + string.ascii_letters
+    return [f"{prefix}_{(now * 4096 + k) & 0xFFFF_FFFF_FFFF:012x}" + "".join(random.choices(alphabet, k=14))
+            for k in range(1, count + 1)]  # fmt: skip
 
 
-def _opencode_sessions(store: Path) -> list[dict[str, Any]]:
-    import sqlite3
+@contextlib.contextmanager
+def _opencode_transaction(path: Path) -> Iterator[sqlite3.Connection]:
+    """One immediate transaction on OpenCode's database (WAL-safe): committed, or rolled back on any error."""
+    with contextlib.closing(sqlite3.connect(path, timeout=1, isolation_level=None)) as db:
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException as exc:
+            db.execute("ROLLBACK")
+            if not isinstance(exc, sqlite3.Error):
+                raise
+            raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
 
-    if not store.is_file():
-        return []
-    try:
-        with _read_only(store) as db:
-            rows = db.execute("SELECT id, directory, title, time_updated FROM session").fetchall()
-    except sqlite3.Error:
-        return []
-    return [{"id": i, "cwd": d, "title": t, "path": store, "updated_ms": u} for i, d, t, u in rows]
+
+Events = list[tuple[str, dict[str, Any]]]  # OpenCode's sync events: (type, data)
+
+
+class OpenCodeStore(AgentStore):
+    """OpenCode: one SQLite database for every session, ``message`` and ``part`` rows holding JSON, and (from
+    OpenCode 1.18) an ``event`` log replayed to rebuild them; a write is one immediate transaction that tells
+    the log each change, as OpenCode tells its own."""
+
+    agent = "opencode"
+
+    def place(self, home: Path, environ: Mapping[str, str]) -> Path:
+        return Path(environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode" / "opencode.db"
+
+    def sessions(self, place: Path) -> list[dict[str, Any]]:
+        if not place.is_file():
+            return []
+        try:
+            with _read_only(place) as db:
+                rows = db.execute("SELECT id, directory, title, time_updated FROM session").fetchall()
+        except sqlite3.Error:
+            return []
+        return [{"id": i, "cwd": d, "title": t, "path": place, "updated_ms": u} for i, d, t, u in rows]
+
+    @staticmethod
+    def rows(path: Path, session: str) -> tuple[list[Any], int]:
+        """A session's messages in order, each ``(id, JSON, [(part id, part JSON)])``, read from a read-only
+        connection, and how many rows did not read as a JSON object (skipped: OpenCode fails on them)."""
+        if not path.is_file():
+            raise ContextShrinkError(f"OpenCode's database {path} does not exist")
+        with _read_only(path) as db:
+            try:
+                messages = _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? ORDER BY time_created, id",
+                                      session)  # fmt: skip
+                parts = _json_rows(db, "SELECT message_id, id, data FROM part WHERE session_id = ? "
+                                       "ORDER BY time_created, id", session)  # fmt: skip
+                count = ("SELECT (SELECT count(*) FROM message WHERE session_id = ?1) + (SELECT count(*) FROM part "
+                         "WHERE session_id = ?1)")  # fmt: skip
+                total = db.execute(count, (session,)).fetchone()[0]
+            except sqlite3.Error as exc:
+                raise ContextShrinkError(
+                    f"OpenCode's database has a layout this version does not know: {exc}"
+                ) from None
+        by_message: dict[str, list[tuple[str, dict[str, Any]]]] = collections.defaultdict(list)
+        for message_id, part_id, part in parts:
+            by_message[message_id].append((part_id, part))
+        return [(i, info, by_message[i]) for i, info in messages], total - len(messages) - len(parts)
+
+    def read(self, path: Path, ident: str) -> AgentSession:
+        """The session as OpenCode sends it (:func:`_opencode_sent`): user text parts (a compaction part as
+        the question OpenCode asks), assistant text and tool parts (a call and its result are one part)."""
+        rows, unreadable = self.rows(path, ident)
+        if not rows:
+            raise ContextShrinkError(f"OpenCode has no session {ident!r} in {path}")
+        sent, compacted = _opencode_sent(rows)
+        messages: list[dict[str, Any]] = []
+        refs: list[tuple[StoreRef, ...]] = []
+        order: list[int] = []
+        unsent: collections.Counter[str] = collections.Counter()
+        for k in sent:
+            message_id, info, parts = rows[k]
+            converted = _opencode_message(info, parts)
+            messages += [m for m, _ in converted]
+            refs += [(OpenCodePart(message_id, pid),) for _, pid in converted]
+            order += [k] * len(converted)
+            unsent.update(f"part ({p.get('type')})" for _, p in parts
+                          if p.get("type") not in ("text", "tool", "reasoning", "compaction"))  # fmt: skip
+        unsent["message (before the last compaction)"] += len(rows) - len(sent)
+        where = rows[0][1].get("path") if isinstance(rows[0][1].get("path"), dict) else {}
+        bookkeeping = {k: v for k, v in unsent.items() if v}
+        return AgentSession(self.agent, ident, path, where.get("cwd"), messages, refs, bookkeeping, compacted,
+                            unreadable, tuple(_row_suffixes(order)))  # fmt: skip
+
+    def write(self, found: AgentSession, changes: SessionChanges) -> Path:
+        """In one immediate transaction, after a backup: removed messages' rows and parts deleted, reasoning
+        parts of reasoning deleted, tool outputs edited in their part's JSON, a compaction appended
+        (:meth:`compact`); the event log told each change (with ``erased``, first its copies of the removed
+        texts deleted)."""
+        message_of = {i: found.refs[i][0].message for i in range(len(found.messages))}
+        removed = {message_of[i] for i in changes.removed}
+        calls = {message_of[j] for j in changes.removed if found.messages[j]["role"] != "tool"}
+        if lone := [i for i in changes.removed if message_of[i] not in calls]:
+            raise ContextShrinkError(
+                f"tool result {lone[0]} without its call cannot be removed from an OpenCode session"
+            )
+        saved = self.backup(found.path)
+        now = time.time_ns() // 1_000_000
+        with _opencode_transaction(found.path) as db:
+            logged = self.has_log(db)  # a database without one: OpenCode before 1.18
+            for copy in changes.erased if logged else ():  # the event log's copies of what was removed
+                db.execute("DELETE FROM event WHERE aggregate_id = ? AND instr(data, ?) > 0", (found.id, copy))
+            events: Events = []
+            for message in removed:
+                db.execute("DELETE FROM part WHERE message_id = ?", (message,))
+                db.execute("DELETE FROM message WHERE id = ?", (message,))
+                events.append(("message.removed", {"messageID": message}))
+            for message in (message_of[i] for i in changes.drop_reasoning):
+                for part_id, part in _json_rows(db, "SELECT id, data FROM part WHERE message_id = ?", message):
+                    if part.get("type") == "reasoning":
+                        db.execute("DELETE FROM part WHERE id = ?", (part_id,))
+                        events.append(("message.part.removed", {"messageID": message, "partID": part_id}))
+            for i, text in changes.edits.items():
+                events.append(self.edit(db, found.id, found.refs[i][0], text, now))
+            if changes.compaction:
+                events += self.compact(db, found, changes.compaction, now)
+            if logged and events:
+                self.log(db, found.id, events)
+        return saved
+
+    @staticmethod
+    def edit(
+        db: sqlite3.Connection, session: str, ref: OpenCodePart, text: str, now: int
+    ) -> tuple[str, dict[str, Any]]:
+        """A tool part's output replaced in its JSON; the event that tells it."""
+        part = next((p for _, p in _json_rows(db, "SELECT id, data FROM part WHERE id = ?", ref.part)), None)
+        if part is None:
+            raise ContextShrinkError(f"OpenCode's part {ref.part} changed since it was read: nothing written")
+        part["state"] = {**_state(part), "output": text}
+        db.execute("UPDATE part SET data = ? WHERE id = ?", (json.dumps(part, ensure_ascii=False), ref.part))
+        return "message.part.updated", {"part": {"id": ref.part, "sessionID": session, "messageID": ref.message,
+                                                 **part}, "time": now}  # fmt: skip
+
+    def compact(self, db: sqlite3.Connection, found: AgentSession, compaction: Compaction, now: int) -> Events:
+        """OpenCode's own compaction appended: a user message with a ``compaction`` part whose ``tail_start_id``
+        names the first kept message, and the finished summary message answering it (``summary``, mode and
+        agent ``compaction``, ``parentID`` the user message) with the summary as its text part; the rows before
+        stay, unsent but for the tail."""
+        infos = [info for _, info in _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? "
+                                                 "ORDER BY time_created DESC, id DESC", found.id)]  # fmt: skip
+        user, assistant = (next((i for i in infos if i.get("role") == role), {}) for role in ("user", "assistant"))
+        asked, answer = _opencode_ids("msg", 2)
+        question = {"role": "user", "time": {"created": now}, **{k: user[k] for k in ("agent", "model") if k in user}}
+        summary = {"role": "assistant", "parentID": asked, "mode": "compaction", "agent": "compaction", "summary": True,
+                   **{k: assistant[k] for k in ("path", "modelID", "providerID") if k in assistant}, "cost": 0,
+                   "tokens": {"input": 0, "output": 0, "reasoning": 0, "cache": {"read": 0, "write": 0}},
+                   "time": {"created": now + 1, "completed": now + 1}, "finish": "stop"}  # fmt: skip
+        mark: dict[str, Any] = {"type": "compaction", "auto": False, "overflow": False}
+        if compaction.tail:
+            mark["tail_start_id"] = found.refs[compaction.tail[0]][0].message
+        text = {"type": "text", "text": compaction.summary, "time": {"start": now + 1, "end": now + 1}}
+        return [*self.insert(db, found.id, asked, question, mark, now),
+                *self.insert(db, found.id, answer, summary, text, now + 1)]  # fmt: skip
+
+    @staticmethod
+    def insert(db: sqlite3.Connection, session: str, message_id: str, info: dict[str, Any], part: dict[str, Any],
+               when: int) -> Events:  # fmt: skip
+        """A new message with its one part; the events that tell it."""
+        part_id = _opencode_ids("prt", 1)[0]
+        db.execute("INSERT INTO message (id, session_id, time_created, time_updated, data) VALUES (?, ?, ?, ?, ?)",
+                   (message_id, session, when, when, json.dumps(info, ensure_ascii=False)))  # fmt: skip
+        db.execute("INSERT INTO part (id, message_id, session_id, time_created, time_updated, data) "
+                   "VALUES (?, ?, ?, ?, ?, ?)",
+                   (part_id, message_id, session, when, when, json.dumps(part, ensure_ascii=False)))  # fmt: skip
+        whole = {"id": part_id, "sessionID": session, "messageID": message_id, **part}
+        return [("message.updated", {"info": {"id": message_id, "sessionID": session, **info}}),
+                ("message.part.updated", {"part": whole, "time": when})]  # fmt: skip
+
+    @staticmethod
+    def has_log(db: sqlite3.Connection) -> bool:
+        """Whether the database has OpenCode's event log (1.18 does)."""
+        found = db.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name IN "
+                           "('event', 'event_sequence')")  # fmt: skip
+        return found.fetchone()[0] == 2
+
+    @staticmethod
+    def log(db: sqlite3.Connection, session: str, events: Events) -> None:
+        """The session's event log (``event``, OpenCode's sync log, replayed to rebuild the rows) told the same
+        change as the rows: one event each, with the next sequence numbers. A session with no log gets none."""
+        row = db.execute("SELECT seq FROM event_sequence WHERE aggregate_id = ?", (session,)).fetchone()
+        if row is None:
+            return
+        for k, (event_id, (kind, data)) in enumerate(zip(_opencode_ids("evt", len(events)), events, strict=True), 1):
+            record = json.dumps({"sessionID": session, **data}, ensure_ascii=False)
+            db.execute("INSERT INTO event (id, aggregate_id, seq, type, data) VALUES (?, ?, ?, ?, ?)",
+                       (event_id, session, row[0] + k, f"{kind}.1", record))  # fmt: skip
+        db.execute("UPDATE event_sequence SET seq = ? WHERE aggregate_id = ?", (row[0] + len(events), session))
+
+    def backup(self, path: Path) -> Path:
+        """A copy through SQLite's backup API, so the WAL is included."""
+        saved = _backup_path(path)  # empty: SQLite writes the copy into it
+        with contextlib.closing(sqlite3.connect(path)) as source, contextlib.closing(sqlite3.connect(saved)) as copy:
+            source.backup(copy)
+        return saved
+
+    def restore(self, path: Path, saved: Path) -> None:
+        with contextlib.closing(sqlite3.connect(saved)) as copy, contextlib.closing(sqlite3.connect(path)) as db:
+            copy.backup(db)
+
+    def last_change(self, path: Path) -> float:
+        """SQLite in WAL mode writes the ``-wal`` file, not the database."""
+        wal = path.with_name(path.name + "-wal")
+        return max(path.stat().st_mtime, wal.stat().st_mtime if wal.exists() else 0.0)
+
+    def sent_after(self, new: Sequence[Mapping[str, Any]], compaction: Compaction | None) -> list[Any]:
+        """After a compaction OpenCode sends its question first, then the summary and the tail."""
+        return [{"role": "user", "content": OPENCODE_COMPACTION_PROMPT}, *new] if compaction else list(new)
+
+
+AGENT_STORES: dict[str, AgentStore] = {store.agent: store for store in (ClaudeStore(), CodexStore(), OpenCodeStore())}
+SESSION_AGENTS = tuple(AGENT_STORES)
 
 
 # --- finding and reading a session --------------------------------------------------------------------------
 
 
+def session_stores(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """Where each agent keeps its sessions: Claude Code ``~/.claude/projects``, Codex CLI
+    ``$CODEX_HOME/sessions`` (``~/.codex``), OpenCode ``$XDG_DATA_HOME/opencode/opencode.db``."""
+    environ = os.environ if environ is None else environ
+    home = Path(environ.get("HOME") or Path.home())
+    return {agent: store.place(home, environ) for agent, store in AGENT_STORES.items()}
+
+
+def session_spec(spec: str, allowed: Sequence[str]) -> tuple[str, str]:
+    """``"<agent>:<id>"`` or ``"<agent>:latest"`` split and checked against the stores the user allowed."""
+    agent, _, ident = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if agent not in AGENT_STORES or not ident or not re.fullmatch(r"[\w.:-]{1,200}", ident):
+        raise ContextShrinkError(
+            f"session must be 'claude:<id>', 'codex:<id>' or 'opencode:<id>' (or ':latest'), got {str(spec)[:80]!r}"
+        )
+    if agent not in allowed:
+        raise ContextShrinkError(
+            f"reading {agent} sessions is not allowed: set CONTEXT_SHRINK_SESSION_STORES={agent} (or a list such "
+            "as claude,codex,opencode) to let the tools read that agent's own session store"
+        )
+    return agent, ident
+
+
 def list_sessions(agents: Sequence[str], environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """The sessions of the allowed ``agents``, newest first: ``session`` (the spec the tools take), agent,
     id, the working directory it ran in, when it last changed and where it is stored."""
-    stores = session_stores(environ)
-    finders = {"claude": _claude_sessions, "codex": _codex_sessions, "opencode": _opencode_sessions}
+    places = session_stores(environ)
     found = []
     for agent in agents:
-        for entry in finders[agent](stores[agent]):
+        for entry in AGENT_STORES[agent].sessions(places[agent]):
             with contextlib.suppress(OSError):
                 updated = entry.pop("updated_ms", None)
                 updated = updated / 1000 if updated else entry["path"].stat().st_mtime
@@ -5634,14 +6188,10 @@ def read_session(spec: str, allowed: Sequence[str], cwd: Path, environ: Mapping[
 
 def _read_store(agent: str, path: Path, ident: str) -> AgentSession:
     """The session ``ident`` of ``agent`` read from ``path`` (a JSONL file, or OpenCode's database)."""
-    if agent == "opencode":
-        return read_opencode(path, ident)
-    return read_claude(path) if agent == "claude" else read_codex(path)
+    return AGENT_STORES[agent].read(path, ident)
 
 
-# --- writing a shrunk view back, in the agent's own format --------------------------------------------------
-
-SESSION_QUIET_SECONDS = 5.0  # a store changed more recently than this may be in use: it is not written
+# --- a shrunk view as a change to the store, written back -------------------------------------------------------
 
 
 def _embedding(old: Sequence[str], new: Sequence[str]) -> list[int | None]:
@@ -5674,16 +6224,16 @@ def kept_origins(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, An
     return [*_embedding(keys, kept[:split]), None, *(None if p is None else len(old) - 1 - p for p in back[::-1])]
 
 
-def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """How ``new`` (the session's view after pruning or trimming) differs from the session's view: the
-    messages removed, tool results replaced (old index -> text) and assistant messages that lost only their
-    reasoning. Any other change (a summary, an edited text) raises: it cannot be written back yet."""
+def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> SessionChanges:
+    """How ``new`` (the session's view after pruning, trimming or compacting) differs from the session's view:
+    the messages removed, tool results replaced, assistant messages that lost only their reasoning, or one
+    summary among kept messages. Any other change (an edited text) raises: it cannot be written back."""
     origins = kept_origins(found.messages, new)
     kept = {i for i in origins if i is not None}
     fresh = [m for m, i in zip(new, origins, strict=True) if i is None]
     removed = [i for i in range(len(found.messages)) if i not in kept]
     if any(_plain_content(m.get("content")).startswith(SUMMARY_MARKER) for m in fresh):
-        return _session_compaction(found, new, origins)
+        return SessionChanges(compaction=_session_compaction(found, new, origins))
     edits: dict[int, str] = {}
     drops: list[int] = []
     for m in fresh:
@@ -5698,10 +6248,10 @@ def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> di
             edits[twin] = _plain_content(m.get("content"))
         else:
             drops.append(twin)
-    return {"removed": removed, "edits": edits, "drop_reasoning": drops}
+    return SessionChanges(tuple(removed), edits, tuple(drops))
 
 
-def _session_compaction(found: AgentSession, new: Sequence[Mapping[str, Any]], origins: list[Any]) -> dict[str, Any]:
+def _session_compaction(found: AgentSession, new: Sequence[Mapping[str, Any]], origins: list[Any]) -> Compaction:
     """A compaction of the session: one summary, and the messages kept before and after it unchanged and in
     their order (they are copied after the agent's own compaction marker); anything else raises."""
     at = [j for j, origin in enumerate(origins) if origin is None]
@@ -5718,9 +6268,8 @@ def _session_compaction(found: AgentSession, new: Sequence[Mapping[str, Any]], o
             f"a compaction of this {found.agent} session can keep after its summary only the newest messages, "
             f"from a message where {found.agent} can start its kept tail (compact_context plans it so)"
         )
-    folded = total - len(head) - len(tail)
-    compaction = {"summary": _plain_content(new[at[0]].get("content")), "head": head, "tail": tail, "folded": folded}
-    return {"removed": [], "edits": {}, "drop_reasoning": [], "compaction": compaction}
+    summary = _plain_content(new[at[0]].get("content"))
+    return Compaction(summary, tuple(head), tuple(tail), total - len(head) - len(tail))
 
 
 def _same_slot(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
@@ -5731,391 +6280,17 @@ def _same_slot(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     return old.get("role") == "assistant" and fingerprint(without_reasoning(old)) == fingerprint(new)
 
 
-def _jsonl_rewrite(text: str, change: Callable[[int, dict[str, Any]], dict[str, Any] | None]) -> str:
-    """A JSONL store's ``text`` with ``change(line number, record)`` applied to every record: None drops the
-    line, another dict replaces it (keeping the line's ending); other lines and untouched records stay byte
-    for byte."""
-    out = []
-    for number, raw in enumerate(_lines(text), 1):
-        record = _parsed_record(raw)
-        new = record if record is None else change(number, record)
-        if new is record:
-            out.append(raw)
-        elif new is not None:
-            out.append(json.dumps(new, ensure_ascii=False) + raw[len(raw.rstrip("\r\n")) :])
-    return "".join(out)
-
-
-def _claude_rewrite(found: AgentSession, changes: Mapping[str, Any]) -> str:
-    """Records of removed messages dropped (their children re-pointed to the nearest kept ancestor), thinking
-    records of reasoning dropped, tool_result blocks edited or removed where the record holds more."""
-    records, _ = _jsonl_records(found.path)
-    by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
-    owners: dict[str, list[int]] = collections.defaultdict(list)
-    for i, sources in enumerate(found.sources):
-        for uuid in sources:
-            owners[uuid].append(i)
-    removed, drops = set(changes["removed"]), set(changes["drop_reasoning"])
-    dropped = {u for u, idx in owners.items() if set(idx) <= removed}
-    dropped |= {u for i in drops for u in found.sources[i] if _only_thinking(by_uuid.get(u, {}))}
-    results = {
-        found.messages[i].get("tool_call_id"): ("remove", None) for i in removed if found.messages[i]["role"] == "tool"
-    }
-    results.update({found.messages[i].get("tool_call_id"): ("edit", text) for i, text in changes["edits"].items()})
-    if partial := [
-        i
-        for u, idx in owners.items()
-        if u not in dropped
-        for i in idx
-        if i in removed and found.messages[i]["role"] != "tool"
-    ]:
-        raise ContextShrinkError(f"message {partial[0]} shares its Claude Code record with kept ones: not written")
-
-    def parent(uuid: Any) -> Any:
-        while isinstance(uuid, str) and uuid in dropped:
-            uuid = by_uuid[uuid].get("parentUuid")
-        return uuid
-
-    def change(_: int, record: dict[str, Any]) -> dict[str, Any] | None:
-        if record.get("uuid") in dropped:
-            return None
-        new = record
-        for key in ("parentUuid", "leafUuid"):
-            if new.get(key) in dropped:
-                new = {**new, key: parent(new[key])}
-        blocks = _claude_content(record)
-        if record.get("type") == "user" and any(
-            isinstance(b, dict) and b.get("tool_use_id") in results for b in blocks
-        ):
-            new = {**new, "message": {**record["message"], "content": _claude_results(blocks, results)}}
-        return new
-
-    return _jsonl_rewrite(read_file_text(found.path), change)  # strict: a rewrite keeps every byte
-
-
-def _only_thinking(record: Mapping[str, Any]) -> bool:
-    blocks = _claude_content(dict(record))
-    return bool(blocks) and all(
-        isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking") for b in blocks
-    )
-
-
-def _claude_results(blocks: list[Any], results: Mapping[Any, tuple[str, str | None]]) -> list[Any]:
-    out = []
-    for block in blocks:
-        action, text = (
-            results.get(block.get("tool_use_id"), ("keep", None)) if isinstance(block, dict) else ("keep", None)
-        )
-        if action == "edit":
-            out.append({**block, "content": text})
-        elif action == "keep":
-            out.append(block)
-    return out
-
-
-def _codex_places(found: AgentSession, indices: Iterable[int]) -> set[str]:
-    return {place for i in indices for place in found.sources[i]}
-
-
-def _codex_rewrite(found: AgentSession, changes: Mapping[str, Any]) -> str:
-    """Removed items' lines dropped (inside a compaction, its replacement history and metadata at the same
-    indices), reasoning items of reasoning dropped, function outputs edited."""
-    gone = _codex_places(found, changes["removed"])
-    edits = {found.sources[i][-1]: text for i, text in changes["edits"].items()}
-    reasoning = _codex_places(found, changes["drop_reasoning"])
-
-    def item_change(place: str, item: dict[str, Any]) -> dict[str, Any] | None:
-        if place in gone or (place in reasoning and item.get("type") == "reasoning"):
-            return None
-        if place in edits:
-            return {**item, "output": edits[place]}
-        return item
-
-    def change(number: int, record: dict[str, Any]) -> dict[str, Any] | None:
-        payload = record.get("payload")
-        if record.get("type") == "response_item" and isinstance(payload, dict):
-            new = item_change(f"line {number}", payload)
-            return None if new is None else record if new is payload else {**record, "payload": new}
-        if (
-            record.get("type") == "compacted"
-            and isinstance(payload, dict)
-            and isinstance(payload.get("replacement_history"), list)
-        ):
-            history, metadata = payload["replacement_history"], payload.get("replacement_history_metadata")
-            keep = [(k, item_change(f"line {number} replacement_history[{k}]", i) if isinstance(i, dict) else i)
-                    for k, i in enumerate(history)]  # fmt: skip
-            if all(new is history[k] for k, new in keep):
-                return record
-            new_payload = {**payload, "replacement_history": [new for _, new in keep if new is not None]}
-            if isinstance(metadata, list) and len(metadata) == len(history):
-                new_payload["replacement_history_metadata"] = [metadata[k] for k, new in keep if new is not None]
-            return {**record, "payload": new_payload}
-        return record
-
-    return _jsonl_rewrite(read_file_text(found.path), change)  # strict: a rewrite keeps every byte
-
-
-def _claude_compact(found: AgentSession, compaction: Mapping[str, Any]) -> str:
-    """Claude Code's own compaction appended: a ``compact_boundary`` record, copies of the kept first
-    records, the summary record (``isCompactSummary``), copies of the kept newest records, chained, and a
-    ``last-prompt`` record naming the new leaf (``--resume`` starts there); the records before stay in the
-    file, unsent."""
-    records, _ = _jsonl_records(found.path)
-    by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
-    leaf = _claude_chain(records)[-1]
-    keys = ("sessionId", "cwd", "version", "userType", "entrypoint", "gitBranch")
-    common = {k: leaf[k] for k in keys if k in leaf} | {"isSidechain": False,
-              "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")}  # fmt: skip
-    boundary = {**common, "parentUuid": None, "logicalParentUuid": leaf.get("uuid"), "type": "system",
-                "subtype": "compact_boundary", "content": "Conversation compacted", "isMeta": False, "level": "info",
-                "uuid": str(uuid_module.uuid4()), "compactMetadata": {"trigger": "context-shrink",
-                                                                       "folded": compaction["folded"]}}  # fmt: skip
-    summary = {**common, "type": "user", "message": {"role": "user", "content": compaction["summary"]},
-               "isCompactSummary": True, "isVisibleInTranscriptOnly": True}  # fmt: skip
-    chain = [boundary]
-    for record in [*_copied(found, compaction["head"], by_uuid), summary, *_copied(found, compaction["tail"], by_uuid)]:
-        chain.append({**record, "parentUuid": chain[-1]["uuid"], "uuid": str(uuid_module.uuid4())})
-    prompts = [r for _, r in records if r.get("type") == "last-prompt"]  # where --resume picks the leaf up
-    last = {**(prompts[-1] if prompts else {"type": "last-prompt", "sessionId": common.get("sessionId")})}
-    chain.append({**last, "leafUuid": chain[-1]["uuid"]})
-    text = read_file_text(found.path)  # strict: a store that is not UTF-8 is not written
-    text += "" if not text or text.endswith("\n") else "\n"
-    return text + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chain)
-
-
-def _copied(found: AgentSession, indices: Sequence[int], by_uuid: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records the messages at ``indices`` came from, once each, in order."""
-    uuids = dict.fromkeys(u for i in indices for u in found.sources[i])
-    return [dict(by_uuid[u]) for u in uuids if u in by_uuid]
-
-
-def _codex_compact(found: AgentSession, compaction: Mapping[str, Any]) -> str:
-    """Codex's own compaction appended: a ``compacted`` record whose replacement history is the kept first
-    items, the summary as a user message, the kept newest items; the records before stay, unsent."""
-    records, _ = _jsonl_records(found.path)
-    lines = {number: record.get("payload") for number, record in records}
-
-    def item(place: str) -> dict[str, Any]:
-        number, _, inner = place.removeprefix("line ").partition(" replacement_history[")
-        payload = lines[int(number)]
-        return payload["replacement_history"][int(inner.rstrip("]"))] if inner else payload
-
-    def items(indices: Sequence[int]) -> list[dict[str, Any]]:
-        return [item(place) for place in dict.fromkeys(p for i in indices for p in found.sources[i])]
-
-    summary = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": compaction["summary"]}]}
-    history = [*items(compaction["head"]), summary, *items(compaction["tail"])]
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    ordinals = [r["ordinal"] for _, r in records if isinstance(r.get("ordinal"), int)]
-    record = {"timestamp": stamp, **({"ordinal": max(ordinals) + 1} if ordinals else {}), "type": "compacted",
-              "payload": {"message": compaction["summary"], "replacement_history": history}}  # fmt: skip
-    text = read_file_text(found.path)  # strict: a store that is not UTF-8 is not written
-    return text + ("" if not text or text.endswith("\n") else "\n") + json.dumps(record, ensure_ascii=False) + "\n"
-
-
-CONVERSATION_RECORDS = {  # the records that make up the conversation; any other kind is bookkeeping
-    "claude": ("user", "assistant", "attachment", "system"),
-    "codex": ("response_item", "compacted", "session_meta", "turn_context", "world_state"),
-}
-
-
-def _erased_texts(found: AgentSession, changes: Mapping[str, Any]) -> list[str]:
+def _erased_texts(found: AgentSession, changes: SessionChanges) -> tuple[str, ...]:
     """How the texts removed from what the model sees look inside a JSON store (their first 64 characters,
     escaped), to find the hidden copies of them."""
-    indices = [*changes["removed"], *changes["edits"]]
-    texts = [_plain_content(found.messages[i].get("content")) for i in indices]
+    texts = [_plain_content(found.messages[i].get("content")) for i in [*changes.removed, *changes.edits]]
     # the start as escaped once, and a stretch that needs no escaping, found however deep a copy is quoted
     plain = [max(re.split(r'[\x00-\x1f"\\]', t), key=len)[:64] for t in texts]
     found_in = [json.dumps(t[:64], ensure_ascii=False)[1:-1] for t in texts] + plain
-    return [t for t in dict.fromkeys(found_in) if len(t.strip()) >= 24]
+    return tuple(t for t in dict.fromkeys(found_in) if len(t.strip()) >= 24)
 
 
-def _scrub_jsonl(agent: str, text: str, erased: Sequence[str]) -> str:
-    """``text`` without the hidden copies of ``erased``: bookkeeping records holding one are dropped (Claude
-    Code's last-prompt keeps its leaf and loses its text), a kept record's ``toolUseResult`` copy goes."""
-
-    def holds(value: Any) -> bool:
-        return any(t in json.dumps(value, ensure_ascii=False) for t in erased)
-
-    def change(_: int, record: dict[str, Any]) -> dict[str, Any] | None:
-        if not holds(record):
-            return record
-        if record.get("type") in CONVERSATION_RECORDS[agent]:
-            copy = agent == "claude" and holds(record.get("toolUseResult"))
-            return {k: v for k, v in record.items() if k != "toolUseResult"} if copy else record
-        return {**record, "lastPrompt": ""} if agent == "claude" and record.get("type") == "last-prompt" else None
-
-    return _jsonl_rewrite(text, change)
-
-
-def _codex_forget_index(found: AgentSession) -> None:
-    """Codex's thread history index beside the rollout (``thread_history_*.sqlite``) forgets this thread, so
-    Codex projects it again from the rewritten rollout (a stale one reads past the end and stops updating)."""
-    import sqlite3
-
-    home = found.path.parents[4] if len(found.path.parents) > 4 else found.path.parent
-    for index in home.glob("thread_history_*.sqlite"):
-        try:
-            with contextlib.closing(sqlite3.connect(index, timeout=2, isolation_level=None)) as db:
-                tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-                db.execute("BEGIN IMMEDIATE")
-                for table in (
-                    "thread_items",
-                    "thread_turns",
-                    "thread_history_projection_state",
-                    "thread_realtime_items",
-                ):
-                    if table in tables:
-                        db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (found.id,))
-                db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            raise ContextShrinkError(
-                f"Codex's thread index {index} could not be updated (is Codex running?): {exc}"
-            ) from None
-
-
-def _opencode_ids(prefix: str, count: int) -> list[str]:
-    """New ids in OpenCode's ascending form: the prefix, 12 hex digits of the millisecond clock x 4096 plus a
-    counter (so they sort after every id made before), 14 random letters and digits."""
-    now, alphabet = time.time_ns() // 1_000_000, string.digits + string.ascii_letters
-    return [f"{prefix}_{(now * 4096 + k) & 0xFFFF_FFFF_FFFF:012x}" + "".join(random.choices(alphabet, k=14))
-            for k in range(1, count + 1)]  # fmt: skip
-
-
-@contextlib.contextmanager
-def _opencode_transaction(path: Path) -> Iterator[Any]:
-    """One immediate transaction on OpenCode's database (WAL-safe): committed, or rolled back on any error."""
-    import sqlite3
-
-    with contextlib.closing(sqlite3.connect(path, timeout=1, isolation_level=None)) as db:
-        try:
-            db.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
-        try:
-            yield db
-            db.execute("COMMIT")
-        except BaseException as exc:
-            db.execute("ROLLBACK")
-            if not isinstance(exc, sqlite3.Error):
-                raise
-            raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
-
-
-def _opencode_has_log(db: Any) -> bool:
-    """Whether the database has OpenCode's event log (1.18 does)."""
-    found = db.execute(
-        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name IN ('event', 'event_sequence')"
-    )
-    return found.fetchone()[0] == 2
-
-
-def _opencode_log(db: Any, session: str, events: Sequence[tuple[str, dict[str, Any]]]) -> None:
-    """The session's event log (``event``, OpenCode's sync log, replayed to rebuild the rows) told the same
-    change as the rows, as OpenCode tells its own: one event each, with the next sequence numbers. A
-    session with no log gets none."""
-    row = db.execute("SELECT seq FROM event_sequence WHERE aggregate_id = ?", (session,)).fetchone()
-    if row is None:
-        return
-    for k, (event_id, (kind, data)) in enumerate(zip(_opencode_ids("evt", len(events)), events, strict=True), 1):
-        record = json.dumps({"sessionID": session, **data}, ensure_ascii=False)
-        db.execute("INSERT INTO event (id, aggregate_id, seq, type, data) VALUES (?, ?, ?, ?, ?)",
-                   (event_id, session, row[0] + k, f"{kind}.1", record))  # fmt: skip
-    db.execute("UPDATE event_sequence SET seq = ? WHERE aggregate_id = ?", (row[0] + len(events), session))
-
-
-def _source(found: AgentSession, i: int, kind: str) -> str:
-    """The id of the store record of ``kind`` (``message``, ``part``) that message ``i`` came from."""
-    return next(s.split(" ", 1)[1] for s in found.sources[i] if s.startswith(kind + " "))
-
-
-def _opencode_apply(found: AgentSession, changes: Mapping[str, Any]) -> None:
-    """In one immediate transaction: removed messages' rows and parts deleted, reasoning parts of reasoning
-    deleted, tool outputs edited in their part's JSON, a compaction appended (:func:`_opencode_compact`); the
-    event log told each change (with ``erased``, first its copies of the removed texts deleted)."""
-    removed = {_source(found, i, "message") for i in changes["removed"]}
-    calls = {_source(found, j, "message") for j in changes["removed"] if found.messages[j]["role"] != "tool"}
-    if lone := [i for i in changes["removed"] if _source(found, i, "message") not in calls]:
-        raise ContextShrinkError(f"tool result {lone[0]} without its call cannot be removed from an OpenCode session")
-    now = time.time_ns() // 1_000_000
-    with _opencode_transaction(found.path) as db:
-        logged = _opencode_has_log(db)  # a database without one: OpenCode before 1.18
-        for copy in (changes.get("erased") or []) if logged else []:  # the event log's copies of what was removed
-            db.execute("DELETE FROM event WHERE aggregate_id = ? AND instr(data, ?) > 0", (found.id, copy))
-        events: list[tuple[str, dict[str, Any]]] = []
-        for message in removed:
-            db.execute("DELETE FROM part WHERE message_id = ?", (message,))
-            db.execute("DELETE FROM message WHERE id = ?", (message,))
-            events.append(("message.removed", {"messageID": message}))
-        for message in (_source(found, i, "message") for i in changes["drop_reasoning"]):
-            for part_id, part in _json_rows(db, "SELECT id, data FROM part WHERE message_id = ?", message):
-                if part.get("type") == "reasoning":
-                    db.execute("DELETE FROM part WHERE id = ?", (part_id,))
-                    events.append(("message.part.removed", {"messageID": message, "partID": part_id}))
-        for i, text in changes["edits"].items():
-            part_id, message = _source(found, i, "part"), _source(found, i, "message")
-            part = next((p for _, p in _json_rows(db, "SELECT id, data FROM part WHERE id = ?", part_id)), None)
-            if part is None:
-                raise ContextShrinkError(f"OpenCode's part {part_id} changed since it was read: nothing written")
-            part["state"] = {**_state(part), "output": text}
-            db.execute("UPDATE part SET data = ? WHERE id = ?", (json.dumps(part, ensure_ascii=False), part_id))
-            whole = {"id": part_id, "sessionID": found.id, "messageID": message, **part}
-            events.append(("message.part.updated", {"part": whole, "time": now}))
-        if changes.get("compaction"):
-            events += _opencode_compact(db, found, changes["compaction"], now)
-        if logged and events:
-            _opencode_log(db, found.id, events)
-
-
-def _opencode_compact(db: Any, found: AgentSession, compaction: Mapping[str, Any], now: int) -> list[Any]:
-    """OpenCode's own compaction appended: a user message with a ``compaction`` part whose ``tail_start_id``
-    names the first kept message, and the finished summary message answering it (``summary``, mode and agent
-    ``compaction``, ``parentID`` the user message) with the summary as its text part; the rows before stay,
-    unsent but for the tail. Returns the events that tell it."""
-    infos = [info for _, info in _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? "
-                                             "ORDER BY time_created DESC, id DESC", found.id)]  # fmt: skip
-    user, assistant = (next((i for i in infos if i.get("role") == role), {}) for role in ("user", "assistant"))
-    asked, answer = _opencode_ids("msg", 2)
-    question = {"role": "user", "time": {"created": now}, **{k: user[k] for k in ("agent", "model") if k in user}}
-    summary = {"role": "assistant", "parentID": asked, "mode": "compaction", "agent": "compaction", "summary": True,
-               **{k: assistant[k] for k in ("path", "modelID", "providerID") if k in assistant}, "cost": 0,
-               "tokens": {"input": 0, "output": 0, "reasoning": 0, "cache": {"read": 0, "write": 0}},
-               "time": {"created": now + 1, "completed": now + 1}, "finish": "stop"}  # fmt: skip
-    mark = {"type": "compaction", "auto": False, "overflow": False}
-    if compaction["tail"]:
-        mark["tail_start_id"] = _source(found, compaction["tail"][0], "message")
-    text = {"type": "text", "text": compaction["summary"], "time": {"start": now + 1, "end": now + 1}}
-    return [*_opencode_insert(db, found.id, asked, question, mark, now),
-            *_opencode_insert(db, found.id, answer, summary, text, now + 1)]  # fmt: skip
-
-
-def _opencode_insert(db: Any, session: str, message_id: str, info: dict[str, Any], part: dict[str, Any], when: int
-                     ) -> list[Any]:  # fmt: skip
-    """A new message with its one part; the events that tell it."""
-    part_id = _opencode_ids("prt", 1)[0]
-    db.execute("INSERT INTO message (id, session_id, time_created, time_updated, data) VALUES (?, ?, ?, ?, ?)",
-               (message_id, session, when, when, json.dumps(info, ensure_ascii=False)))  # fmt: skip
-    db.execute("INSERT INTO part (id, message_id, session_id, time_created, time_updated, data) "
-               "VALUES (?, ?, ?, ?, ?, ?)",
-               (part_id, message_id, session, when, when, json.dumps(part, ensure_ascii=False)))  # fmt: skip
-    whole = {"id": part_id, "sessionID": session, "messageID": message_id, **part}
-    return [("message.updated", {"info": {"id": message_id, "sessionID": session, **info}}),
-            ("message.part.updated", {"part": whole, "time": when})]  # fmt: skip
-
-
-def _backup_store(found: AgentSession) -> Path:
-    """A copy of the store before it is written (SQLite through its backup API, so the WAL is included)."""
-    if found.agent != "opencode":
-        return _backup(found.path)
-    import sqlite3
-
-    saved = _backup_path(found.path)  # empty: SQLite writes the copy into it
-    with contextlib.closing(sqlite3.connect(found.path)) as source, contextlib.closing(sqlite3.connect(saved)) as copy:
-        source.backup(copy)
-    return saved
-
-
-def _view_key(message: Mapping[str, Any], compaction: Any) -> str:
+def _view_key(message: Mapping[str, Any], compaction: Compaction | None) -> str:
     """What a store must give back for ``message``: the message itself; after a compaction its text, calls
     and result id (the agent's own shapes differ), a summary in any role."""
     if not compaction:
@@ -6125,59 +6300,32 @@ def _view_key(message: Mapping[str, Any], compaction: Any) -> str:
                            message.get("tool_calls"), message.get("tool_call_id")])  # fmt: skip
 
 
-def _last_change(path: Path) -> float:
-    """When the store last changed: SQLite in WAL mode writes the ``-wal`` file, not the database."""
-    wal = path.with_name(path.name + "-wal")
-    return max(path.stat().st_mtime, wal.stat().st_mtime if wal.exists() else 0.0)
-
-
-def _restore_store(found: AgentSession, saved: Path) -> None:
-    if found.agent != "opencode":
-        shutil.copyfile(saved, found.path)  # byte for byte
-        return
-    import sqlite3
-
-    with contextlib.closing(sqlite3.connect(saved)) as copy, contextlib.closing(sqlite3.connect(found.path)) as db:
-        copy.backup(db)
-
-
 def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run: bool, now: float | None = None,
                   scrub: bool = False) -> dict[str, Any]:  # fmt: skip
     """Write ``new`` (the session's view, pruned, trimmed or compacted) back to the agent's store, in its own
     format, after a backup; ``dry_run`` only says what would change. A store changed in the last
     :data:`SESSION_QUIET_SECONDS` is refused (the agent may be writing it). The store is read again after
     the write and must give ``new``; if not, the backup is put back."""
+    store = AGENT_STORES[found.agent]
     changes = session_changes(found, new)
-    compaction = changes.get("compaction")
-    report = {"session": f"{found.agent}:{found.id}", "removed": len(changes["removed"]),
-              "tool_results_replaced": len(changes["edits"]), "reasoning_removed": len(changes["drop_reasoning"]),
-              "folded_into_summary": compaction["folded"] if compaction else 0,
-              "dry_run": dry_run, "backup": None, "scrubbed": scrub}  # fmt: skip
-    if dry_run or not any(changes.values()):
+    c = changes.compaction
+    report = {"session": f"{found.agent}:{found.id}", "removed": len(changes.removed),
+              "tool_results_replaced": len(changes.edits), "reasoning_removed": len(changes.drop_reasoning),
+              "folded_into_summary": c.folded if c else 0, "dry_run": dry_run, "backup": None,
+              "scrubbed": scrub}  # fmt: skip
+    if dry_run or not changes:
         return report
-    age = (time.time() if now is None else now) - _last_change(found.path)
+    age = (time.time() if now is None else now) - store.last_change(found.path)
     if age < SESSION_QUIET_SECONDS:
         raise ContextShrinkError(f"{found.path} changed {age:.1f} s ago: the agent may be writing it; nothing "
                                  f"written (try again when it has been idle {SESSION_QUIET_SECONDS:g} s)")  # fmt: skip
-    erased = _erased_texts(found, changes) if scrub else []
-    if found.agent == "opencode":
-        saved = _backup_store(found)
-        _opencode_apply(found, {**changes, "erased": erased})
-    else:  # the new text first: a store that cannot be rewritten leaves nothing behind, not even a backup
-        if compaction:
-            text = (_claude_compact if found.agent == "claude" else _codex_compact)(found, compaction)
-        else:
-            text = (_claude_rewrite if found.agent == "claude" else _codex_rewrite)(found, changes)
-        text = _scrub_jsonl(found.agent, text, erased) if erased else text
-        saved = _backup_store(found)
-        write_text_atomic(found.path, text)
-        if found.agent == "codex":
-            _codex_forget_index(found)
+    if scrub:
+        changes = dataclasses.replace(changes, erased=_erased_texts(found, changes))
+    saved = store.write(found, changes)
+    store.forget_index(found)
     again = _read_store(found.agent, found.path, found.id)
-    opencode = compaction and found.agent == "opencode"  # its compaction is sent as a question, then the summary
-    asked = [{"role": "user", "content": OPENCODE_COMPACTION_PROMPT}] if opencode else []
-    if [_view_key(m, compaction) for m in again.messages] != [_view_key(m, compaction) for m in [*asked, *new]]:
-        _restore_store(found, saved)
+    if [_view_key(m, c) for m in again.messages] != [_view_key(m, c) for m in store.sent_after(new, c)]:
+        store.restore(found.path, saved)
         raise ContextShrinkError(f"the {found.agent} session did not read back as written; restored from {saved}")
     return {**report, "backup": str(saved)}
 

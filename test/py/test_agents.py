@@ -102,7 +102,7 @@ class Setup:
     """How a session's agent and server are set up beyond the README's block: the server's window, a change to
     the block (``edit``), and a number of requests after which the agent is stopped (a loop)."""
 
-    window: int = WINDOW
+    window: int | None = None  # None: WINDOW (read when the session runs)
     edit: Callable[[str], str] = lambda block: block
     max_requests: int | None = None
 
@@ -135,6 +135,7 @@ def run_session(agent: str, where: Path, proxied: bool, stop_at_refusal: bool = 
         lines = [f"file {k} line {i}: the parser handles case {k * 1000 + i} by rule {i % 17}\n" for i in range(100)]
         (project / f"notes_{k:02d}.txt").write_text("".join(lines))
         files.append(project / f"notes_{k:02d}.txt")
+    setup = setup if setup.window else dataclasses.replace(setup, window=WINDOW)
     upstream = AgentUpstream(setup.window, files, steps)
     log = where / "proxy.log"
     with serve(upstream) as direct:
