@@ -375,6 +375,8 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 DEFAULT_MAX_CONTEXT_TOKENS = 32768
 MAX_CONTEXT_TOKENS_LIMIT = 1_000_000
 DEFAULT_TIMEOUT = 180.0
+HEADER_TIMEOUT = 30.0  # seconds an HTTP client has to send a request's headers (slow-header clients are cut off)
+IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
 DEFAULT_KEEP_LAST = 8
 DEFAULT_THRESHOLD = 0.8
 DEFAULT_MAX_SUMMARY_TOKENS = 1024
@@ -4080,17 +4082,19 @@ async def shrink(
     budget: int,
     policy: Policy = Policy(),
     summarise: SpanSummary | None = None,
+    counted: int | None = None,
 ) -> dict[str, Any]:
     """Make a request fit ``budget`` by the cheapest rung that is enough, in order: the verbatim diet of large
     tool results, clearing old tool results, compaction (a summary by ``summarise``, reused across turns),
     trimming on stable cuts. Nothing happens below ``trigger`` x the budget. A failed summary falls through
-    to trimming with the reason kept. Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
+    to trimming with the reason kept. ``counted`` is the messages' count when the caller has it (it is not
+    counted again). Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
     ``tokens_before``/``tokens_after``, ``fits``, ``reason`` and ``summary_cached``; the heavy work runs in a
     worker thread."""
 
     run = anyio.to_thread.run_sync
     tools_tokens = count_tools(tools, tokenizer)
-    before = count_messages(messages, tokenizer)[1] + tools_tokens
+    before = (count_messages(messages, tokenizer)[1] if counted is None else counted) + tools_tokens
     trigger = int(policy.trigger * budget)
     result: dict[str, Any] = {"messages": list(messages), "action": "none", "tokens_before": before,
                               "tokens_after": before, "fits": before <= budget, "reason": None,
@@ -4108,8 +4112,10 @@ async def shrink(
         used += ["diet"] if diet else []
         if diet and count_messages(lighter, tokenizer)[1] + tools_tokens <= trigger:
             return done(lighter, "diet")
+    trimmed: tuple[list[dict[str, Any]], dict[str, Any]] | None = None  # (its input, the trim rung's result)
     if "clear" in policy.rungs:
         cleared = await run(trim_rung, lighter, tokenizer, budget, tools, policy)
+        trimmed = (lighter, cleared)
         light = cleared["fits"] and not cleared["dropped"]
         if light and all(c["change"] in LIGHT_CHANGES for c in cleared["changes"]):
             return done(cleared["messages"], "+".join([*used, "clear"]))
@@ -4121,12 +4127,14 @@ async def shrink(
                         summary_calls=compacted["summary_calls"])  # fmt: skip
     if "trim" not in policy.rungs:
         return {**done(lighter, "+".join(used) or "none"), "reason": reason}
-    trimmed = await run(trim_rung, lighter, tokenizer, budget, tools, policy)
-    if trimmed["messages"] == result["messages"]:  # said as it is: nothing was cut
+    if trimmed is None or trimmed[0] is not lighter:  # the clear rung's trim stands when its input is unchanged
+        trimmed = (lighter, await run(trim_rung, lighter, tokenizer, budget, tools, policy))
+    cut = trimmed[1]
+    if cut["messages"] == result["messages"]:  # said as it is: nothing was cut
         why = reason or "nothing can be cut without touching the newest request"
         return {**result, "action": "unchanged (still too long)", "reason": why}
-    action = "trim" if trimmed["tokens_after"] <= budget else "trim (still too long)"
-    return done(trimmed["messages"], action, reason=reason)
+    action = "trim" if cut["tokens_after"] <= budget else "trim (still too long)"
+    return done(cut["messages"], action, reason=reason)
 
 
 async def _compact_rung(
@@ -4564,6 +4572,7 @@ class Backend:
         retry_base_delay: float = 0.5,
         caches: BackendCaches | None = None,
         secrets: Iterable[str] = (),
+        settings: tuple[str, str] = ("CONTEXT_SHRINK_BASE_URL", "CONTEXT_SHRINK_TIMEOUT"),
     ) -> None:
         self.client = client
         self.base_url = base_url.rstrip("/")
@@ -4574,7 +4583,7 @@ class Backend:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.retry_base_delay = retry_base_delay
         self.caches = caches or BackendCaches()
-        self.setting = "CONTEXT_SHRINK_BASE_URL"  # what to check when it cannot be reached
+        self.setting, self.timeout_setting = settings  # what to check when it cannot be reached, or is slow
         header_values = [v for v in self.headers.values() if isinstance(v, str)]
         self.secrets = [*secret_forms(api_key), *(f for v in header_values for f in secret_forms(v)), *secrets]
 
@@ -4611,7 +4620,7 @@ class Backend:
             except httpx2.TimeoutException as exc:
                 raise BackendError(
                     f"backend timeout: no reply from {url} within the timeout ({type(exc).__name__}); "
-                    "raise CONTEXT_SHRINK_TIMEOUT",
+                    f"raise {self.timeout_setting}",
                     url=url,
                     timed_out=True,
                 ) from None
@@ -6334,6 +6343,89 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
 # 14. Front door one: the MCP tools (thin wrappers over the core)
 # =============================================================================
 
+# --- where this module leans on the SDK's and uvicorn's internals: here only, each checked by test_patches.py ----
+
+PATCHED_FOR = {"mcp": "2.3.0", "uvicorn": "0.54.0", "h11": "0.16.0"}
+"""The versions the code below was written against; test_patches.py checks what it relies on in the versions
+installed, and fails naming the part that moved."""
+
+
+class StrictTool(Tool):
+    """An MCP tool whose arguments are checked by name before anything runs: its input schema says
+    ``additionalProperties: false``, and an argument it does not take is a tool error naming it and the
+    closest valid name (the SDK's argument model would ignore it and compute a wrong answer that looks right)."""
+
+    async def run(self, arguments: dict[str, Any], context: Any, convert_result: bool = False) -> Any:
+        problem = unknown_names(arguments, self.parameters.get("properties", {}))
+        if problem is not None:
+            raise ToolError(f"Error executing tool {self.name}: {problem}")
+        return await super().run(arguments, context, convert_result)
+
+
+def tool_result(result: Any) -> Any:
+    """A tool's dict as its result: structured content, and the same as JSON text for clients that read only
+    text. No output schema is listed: "an object" tells a client nothing and every turn would pay for it."""
+    if not isinstance(result, dict):
+        return result  # a sampling round (InputRequiredResult)
+    text = json.dumps(result, ensure_ascii=False)
+    return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=result)
+
+
+def lowlevel_server(server: MCPServer) -> Any:
+    """The SDK's low-level server under ``server`` (mcp 2.3: ``MCPServer._lowlevel_server``, private): stdio
+    is served through it so that a line the SDK cannot read gets an answer (:func:`serve_stdio`)."""
+    return server._lowlevel_server
+
+
+class HeaderDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, which uvicorn lacks: a client
+    that has not sent them within ``timeout`` seconds of connecting (or of starting its next request on a
+    kept-alive connection) is disconnected, so slow-header clients cannot hold connections open."""
+
+    timeout = HEADER_TIMEOUT
+    deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.deadline = self.loop.call_later(self.timeout, self.expire)
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self.deadline is None:  # a new request begins
+            self.deadline = self.loop.call_later(self.timeout, self.expire)
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # its headers are in
+            self.cancel()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cancel()
+        super().connection_lost(exc)
+
+    def cancel(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def expire(self) -> None:
+        self.deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("closed a connection that sent no complete request headers in %g s", self.timeout)
+            self.transport.close()
+
+
+def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeout: float) -> uvicorn.Config:
+    """uvicorn's settings for an HTTP front: a deadline for request headers (:class:`HeaderDeadline`) and one
+    for idle kept-alive connections."""
+    protocol = type("HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout})
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        http=protocol,
+        server_header=False,
+        timeout_keep_alive=math.ceil(idle_timeout),
+    )  # fmt: skip (the upstream's server header is relayed)
+
 
 @dataclasses.dataclass
 class ServerState:
@@ -6682,27 +6774,6 @@ async def prune_request(state: ServerState, req: Prepared, options: PruneOptions
         backup = write_messages_file(target, result["messages"], req.container, backup=in_place)
     result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
     return {**result, "dry_run": False}
-
-
-class StrictTool(Tool):
-    """An MCP tool whose arguments are checked by name before anything runs: its input schema says
-    ``additionalProperties: false``, and an argument it does not take is a tool error naming it and the
-    closest valid name (the SDK's argument model would ignore it and compute a wrong answer that looks right)."""
-
-    async def run(self, arguments: dict[str, Any], context: Any, convert_result: bool = False) -> Any:
-        problem = unknown_names(arguments, self.parameters.get("properties", {}))
-        if problem is not None:
-            raise ToolError(f"Error executing tool {self.name}: {problem}")
-        return await super().run(arguments, context, convert_result)
-
-
-def tool_result(result: Any) -> Any:
-    """A tool's dict as its result: structured content, and the same as JSON text for clients that read only
-    text. No output schema is listed: "an object" tells a client nothing and every turn would pay for it."""
-    if not isinstance(result, dict):
-        return result  # a sampling round (InputRequiredResult)
-    text = json.dumps(result, ensure_ascii=False)
-    return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=result)
 
 
 def register(
@@ -7144,7 +7215,7 @@ def transport_error(exc: Exception) -> JSONRPCError | None:
 async def serve_stdio(server: MCPServer) -> None:
     """Serve ``server`` over stdio like :meth:`MCPServer.run_stdio_async`, except that a line the SDK cannot
     read is answered with :func:`transport_error` instead of being dropped (the client would wait forever)."""
-    lowlevel = server._lowlevel_server
+    lowlevel = lowlevel_server(server)
     async with stdio_server() as (read_stream, write_stream):
         screened_writer, screened = create_context_streams[SessionMessage | Exception](0)
 
@@ -7174,8 +7245,6 @@ PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is
 PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 PROXY_TIMEOUT = 600.0
 STATS_CONVERSATIONS = 1024  # conversations the proxy's stats keep (the least recently seen go first)
-HEADER_TIMEOUT = 30.0  # seconds a client has to send a request's headers (slow-header clients are cut off)
-IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
 CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
 CALIBRATION_MODELS = 64  # models remembered (calibration factors and learnt windows)
 TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
@@ -7271,7 +7340,68 @@ def usage_in_stream(tail: bytes) -> int | None:
     return None
 
 
-# --- the shrinking pipeline ------------------------------------------------------------------------------
+# --- one chat request, stage by stage: read, measure once, plan and shrink, forward, learn from the reply ----------
+
+
+def model_of(body: Mapping[str, Any]) -> str | None:
+    """The model a request body names, if it names one."""
+    return body.get("model") if isinstance(body.get("model"), str) else None
+
+
+@dataclasses.dataclass
+class ProxyReport:
+    """What the proxy did with one chat request, filled in by each stage: measured (``tokens_before``, the
+    ``window``, the capped ``reserve``, ``count`` exact or estimated, ``tools_tokens``), shrunk (``action``,
+    ``tokens_after``, ``reason``, the summary's cost, ``ms``), forwarded (``refusals``, ``retried``) and
+    archived (``conversation``). The ``x-context-shrink`` header, the log line and the stats read it."""
+
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    action: str = "none"
+    window: int | None = None
+    reserve: int | None = None  # the reply's reserve, when the one asked was capped
+    count: str = "estimated"  # exact: the upstream counted the request
+    tools_tokens: int | None = None  # in the upstream's tokens, once it counted them (None: as the messages are)
+    reason: str | None = None
+    ms: int | None = None
+    summary_cached: bool | None = None
+    summary_calls: int = 0
+    refusals: int = 0
+    retried: int | None = None
+    conversation: str | None = None
+
+    def header(self, **changes: Any) -> str:
+        """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead."""
+        return shrink_header({**dataclasses.asdict(self), **changes})
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A chat-shaped request as the proxy reads it: its messages and tools checked, its model."""
+
+    body: dict[str, Any]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    model: str | None
+
+    @classmethod
+    def read(cls, body: dict[str, Any]) -> ChatRequest:
+        """Raises :class:`ContextShrinkError` for a body whose messages or tools do not read as chat."""
+        return cls(body, validate_messages(body.get("messages")), validate_tools(body.get("tools") or []),
+                   model_of(body))  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A request counted once: per message in the local tokenizer (``counts``), and the whole in the upstream's
+    tokens (``tokens``: its own count when ``exact``, else the local one calibrated). ``tools_cost`` is what the
+    tools add in the upstream's tokens once it counted them (None: they are counted as the messages are)."""
+
+    counts: list[int]
+    raw: int
+    tokens: int
+    tools_cost: int | None
+    exact: bool
 
 
 @dataclasses.dataclass
@@ -7286,13 +7416,13 @@ class ProxyStats:
     started: float = dataclasses.field(default_factory=time.time)
     rows: dict[tuple[str, str], dict[str, Any]] = dataclasses.field(default_factory=dict)
 
-    def record(self, model: str | None, conversation: str | None, report: Mapping[str, Any], status: int) -> None:
-        """Count one chat request: its report (see :func:`shrink_request`) and the status the client got."""
+    def record(self, model: str | None, conversation: str | None, report: ProxyReport, status: int) -> None:
+        """Count one chat request: its report and the status the client got."""
         key = (model or "-", conversation or "-")
         row = self.rows.pop(key, None) or {**dict.fromkeys(self.COUNTERS, 0), "actions": {}}
         self.rows[key] = row  # the most recent last
-        action = str(report.get("action") or "none")
-        before, after = report.get("tokens_before") or 0, report.get("tokens_after") or 0
+        action = report.action or "none"
+        before, after = report.tokens_before or 0, report.tokens_after or 0
         row["actions"][action] = row["actions"].get(action, 0) + 1
         row["requests"] += 1
         row["shrunk"] += action != "none" and not action.startswith("forwarded unchanged")
@@ -7300,12 +7430,12 @@ class ProxyStats:
         row["tokens_before"] += before
         row["tokens_after"] += after
         row["tokens_saved"] += max(0, before - after)
-        row["summariser_calls"] += report.get("summary_calls") or 0
-        row["summaries_reused"] += bool(report.get("summary_cached"))
-        row["refusals"] += report.get("refusals") or 0
-        row["retried"] += report.get("retried") or 0
+        row["summariser_calls"] += report.summary_calls
+        row["summaries_reused"] += bool(report.summary_cached)
+        row["refusals"] += report.refusals
+        row["retried"] += report.retried or 0
         row["errors"] += status >= 400
-        row["exact_counts" if report.get("count") == "exact" else "estimated_counts"] += 1
+        row["exact_counts" if report.count == "exact" else "estimated_counts"] += 1
         while len(self.rows) > STATS_CONVERSATIONS:
             self.rows.pop(next(iter(self.rows)))
 
@@ -7391,12 +7521,11 @@ class ProxyState:
                 (token, {}) if scheme.lower() == "bearer" and token else (None, {"Authorization": authorization})
             )
         secrets = secret_forms(authorization) + secret_forms(self.config.api_key)
-        backend = Backend(self.http, url, key, headers, caches=self.caches, secrets=secrets)
-        backend.setting = "--upstream" if url == self.config.base else "--summary-url"
-        return backend
+        settings = ("--upstream" if url == self.config.base else "--summary-url", "--timeout")
+        return Backend(self.http, url, key, headers, caches=self.caches, secrets=secrets, settings=settings)
 
     def learn_refusal(
-        self, model: str | None, overflow: Overflow, report: Mapping[str, Any], estimate: int
+        self, model: str | None, overflow: Overflow, report: ProxyReport, estimate: int
     ) -> tuple[int | None, int]:
         """Remember what a length refusal taught (the model's window; its count calibrates ours) and return
         ``(limit, refused)``: the window to retry in (None for a limit not worth believing: below 256, or above
@@ -7410,8 +7539,8 @@ class ProxyState:
                 "proxy: ignored a refusal's window of %s tokens for %s (outside 256..%s)", limit, model, ceiling
             )
             return None, refused
-        if overflow.prompt_tokens and not overflow.at_least and report["tokens_after"]:
-            sent = round(report["tokens_after"] / self.factors.get(model, 1.0))
+        if overflow.prompt_tokens and not overflow.at_least and report.tokens_after:
+            sent = round(report.tokens_after / self.factors.get(model, 1.0))
             self.remember(self.factors, model, calibrated(None, sent, overflow.prompt_tokens))
         self.remember(self.windows, model, limit)
         return limit, refused
@@ -7506,25 +7635,18 @@ async def proxy_summariser(
     return summarise
 
 
-async def calibrate(
-    state: ProxyState,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
-    model: str | None,
-    window: int,
-    authorization: str | None,
-) -> bool:
-    """Learn ``model``'s calibration from the upstream's own count of a request over a quarter of the window,
-    when the upstream can count (llama.cpp, vLLM, TGI), so the first shrunk request is sized right. True when
-    the upstream counted it."""
-    raw = count_messages(messages, state.tokenizer)[1] + count_tools(tools, state.tokenizer)
+async def calibrate(state: ProxyState, request: ChatRequest, raw: int, window: int, authorization: str | None) -> bool:
+    """Learn the model's calibration from the upstream's own count of a request over a quarter of the window
+    (``raw``: its local count, messages and tools), when the upstream can count (llama.cpp, vLLM, TGI), so the
+    first shrunk request is sized right. True when the upstream counted it."""
     if raw <= window // 4:
         return False
     try:
-        exact = (await state.backend(state.config.base, authorization).count_tokens(messages, tools, model))[0]
+        backend = state.backend(state.config.base, authorization)
+        exact = (await backend.count_tokens(request.messages, request.tools, request.model))[0]
     except ContextShrinkError:
         return False
-    state.remember(state.factors, model, calibrated(None, raw, exact))
+    state.remember(state.factors, request.model, calibrated(None, raw, exact))
     return True
 
 
@@ -7538,17 +7660,17 @@ async def upstream_count(
     tools: list[dict[str, Any]],
     model: str | None,
     authorization: str | None,
-    tokenizer: Tokenizer,
+    counts: Sequence[int],
 ) -> tuple[int, int] | None:
     """The upstream's own count of this request as ``(messages, what the tools add)`` — the tools' part is 0
     when its chat template drops them — or None when it cannot count. Counts are remembered by message
-    prefix: a request that extends one counted before costs no call while what it adds (estimated with
-    ``tokenizer``) is under a quarter of the counted part."""
+    prefix: a request that extends one counted before costs no call while what it adds (``counts``: the
+    messages' local counts, scaled) is under a quarter of the counted part."""
     chain, tools_print = span_hashes(messages), fingerprint(tools)
     known = next((k for k in range(len(messages), 0, -1) if (model, tools_print, chain[k]) in state.counts), 0)
     if known:
         bare, cost = state.counts[model, tools_print, chain[known]]
-        added = count_messages(messages[known:], tokenizer)[1] if known < len(messages) else 0
+        added = sum(counts[known:])
         if added <= bare // 4:
             return bare + added, cost
     backend = state.backend(state.config.base, authorization)
@@ -7564,7 +7686,7 @@ async def upstream_count(
 def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, int | None]:
     """The prompt's budget in ``window``: what the reply's ``max_tokens`` (else a reserve) leaves, and the
     reserve when the asked one was capped. An agent may ask for more than a local window can give (Claude
-    Code asks 32,000): over half the window, a quarter is reserved (llama.cpp ends such a reply at the
+    Code asks 128,000): over half the window, a quarter is reserved (llama.cpp ends such a reply at the
     window's end; a server that refuses prompt + max_tokens refuses it whatever the proxy cuts)."""
     asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
     reserve = max(0, asked) if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
@@ -7573,76 +7695,116 @@ def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, int | Non
     return window - window // 4, window // 4
 
 
+def _scaled(counts: Sequence[int], factor: float, priming: int) -> tuple[list[int], int]:
+    """Local per-message counts in the upstream's tokens (``factor`` of them per local token), and the total."""
+    scaled = [math.ceil(c * factor) for c in counts] if factor != 1.0 else list(counts)
+    return scaled, sum(scaled) + priming
+
+
+async def measure(
+    state: ProxyState, request: ChatRequest, budget: int, window: int, authorization: str | None
+) -> Measured:
+    """Count the request once: locally per message; near the limit the upstream counts it itself (the messages
+    and the tools apart: a template may drop the tools), and that count decides and calibrates; a first long
+    request of a model calibrates it."""
+    tok, model = state.tokenizer, request.model
+    counts = [count_message(m, tok.count, tok.format) for m in request.messages]
+    raw = sum(counts) + tok.format.priming
+    tools_key = (model, fingerprint(request.tools))
+    tools_cost = state.tool_costs.get(tools_key) if request.tools else 0  # the upstream's count, once it said
+    local_tools = count_tools(request.tools, tok) if tools_cost is None else 0
+    factor = state.factors.get(model, 1.0)
+    scaled, total = _scaled(counts, factor, tok.format.priming)
+    tools = math.ceil(local_tools * factor) if tools_cost is None else tools_cost
+    trigger = state.policy.trigger * budget
+    if EXACT_ZONE[0] * trigger <= total + tools <= EXACT_ZONE[1] * budget:
+        if found := await upstream_count(state, request.messages, request.tools, model, authorization, scaled):
+            state.remember(state.factors, model, calibrated(None, raw, found[0]))
+            state.remember(state.tool_costs, tools_key, found[1])
+            return Measured(counts, raw, sum(found), found[1], True)
+    elif model not in state.factors:  # first sight of a long request: the upstream counts it, if it can
+        await calibrate(state, request, raw + local_tools, window, authorization)
+    return Measured(counts, raw, total + tools, tools_cost, False)
+
+
 async def shrink_request(
     state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The request body to forward and a report: :func:`shrink` with the proxy's policy, the summariser
-    bound to this request's model. Near the limit the upstream counts the request itself (the messages and
-    the tools apart: a template may drop the tools), and that count decides. Raises
-    :class:`ContextShrinkError` for a body it does not understand (the caller forwards it as is)."""
+) -> tuple[dict[str, Any], ProxyReport]:
+    """The request body to forward and its report, in one direction: read, measure once (:func:`measure`),
+    then, over the trigger, :func:`shrink` with the proxy's policy and the summariser bound to this request's
+    model (:func:`shrink_counted`). Raises :class:`ContextShrinkError` for a body it does not understand (the
+    caller forwards it as is)."""
     started = time.perf_counter()
-    messages = validate_messages(body.get("messages"))
-    tools = validate_tools(body.get("tools") or [])
-    model = body.get("model") if isinstance(body.get("model"), str) else None
-    window = window or await proxy_window(state, model, authorization)
-    tools_key = (model, fingerprint(tools))
-    tools_cost = state.tool_costs.get(tools_key) if tools else 0  # in the upstream's tokens, once it counted them
-    raw = count_messages(messages, state.tokenizer)[1]
-    tokenizer = dataclasses.replace(state.tokenizer, scale=state.factors.get(model, 1.0))
-    before = count_messages(messages, tokenizer)[1] + (
-        count_tools(tools, tokenizer) if tools_cost is None else tools_cost
-    )
-    report: dict[str, Any] = {"tokens_before": before, "tokens_after": before, "action": "none", "window": window,
-                              "count": "estimated"}  # fmt: skip
-    if window is None:
-        return body, {**report, "reason": "window unknown"}
-    budget, capped = request_budget(body, window)
-    report.update({"reserve": capped} if capped else {})
-    trigger = state.policy.trigger * budget
-    if EXACT_ZONE[0] * trigger <= before <= EXACT_ZONE[1] * budget:
-        if counts := await upstream_count(state, messages, tools, model, authorization, tokenizer):
-            state.remember(state.factors, model, calibrated(None, raw, counts[0]))
-            tools_cost = counts[1]
-            state.remember(state.tool_costs, tools_key, tools_cost)
-            before = counts[0] + tools_cost
-            report.update(tokens_before=before, tokens_after=before, count="exact")
-    elif model not in state.factors:  # first sight of a long request: the upstream counts it, if it can
-        await calibrate(state, messages, tools, model, window, authorization)
-    report["tools_tokens"] = tools_cost  # None: counted as the messages are
-    if before <= trigger:
+    request = ChatRequest.read(body)
+    report = ProxyReport(window=window or await proxy_window(state, request.model, authorization))
+    if report.window is None:
+        report.reason = "window unknown"
         return body, report
-    tokenizer = dataclasses.replace(state.tokenizer, scale=state.factors.get(model, 1.0))
-    summarise = None
-    with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
-        summarise = await proxy_summariser(state, model, window, authorization, tokenizer)
-
-    async def planned(tokenizer: Tokenizer) -> dict[str, Any]:
-        if tools_cost is None:  # the tools counted as the messages are
-            return await shrink(messages, tools, tokenizer, budget, state.policy, summarise)
-        result = await shrink(messages, [], tokenizer, budget - tools_cost, state.policy, summarise)  # the rest
-        return {**result, "tokens_after": result["tokens_after"] + tools_cost}
-
-    result = await planned(tokenizer)
-    if result["tokens_after"] >= EXACT_RECHECK * budget and result["messages"] != messages:
-        # Close to the limit, the shrunk request itself is counted: after a deep cut the calibration from the
-        # whole request can be off for what is left. Over the budget, it is calibrated on this and planned again.
-        counts = await upstream_count(state, result["messages"], tools, model, authorization, tokenizer)
-        if counts and sum(counts) > budget:
-            kept = count_messages(result["messages"], state.tokenizer)[1]
-            state.remember(state.factors, model, calibrated(None, kept, counts[0]))
-            result = await planned(dataclasses.replace(state.tokenizer, scale=state.factors[model]))
-    same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
-    learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", tokenizer)) if same else None
-    if model not in state.factors and learnt and abs(learnt - 1) > 0.1:  # the summariser's tokens are the model's:
-        state.remember(state.factors, model, learnt)  # calibrated, the request is planned again (summaries cached)
-        return await shrink_request(state, body, authorization, window)
+    budget, report.reserve = request_budget(body, report.window)
+    measured = await measure(state, request, budget, report.window, authorization)
+    report.tokens_before = report.tokens_after = measured.tokens
+    report.count = "exact" if measured.exact else "estimated"
+    report.tools_tokens = measured.tools_cost
+    if measured.tokens <= state.policy.trigger * budget:
+        return body, report
+    result = await shrink_counted(state, request, measured, budget, report.window, authorization)
     if result["action"] == "none":
         return body, report
     if result["action"].startswith("unchanged"):  # nothing could be cut: the original goes out, and says why
-        return body, {**report, "action": "forwarded unchanged", "reason": result["reason"]}
-    report.update({k: result[k] for k in ("tokens_after", "action", "reason", "summary_cached", "summary_calls")})
-    report["ms"] = round(1000 * (time.perf_counter() - started))
+        report.action, report.reason = "forwarded unchanged", result["reason"]
+        return body, report
+    if not measured.exact:  # the estimate at the calibration the plan used
+        report.tokens_before = result["tokens_before"]
+    report.tokens_after, report.action, report.reason = result["tokens_after"], result["action"], result["reason"]
+    report.summary_cached, report.summary_calls = result["summary_cached"], result["summary_calls"]
+    report.ms = round(1000 * (time.perf_counter() - started))
     return {**body, "messages": result["messages"]}, report
+
+
+async def shrink_counted(
+    state: ProxyState, request: ChatRequest, measured: Measured, budget: int, window: int,
+    authorization: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`shrink` at the model's calibration, corrected at most once: when the shrunk request, counted by
+    the upstream, is over the budget (after a deep cut the calibration from the whole request can be off for
+    what is left), or when summarising taught the model's tokens per local token (its summariser is the
+    upstream's model) and the model had no calibration yet; summaries are cached, so the second plan costs no
+    model call."""
+    model, tools = request.model, request.tools
+    uncalibrated = model not in state.factors
+
+    async def planned(factor: float) -> dict[str, Any]:
+        tokenizer = dataclasses.replace(state.tokenizer, scale=factor)
+        summarise = None
+        with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
+            summarise = await proxy_summariser(state, model, window, authorization, tokenizer)
+        counted = _scaled(measured.counts, factor, tokenizer.format.priming)[1]
+        if measured.tools_cost is None:  # the tools counted as the messages are
+            return await shrink(request.messages, tools, tokenizer, budget, state.policy, summarise, counted)
+        cost = measured.tools_cost
+        result = await shrink(request.messages, [], tokenizer, budget - cost, state.policy, summarise, counted)
+        return {
+            **result,
+            "tokens_before": result["tokens_before"] + cost,
+            "tokens_after": result["tokens_after"] + cost,
+        }
+
+    result = await planned(state.factors.get(model, 1.0))
+    factor = None
+    if result["tokens_after"] >= EXACT_RECHECK * budget and result["messages"] != request.messages:
+        kept, raw = count_messages(result["messages"], state.tokenizer)
+        scaled = _scaled(kept, state.factors.get(model, 1.0), 0)[0]
+        found = await upstream_count(state, result["messages"], tools, model, authorization, scaled)
+        if found and sum(found) > budget:
+            factor = calibrated(None, raw, found[0])
+    same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
+    learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", state.tokenizer))
+    if factor is None and same and uncalibrated and learnt and abs(learnt - 1) > 0.1:
+        factor = learnt  # the summariser's tokens are the model's
+    if factor is None:
+        return result
+    state.remember(state.factors, model, factor)
+    return await planned(factor)
 
 
 # --- the HTTP front ----------------------------------------------------------------------------------------
@@ -7772,8 +7934,8 @@ class ProxyFront:
         headers = _forward_headers(request.headers, self.config, chat=False)
         url = self.config.target(request.url.path, request.url.query)
         upstream = await self.open_upstream(request.method, url, headers, body)
-        said = {"tokens_before": None, "tokens_after": None, "action": "forwarded unchanged", "reason": why}
-        extra = {"x-context-shrink": shrink_header(said)} if why else {}
+        said = ProxyReport(action="forwarded unchanged", reason=why)
+        extra = {"x-context-shrink": said.header()} if why else {}
         if upstream.status_code >= 400 and self.secrets:
             return await self.error_reply(upstream, extra)
         return self.relay(upstream, extra)
@@ -7838,74 +8000,72 @@ class ProxyFront:
             self.count(body, report, 502)
             raise
 
-    def finish(self, body: dict[str, Any], report: dict[str, Any], response: Response) -> Response:
+    def finish(self, body: dict[str, Any], report: ProxyReport, response: Response) -> Response:
         self.count(body, report, response.status_code)
         return response
 
-    def count(self, body: dict[str, Any], report: dict[str, Any], status: int) -> None:
+    def count(self, body: dict[str, Any], report: ProxyReport, status: int) -> None:
         """Count a chat request in the stats and log it, one line, whatever happened to it."""
-        model = body.get("model") if isinstance(body.get("model"), str) else None
+        model = model_of(body)
         conversation = conversation_id(body["messages"]) if body["messages"] else None
         self.state.stats.record(model, conversation, report, status)
-        log.info("proxy: %s %s status=%s", model, shrink_header(report), status)
+        log.info("proxy: %s %s status=%s", model, report.header(), status)
 
     async def shrunk(
         self, body: dict[str, Any], authorization: str | None, window: int | None
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    ) -> tuple[dict[str, Any], ProxyReport]:
         """:func:`shrink_request`, failing open: the original goes out, and the log says why."""
         try:
             return await shrink_request(self.state, body, authorization, window)
         except ContextShrinkError as exc:
             log.warning("proxy: not shrunk, forwarded as is: %s", exc)
-            return body, {"tokens_before": None, "tokens_after": None, "action": "none", "reason": str(exc)}
+            return body, ProxyReport(reason=str(exc))
 
     async def after_refusal(
         self,
         upstream: httpx2.Response,
         body: dict[str, Any],
         sent: dict[str, Any],
-        report: dict[str, Any],
+        report: ProxyReport,
         authorization: str | None,
-    ) -> Response | tuple[dict[str, Any], dict[str, Any]]:
+    ) -> Response | tuple[dict[str, Any], ProxyReport]:
         """After an upstream error: a strictly smaller request to retry with, when it refused for length and
         one can be made; else the reply for the client (the upstream's answer)."""
-        st, model = self.state, body.get("model") if isinstance(body.get("model"), str) else None
+        st = self.state
         error = scrub_secrets(await self.read_whole(upstream), self.secrets)
-        said = {**self.reply_headers(upstream, decoded=True), "x-context-shrink": shrink_header(report)}
+        said = {**self.reply_headers(upstream, decoded=True), "x-context-shrink": report.header()}
         overflow = parse_overflow(error)
         if overflow is None:  # not about length
             return Response(error, upstream.status_code, headers=said)
-        report["refusals"] = report.get("refusals", 0) + 1
-        estimate = report["tokens_after"] or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
-        limit, refused = st.learn_refusal(model, overflow, report, estimate)
+        report.refusals += 1
+        estimate = report.tokens_after or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
+        limit, refused = st.learn_refusal(model_of(body), overflow, report, estimate)
         retry, retried = await self.shrunk(body, authorization, limit) if limit else (sent, report)
-        if retry is sent or (retried["tokens_after"] or refused) >= refused:  # it would be refused again
+        if retry is sent or (retried.tokens_after or refused) >= refused:  # it would be refused again
             log.warning("proxy: %s refused the request for length (window %s); nothing smaller to send",
                         self.config.base, limit)  # fmt: skip
             reason = f"refused for length; a retry would not be smaller than the {refused} tokens refused"
-            said["x-context-shrink"] = shrink_header({**report, "reason": reason})
+            said["x-context-shrink"] = report.header(reason=reason)
             return Response(error, upstream.status_code, headers=said)
         log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
-                    "of %s", self.config.base, limit, retried["tokens_after"], refused)  # fmt: skip
-        return retry, {**retried, "retried": 1, "refusals": report["refusals"]}
+                    "of %s", self.config.base, limit, retried.tokens_after, refused)  # fmt: skip
+        return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals)
 
     async def deliver(
-        self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: dict[str, Any]
+        self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport
     ) -> Response:
         """The upstream's reply to what was sent, with the ``x-context-shrink`` header; what the shrunk
         request no longer carries is archived first, and the reply's ``usage`` calibrates the count."""
-        st, model = self.state, body.get("model") if isinstance(body.get("model"), str) else None
-        if sent is not body and (
-            conversation := await st.archive(body["messages"], sent["messages"], report["action"])
-        ):
-            report["conversation"] = conversation  # what was folded away stays on disk
-        extra = {"x-context-shrink": shrink_header(report)}
+        st, model = self.state, model_of(body)
+        if sent is not body and (conversation := await st.archive(body["messages"], sent["messages"], report.action)):
+            report.conversation = conversation  # what was folded away stays on disk
+        extra = {"x-context-shrink": report.header()}
         if upstream.status_code >= 400:
             error = scrub_secrets(await self.read_whole(upstream), self.secrets)
-            report["refusals"] = report.get("refusals", 0) + (parse_overflow(error) is not None)
+            report.refusals += parse_overflow(error) is not None
             headers = {**self.reply_headers(upstream, decoded=True), **extra}
             return Response(error, upstream.status_code, headers=headers)
-        estimate, tools = report.get("tokens_after"), report.get("tools_tokens")
+        estimate, tools = report.tokens_after, report.tools_tokens
         if body.get("stream") is True:
             learn = lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail), tools)  # noqa: E731
             return self.relay(upstream, extra, learn)
@@ -8113,8 +8273,7 @@ async def doctor(upstream: str, model: str | None, api_key: str | None, tokenize
     sample = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": asked}]
     report: dict[str, Any] = {"upstream": base, "model": model}
     async with httpx2.AsyncClient(timeout=httpx2.Timeout(PROBE_TIMEOUT, connect=5.0)) as http:
-        backend = Backend(http, base, api_key, secrets=secret_forms(api_key))
-        backend.setting = "--upstream"
+        backend = Backend(http, base, api_key, secrets=secret_forms(api_key), settings=("--upstream", "--timeout"))
         try:
             report["window"], report["window_source"] = await backend.context_window(model)
         except ContextShrinkError as exc:
@@ -8148,14 +8307,16 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
     announce = (
         f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.base} (archive: {config.archive_dir or 'off'})"
     )
-    serve_http(build_proxy(config, tokenizer), config.host, config.port, config, announce)
+    timeouts = (config.header_timeout, config.idle_timeout)
+    serve_http(build_proxy(config, tokenizer), config.host, config.port, timeouts, announce)
 
 
-def serve_http(app: Any, host: str, port: int, config: ProxyConfig, announce: str) -> None:
-    """Run ``app`` with uvicorn (:func:`listening`) on ``host:port``, bound before ``announce`` (its ``{}`` is
-    the address) is logged: a taken port raises :class:`OSError` before anything claims to serve."""
+def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], announce: str) -> None:
+    """Run ``app`` with uvicorn (:func:`listening`; ``timeouts``: for a request's headers, for an idle kept-alive
+    connection) on ``host:port``, bound before ``announce`` (its ``{}`` is the address) is logged: a taken port
+    raises :class:`OSError` before anything claims to serve."""
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request is enough
-    server = uvicorn.Server(listening(app, host, port, config.header_timeout, config.idle_timeout))
+    server = uvicorn.Server(listening(app, host, port, *timeouts))
     listener = bound_listener(host, port)
     log.info(announce.replace("{}", f"{host}:{listener.getsockname()[1]}", 1))
     server.run(sockets=[listener])
@@ -8174,56 +8335,6 @@ def bound_listener(host: str, port: int) -> socket.socket:
         listener.close()
         raise
     return listener
-
-
-class HeaderDeadline(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, which uvicorn lacks: a client
-    that has not sent them within ``timeout`` seconds of connecting (or of starting its next request on a
-    kept-alive connection) is disconnected, so slow-header clients cannot hold connections open."""
-
-    timeout = HEADER_TIMEOUT
-    deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.deadline = self.loop.call_later(self.timeout, self.expire)
-
-    def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE and self.deadline is None:  # a new request begins
-            self.deadline = self.loop.call_later(self.timeout, self.expire)
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # its headers are in
-            self.cancel()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.cancel()
-        super().connection_lost(exc)
-
-    def cancel(self) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
-            self.deadline = None
-
-    def expire(self) -> None:
-        self.deadline = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            log.info("closed a connection that sent no complete request headers in %g s", self.timeout)
-            self.transport.close()
-
-
-def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeout: float) -> uvicorn.Config:
-    """uvicorn's settings for an HTTP front: a deadline for request headers (:class:`HeaderDeadline`) and one
-    for idle kept-alive connections."""
-    protocol = type("HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout})
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        http=protocol,
-        server_header=False,
-        timeout_keep_alive=math.ceil(idle_timeout),
-    )  # fmt: skip (the upstream's server header is relayed)
 
 
 # =============================================================================
@@ -8272,33 +8383,44 @@ class ServeConfig:
     token: str | None = dataclasses.field(default=None, repr=False)
     origins: tuple[str, ...] = ()
     stateless: bool = False
-    proxy: ProxyConfig = dataclasses.field(default_factory=lambda: ProxyConfig(upstream=""))
+    proxy: ProxyConfig | None = None  # None: no upstream, no proxy at /v1
+    max_body_bytes: int = PROXY_MAX_BODY_BYTES  # for /mcp too (the SDK's 4 MiB is a 2,000-message history)
+    header_timeout: float = HEADER_TIMEOUT
+    idle_timeout: float = IDLE_TIMEOUT
 
 
 def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
-    """The serve settings from the flags and ``CONTEXT_SHRINK_HTTP_TOKEN``; raises :class:`ConfigError` for
-    a token that is too short, and for a host beyond this machine without one."""
-    environ = os.environ if environ is None else environ
-    token = args.token or environ.get("CONTEXT_SHRINK_HTTP_TOKEN") or None
-    if token is not None and (len(token) < HTTP_TOKEN_MIN or not token.isprintable() or " " in token):
-        source = "--token" if args.token else "CONTEXT_SHRINK_HTTP_TOKEN"
+    """The serve settings from the flags, ``CONTEXT_SHRINK_HTTP_TOKEN`` and, with an upstream, the proxy's
+    (:func:`proxy_config`), through :class:`Settings`; raises :class:`ConfigError` for a token that is too
+    short, and for a host beyond this machine without one."""
+    read = Settings(environ, vars(args))
+    found = read.find("HTTP_TOKEN", "token", ("CONTEXT_SHRINK_",))
+    token = found[1] if found else None
+    if found and (len(token) < HTTP_TOKEN_MIN or not token.isprintable() or " " in token):  # type: ignore[arg-type]
         raise ConfigError(
-            f"{source}: the token must be at least {HTTP_TOKEN_MIN} printable characters without spaces",
-            variable=source,
+            f"{found[0]}: the token must be at least {HTTP_TOKEN_MIN} printable characters without spaces",
+            variable=found[0],
         )
-    wanted = args.upstream or environ.get("CONTEXT_SHRINK_PROXY_UPSTREAM")
-    proxy = proxy_config(args, environ) if wanted else ProxyConfig(upstream="")
-    host = args.host or "127.0.0.1"
+    proxy = proxy_config(args, environ) if read.find("UPSTREAM", "upstream", ("CONTEXT_SHRINK_PROXY_",)) else None
+    host = read.text("HOST", "host", ()) or "127.0.0.1"
     if host not in LOCAL_HOSTS and token is None:
         raise ConfigError(
             f"serving on {host} (beyond this machine) needs a bearer token: --token or CONTEXT_SHRINK_HTTP_TOKEN",
             variable="--token",
         )
-    origins = tuple(o.rstrip("/") for o in args.allow_origin or ())
-    port = str(args.port or PROXY_PORT)
-    if not port.isdigit() or int(port) > 65535:
+    prefix = ("CONTEXT_SHRINK_PROXY_",)
+    if (port := read.text("PORT", "port", ())) is not None and not (port.isdigit() and int(port) <= 65535):
         raise ConfigError(f"--port must be a port number from 0 to 65535, got {port!r}", variable="--port")
-    return ServeConfig(host, int(port), token, origins, bool(args.stateless), proxy)
+    values = {
+        "port": int(port) if port is not None else None,
+        "max_body_bytes": read.integer("MAX_BODY_BYTES", 1024, MAX_FILE_BYTES, "max_body_bytes", prefix),
+        "header_timeout": read.seconds("HEADER_TIMEOUT", None, prefix),
+        "idle_timeout": read.seconds("IDLE_TIMEOUT", None, prefix),
+    }
+    origins = tuple(o.rstrip("/") for o in getattr(args, "allow_origin", None) or ())
+    given = {name: value for name, value in values.items() if value is not None}
+    return ServeConfig(host, token=token, origins=origins, stateless=bool(getattr(args, "stateless", False)),
+                       proxy=proxy, **given)  # fmt: skip
 
 
 class HttpGuard:
@@ -8348,9 +8470,9 @@ def build_http(server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | No
         stateless_http=config.stateless,
         transport_security=security,
         host=config.host,
-        max_request_body_size=config.proxy.max_body_bytes,  # the SDK's 4 MiB is a 2,000-message history
+        max_request_body_size=config.max_body_bytes,  # the SDK's 4 MiB is a 2,000-message history
     )
-    front = ProxyFront(config.proxy, tokenizer) if config.proxy.upstream else None
+    front = ProxyFront(config.proxy, tokenizer) if config.proxy else None
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok", "version": __version__, "mcp": "/mcp", "proxy": front is not None})
@@ -8368,10 +8490,11 @@ def build_http(server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | No
 
 def run_serve(config: ServeConfig, server: MCPServer, tokenizer: Tokenizer | None = None) -> None:
     """Serve :func:`build_http` with uvicorn until interrupted."""
-    proxy = f", proxy at /v1 -> {config.proxy.base}" if config.proxy.upstream else ""
+    proxy = f", proxy at /v1 -> {config.proxy.base}" if config.proxy else ""
     guard = "bearer token required" if config.token else "no token (this machine only)"
     announce = f"context-shrink serve {__version__}: MCP at http://{{}}/mcp{proxy}; {guard}"
-    serve_http(build_http(server, config, tokenizer), config.host, config.port, config.proxy, announce)
+    app = build_http(server, config, tokenizer)
+    serve_http(app, config.host, config.port, (config.header_timeout, config.idle_timeout), announce)
 
 
 # =============================================================================
@@ -8559,7 +8682,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
 
 def _serve(served: ServeConfig, config: Config) -> int:
     """``context-shrink serve``: the tools read what this process's proxy archives."""
-    if served.proxy.archive_dir is not None:
+    if served.proxy is not None and served.proxy.archive_dir is not None:
         config = dataclasses.replace(config, archive_dir=served.proxy.archive_dir)
     try:
         tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
