@@ -1,10 +1,13 @@
 """context-shrink: keep an OpenAI-compatible chat history inside the model's context window.
 
-An MCP server (stdio) with three tools: ``estimate_context`` measures a conversation,
-``trim_context`` drops the oldest messages until it fits, and ``compact_context`` replaces the
-oldest messages with a summary (given by the caller, or written by an OpenAI-compatible backend).
-Trimming and compaction never split an assistant tool call from its results, keep leading system
-messages, start the kept history on a user message and never change a kept message.
+An MCP server (stdio) with nine tools: ``estimate_context`` measures a conversation and
+``analyze_context`` lists what fills it; ``trim_context`` shrinks it until it fits, ``prune_context``
+removes what is named, and ``compact_context`` replaces the oldest messages with a summary (given by the
+caller, or written by a model); ``shrink_text`` and ``check_text`` shrink one long text verbatim and check
+what survived; ``recall_context`` fetches back what the proxy folded away; ``list_sessions`` names the
+coding agents' own sessions the other tools can read and write. Trimming and compaction never split an
+assistant tool call from its results, keep leading system messages, start the kept history on a user
+message and never change a kept message.
 
 ``context-shrink proxy --upstream URL`` serves the same machinery as an OpenAI-compatible HTTP proxy:
 every chat request is shrunk to fit the upstream's window before it is forwarded. ``context-shrink serve``
@@ -17,19 +20,24 @@ The module reads top to bottom, each section using only the ones above it:
  4. token counting (pure)      10. other wire APIs as chat (pure)    16. both doors on one HTTP server
  5. message helpers (pure)     11. the backend client (httpx2)      17. the command line
  6. the verbatim diet (pure)   12. files and the archive
-Sections 4-10 do no I/O: the backend reaches them only as an injected summariser. Both front doors are thin
-shells over :func:`shrink` and :func:`summarise_span`, and read their settings through :class:`Settings`.
+Sections 5-10 do no I/O, and neither does counting in section 4 (resolving a tokenizer reads its files and may
+fetch tiktoken's encodings): the backend reaches them only as an injected summariser. Files, the archive and
+the agents' stores are read and written in sections 12 and 13. Both front doors are thin shells over
+:func:`shrink` and :func:`summarise_span`, and read their settings through :class:`Settings`.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 __all__ = [  # the public API: what the tests, the benchmarks and the examples use
+    "AGENT_STORES",
     "ANCHOR_HEADING",
     "CALIBRATION_LIMITS",
     "CORE_TOOLS",
     "COUNT_METHODS",
     "DEFAULT_BASE_URL",
+    "DOOR_OMISSIONS",
+    "DOOR_OPTIONS",
     "HEURISTIC",
     "HEURISTIC_NON_ASCII_WEIGHTS",
     "HEURISTIC_SAFETY",
@@ -38,6 +46,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "MAX_CONTEXT_TOKENS_LIMIT",
     "MAX_RETRY_AFTER",
     "MERGE_PROMPT",
+    "PATCHED_FOR",
     "PROXY_MAX_RESERVE",
     "REASONING_KEYS",
     "RESULT_ROLES",
@@ -49,34 +58,58 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "TRANSCRIPT_BEGIN",
     "TRANSCRIPT_END",
     "AgentSession",
+    "AgentStore",
+    "AnalyzeOptions",
     "Backend",
     "BackendCaches",
     "BackendError",
+    "ChatRequest",
     "ChatView",
+    "ClaudeRecord",
+    "ClaudeStore",
+    "CodexItem",
+    "CodexStore",
+    "CompactOptions",
+    "Compaction",
     "Config",
     "ConfigError",
     "ContextShrinkError",
+    "EstimateOptions",
+    "HeaderDeadline",
+    "JsonlStore",
+    "Measured",
+    "OpenCodePart",
+    "OpenCodeStore",
     "Overflow",
     "Policy",
     "ProxyConfig",
+    "ProxyReport",
     "ProxyState",
+    "PruneOptions",
     "Reply",
+    "SessionChanges",
     "Settings",
+    "SpanSummary",
+    "StrictTool",
     "Summariser",
     "SummaryCache",
+    "SummaryOptions",
     "Tokenizer",
+    "TrimOptions",
     "analyze_messages",
     "anchor_summary",
     "anchored_in",
     "api_problems",
     "archive_files",
     "archive_messages",
+    "assistant_message",
     "bound_listener",
     "build_proxy",
     "build_server",
     "cached_count",
     "calibrated",
     "canonical_json",
+    "chat_content",
     "check_text",
     "clean_summary",
     "cleared_result",
@@ -106,11 +139,15 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "list_sessions",
     "listening",
     "load_messages_file",
+    "lowlevel_server",
     "main",
+    "measure",
     "message_ids",
     "message_kind",
     "messages_body",
     "messages_view",
+    "model_of",
+    "options_of",
     "parse_overflow",
     "parse_tokenizer_spec",
     "plan_trim",
@@ -126,10 +163,13 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "request_budget",
     "resolve_path",
     "resolve_tokenizer",
+    "responses_body",
     "responses_view",
     "search_archive",
     "secret_forms",
+    "serve_config",
     "shrink",
+    "shrink_counted",
     "shrink_header",
     "shrink_text",
     "silently_truncated",
@@ -137,7 +177,10 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "summarise_span",
     "summary_message",
     "summary_request",
+    "tool_call",
     "trim_messages",
+    "trim_rung",
+    "unknown_names",
     "usage_in_stream",
     "validate_messages",
     "validate_tools",
@@ -667,7 +710,7 @@ class Config:
 
 
 # =============================================================================
-# 4. Token counting
+# 4. Token counting (pure; resolve_tokenizer alone loads a tokenizer's files)
 # =============================================================================
 
 
@@ -4795,7 +4838,7 @@ async def _sleep(seconds: float) -> None:
 
 
 # =============================================================================
-# 12. Files and the archive (the only disk I/O; above both front doors)
+# 12. Files and the archive (disk I/O for both front doors; the agents' stores are section 13)
 # =============================================================================
 def resolve_path(root: Path, path: str) -> Path:
     """``path`` resolved (symlinks included) inside ``root``; anything outside is refused."""
@@ -6868,6 +6911,18 @@ async def session_result(found: AgentSession, result: dict[str, Any], dry_run: b
     }
 
 
+async def measured(
+    ctx: Context, config: Config, source: tuple[str | None, Any, str | None], tools: Any, model: str | None,
+    window: int | str | None, work: Callable[[Prepared], dict[str, Any]],
+) -> tuple[dict[str, Any], Prepared]:  # fmt: skip
+    """A measuring tool's one path: its ``(session, messages, messages_path)`` loaded, prepared and measured by
+    ``work`` in a worker thread; the result says where the window and the session came from."""
+    messages, found = await session_source(config, *source)
+    req = await prepare(state_of(ctx), messages, source[2], tools, model, window)
+    result = await anyio.to_thread.run_sync(work, req)
+    return {**result, "max_context_source": req.window_source, **session_report(found)}, req
+
+
 def measure_tools(tool: Callable[..., Any], config: Config) -> None:
     """Register the tools that measure a history: estimate, analyze."""
     default_reserve = config.reserve_tokens
@@ -6885,15 +6940,16 @@ def measure_tools(tool: Callable[..., Any], config: Config) -> None:
     ) -> dict[str, Any]:
         """Count a chat history's tokens: does it fit the window?"""
         options = EstimateOptions(reserve_tokens=reserve_tokens)
-        messages, found = await session_source(config, session, messages, messages_path)
-        req = await prepare(state_of(ctx), messages, messages_path, tools, model, max_context_tokens)
-        result = await anyio.to_thread.run_sync(
-            lambda: estimate_messages(req.messages, req.tokenizer, req.window, options, tools=req.tools)
-        )
+        source = (session, messages, messages_path)
+
+        def estimate(r: Prepared) -> dict[str, Any]:
+            return estimate_messages(r.messages, r.tokenizer, r.window, options, tools=r.tools)
+
+        result, req = await measured(ctx, config, source, tools, model, max_context_tokens, estimate)
         if req.exact is not None:
             result.update(tokens=req.exact, remaining=req.window - reserve_tokens - req.exact)
             result["should_trim"] = result["remaining"] < 0
-        return {**result, "max_context_source": req.window_source, **session_report(found)}
+        return result
 
     @tool(read_only=True)
     async def analyze_context(
@@ -6911,14 +6967,15 @@ def measure_tools(tool: Callable[..., Any], config: Config) -> None:
     ) -> dict[str, Any]:
         """What fills the window, a line per message: '<id> <kind> <tokens>tok: <gist>'."""
         options = AnalyzeOptions(reserve_tokens=reserve_tokens, sort=sort, limit=limit, offset=offset)
-        messages, found = await session_source(config, session, messages, messages_path)
-        req = await prepare(state_of(ctx), messages, messages_path, tools, model, max_context_tokens)
-        result = await anyio.to_thread.run_sync(
-            lambda: analyze_messages(req.messages, req.tokenizer, req.window, options, tools=req.tools)
-        )
+        source = (session, messages, messages_path)
+
+        def analyze(r: Prepared) -> dict[str, Any]:
+            return analyze_messages(r.messages, r.tokenizer, r.window, options, tools=r.tools)
+
+        result, req = await measured(ctx, config, source, tools, model, max_context_tokens, analyze)
         if req.exact is not None:
             result.update(tokens=req.exact, percent_of_budget=round(100 * req.exact / result["budget_tokens"], 1))
-        return {**result, "max_context_source": req.window_source, **session_report(found)}
+        return result
 
 
 def history_tools(tool: Callable[..., Any], config: Config) -> None:

@@ -6,19 +6,21 @@
 #   ./test/test.sh --no-install  use .venv and test/js/node_modules as they are
 #   ./test/test.sh --only EXPR   only the pytest tests matching EXPR (pytest -k), no lint, no Node
 #   ./test/test.sh --dist        build the sdist and the wheel into dist/ and check them (what a release uploads)
+#   ./test/test.sh --fast        the pure core's fast loop (pytest -m "core and not slow", under a minute), no install
 #
 # Environment: PYTHON (default python3, must be 3.10+), CONTEXT_SHRINK_LIVE=1 to add live-backend tests.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-lint_only=0 install=1 only="" dist=0
+lint_only=0 install=1 only="" dist=0 fast=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --lint) lint_only=1 ;;
     --dist) dist=1 ;;
+    --fast) fast=1; install=0 ;;
     --no-install) install=0 ;;
     --only) shift; only="${1:?--only needs a pytest -k expression}" ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -69,6 +71,12 @@ if [ "$install" = 1 ]; then
   fi
 fi
 [ -x "$PY" ] || { echo "test.sh: $PY not found; run without --no-install first" >&2; exit 1; }
+
+if [ "$fast" = 1 ]; then
+  say "the fast loop: the pure core (pytest -m 'core and not slow'); CI runs everything"
+  "$PY" -m pytest -m "core and not slow" -q
+  exit $?
+fi
 
 if [ "$dist" = 1 ]; then
   say "building the sdist and the wheel into dist/ (offline: hatchling comes with the dev extra)"

@@ -10,13 +10,15 @@ from typing import Any
 
 import anyio
 import pytest
+from builders import conversation
 from checks import check_trim
 from fake_openai import FakeOpenAI, serve
 from mcp import Client
-from test_core import conversation
-from test_tools import ok
+from mcp_calls import ok
 
 import context_shrink as cs
+
+pytestmark = pytest.mark.core  # the fast loop: ./test/test.sh --fast
 
 
 def grow(turns: int) -> list[list[dict[str, Any]]]:

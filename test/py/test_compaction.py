@@ -9,17 +9,13 @@ from typing import Any
 import anyio
 import mcp_types as types
 import pytest
-from conftest import LOCAL_SESSIONS, load_session, session_files
+from builders import assistant, conversation, session, tool, user
+from conftest import load_session, session_files
 from fake_openai import FakeOpenAI, serve
 from mcp import Client
-from test_core import assistant, conversation, tool, user
-from test_tools import ok
+from mcp_calls import ok
 
 import context_shrink as cs
-
-
-def session() -> list[dict[str, Any]]:
-    return load_session(LOCAL_SESSIONS / "swe-agent_function-calling_marshmallow-1867.json")
 
 
 def compact(tmp_path: Path, url: str, arguments: dict[str, Any], **config: Any) -> dict[str, Any]:

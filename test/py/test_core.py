@@ -2,237 +2,34 @@
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import base64
 import copy
 import json
-import re
 import struct
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import COOKBOOK, assistant, conversation, tool, user
 from checks import check_trim
 from conftest import load_session, session_files
 
 import context_shrink as cs
 
+pytestmark = pytest.mark.core  # the fast loop: ./test/test.sh --fast
+
 # --------------------------------------------------------------------------- helpers
-
-
-def user(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str | None, *call_ids: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if call_ids:
-        message["tool_calls"] = [
-            {"id": cid, "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": cid})}}
-            for cid in call_ids
-        ]
-    return message
-
-
-def tool(call_id: str, text: str) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
-
-
-def conversation(turns: int, size: int = 400) -> list[dict[str, Any]]:
-    """A system prompt, then turns of user -> assistant tool call (two parallel) -> results -> answer."""
-    messages = [{"role": "system", "content": "You are a coding agent."}]
-    for t in range(turns):
-        messages += [
-            user(f"turn {t}: please look at file_{t}.py " + "word " * size),
-            assistant(None, f"call_{t}_a", f"call_{t}_b"),
-            tool(f"call_{t}_a", "output " * size),
-            tool(f"call_{t}_b", "more output " * size),
-            assistant(f"done with turn {t}"),
-        ]
-    return messages
-
-
-def first_non_system(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return next((m for m in messages if m["role"] not in cs.SYSTEM_ROLES), None)
 
 
 # --------------------------------------------------------------------------- configuration
 
 
-def test_config_defaults() -> None:
-    config = cs.Config.from_env({})
-    assert config == cs.Config(root=config.root)
-    assert config.base_url == "http://127.0.0.1:8000/v1"
-    assert (config.model, config.api_key, config.timeout, config.tokenizer) == (None, None, 180.0, "auto")
-    assert config.max_context_tokens == 32768 and config.archive_dir is None
-
-
-def test_config_precedence_and_trailing_slash() -> None:
-    env = {
-        "OPENAI_SHRINK_MODEL": "c",
-        "OMLX_SHRINK_MODEL": "b",
-        "CONTEXT_SHRINK_MODEL": "a",
-        "OMLX_SHRINK_BASE_URL": "http://h:1/v1/",
-        "OPENAI_SHRINK_BASE_URL": "http://other/v1",
-        "OPENAI_SHRINK_TIMEOUT": "7",
-    }
-    config = cs.Config.from_env(env)
-    assert config.model == "a"
-    assert config.base_url == "http://h:1/v1"
-    assert config.timeout == 7.0
-
-
-@pytest.mark.parametrize(
-    ("name", "value"),
-    [
-        ("TIMEOUT", "soon"),
-        ("TIMEOUT", "-3"),
-        ("TIMEOUT", "inf"),
-        ("TOKENIZER", "sentencepiece"),
-        ("MAX_CONTEXT_TOKENS", "lots"),
-        ("MAX_CONTEXT_TOKENS", "0"),
-        ("MAX_CONTEXT_TOKENS", "-5"),
-        ("MAX_CONTEXT_TOKENS", "99999999"),
-        ("RESERVE_TOKENS", "1e3"),
-        ("SUMMARY_CONTEXT_TOKENS", "12"),
-        ("MAX_TEXT_BYTES", "0"),
-        ("CHAT_FORMAT", "vicuna"),
-        ("LOG_LEVEL", "loud"),
-        ("TOOLS", "core, bogus"),
-        ("TOOLS", ","),
-        ("EXTRA_HEADERS", '["api-key", "s3cret"]'),
-    ],
-)
-def test_config_a_value_that_cannot_be_used_is_an_error_naming_the_variable(name: str, value: str) -> None:
-    for prefix in ("CONTEXT_SHRINK_", "OMLX_SHRINK_"):
-        with pytest.raises(cs.ConfigError) as raised:
-            cs.Config.from_env({prefix + name: value})
-        assert raised.value.variable == prefix + name and prefix + name in str(raised.value)
-        assert "s3cret" not in str(raised.value)
-
-
-@pytest.mark.parametrize(("value", "expected"), [("1", 1), ("4096", 4096), ("1000000", 1_000_000), ("AUTO", "auto")])
-def test_config_max_context_in_range(value: str, expected: int | str) -> None:
-    assert cs.Config.from_env({"CONTEXT_SHRINK_MAX_CONTEXT_TOKENS": value}).max_context_tokens == expected
-
-
-def test_config_extra_headers_and_secret_not_in_repr() -> None:
-    config = cs.Config.from_env(
-        {"CONTEXT_SHRINK_EXTRA_HEADERS": '{"api-key": "azure-secret"}', "CONTEXT_SHRINK_API_KEY": "sk-secret"}
-    )
-    assert config.extra_headers == {"api-key": "azure-secret"}
-    assert "sk-secret" not in repr(config) and "azure-secret" not in repr(config)
-
-
-def test_main_refuses_to_start_on_a_bad_setting(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("CONTEXT_SHRINK_RESERVE_TOKENS", "-1")
-    assert cs.main(["count", "--input", "-"]) == 2
-    assert "CONTEXT_SHRINK_RESERVE_TOKENS='-1'" in capsys.readouterr().err
-
-
 # --------------------------------------------------------------------------- the module's layout
-
-MODULE = Path(cs.__file__).read_text(encoding="utf-8")
-REPO = Path(__file__).resolve().parents[2]
-
-
-def test_each_section_uses_only_the_ones_above() -> None:
-    lines = MODULE.splitlines()
-    heads = [(i + 1, int(m.group(1))) for i, line in enumerate(lines) if (m := re.match(r"# (\d+)\. ", line))]
-    assert [n for _, n in heads] == list(range(2, 2 + len(heads)))  # numbered in order, none missing
-
-    def section(line: int) -> int:
-        return max([n for start, n in heads if start <= line], default=1)
-
-    tree = ast.parse(MODULE)
-    home: dict[str, int] = {}
-    for node in tree.body:
-        targets = [node] if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else []
-        targets += getattr(node, "targets", []) + [t for t in [getattr(node, "target", None)] if t]
-        for target in targets:
-            name = getattr(target, "name", None) or getattr(target, "id", None)
-            if name:
-                home.setdefault(name, section(node.lineno))
-    upward = []
-    for node in tree.body:
-        here = section(node.lineno)
-        local = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        for name in ast.walk(node):
-            if isinstance(name, ast.Name) and name.id not in local and home.get(name.id, 0) > here:
-                upward.append(
-                    f"section {here} ({getattr(node, 'name', node.lineno)}) uses {name.id} (section {home[name.id]})"
-                )
-    assert upward == []
-
-
-def test_the_shells_are_thin() -> None:
-    """build_server only binds the config and registers the tools, which three registration functions
-    define; each tool's body (signature and docstring aside) is at most 25 lines; the proxy's HTTP front is
-    a class of short methods; no function in the module comes near 200 lines."""
-    tree = ast.parse(MODULE)
-    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
-    assert max(f.end_lineno - f.lineno + 1 for f in functions) <= 120
-    top = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef | ast.ClassDef)}
-    assert top["build_server"].end_lineno - top["build_server"].lineno + 1 <= 30
-    tools = [
-        f
-        for shell in ("measure_tools", "history_tools", "text_tools", "compaction_tools", "session_tools")
-        for f in ast.walk(top[shell])
-        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
-        and any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "tool" for d in f.decorator_list)
-    ]
-    assert len(tools) == len(cs.TOOL_NAMES)
-    for tool in tools:
-        body = tool.body[1:] if isinstance(tool.body[0], ast.Expr) else tool.body
-        assert body[-1].end_lineno - body[0].lineno + 1 <= 25, tool.name
-    front = [f for f in top["ProxyFront"].body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
-    assert max(f.end_lineno - f.lineno + 1 for f in front) <= 40
-    assert top["build_proxy"].end_lineno - top["build_proxy"].lineno + 1 <= 5
-
-
-def test_all_is_the_public_api_the_tests_and_bench_use() -> None:
-    assert [n for n in cs.__all__ if not hasattr(cs, n)] == []
-    texts = [p.read_text(encoding="utf-8") for d in ("test/py", "bench", "examples") for p in (REPO / d).glob("*.py")]
-    used = {name for text in texts for name in re.findall(r"(?<![\w.])cs\.([A-Za-z]\w*)", text)}
-    assert sorted(used - set(cs.__all__)) == []
-
-
-def test_the_table_of_contents_names_every_section() -> None:
-    titles = re.findall(r"^# (\d+)\. ", MODULE, flags=re.MULTILINE)
-    toc = cs.__doc__ or ""
-    assert all(re.search(rf"(^|\s){n}\. ", toc) for n in titles)
 
 
 # --------------------------------------------------------------------------- token counting
-
-COOKBOOK = [
-    {
-        "role": "system",
-        "content": "You are a helpful, pattern-following assistant that translates corporate jargon "
-        "into plain English.",
-    },
-    {"role": "system", "name": "example_user", "content": "New synergies will help drive top-line growth."},
-    {"role": "system", "name": "example_assistant", "content": "Things working well together will increase revenue."},
-    {
-        "role": "system",
-        "name": "example_user",
-        "content": "Let's circle back when we have more bandwidth to touch base on opportunities for "
-        "increased leverage.",
-    },
-    {
-        "role": "system",
-        "name": "example_assistant",
-        "content": "Let's talk later when we're less busy about how to do better.",
-    },
-    {
-        "role": "user",
-        "content": "This late pivot means we don't have time to boil the ocean for the client deliverable.",
-    },
-]
 
 
 def test_cookbook_count_matches_openai(tok: cs.Tokenizer) -> None:

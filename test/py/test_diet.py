@@ -9,13 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import assistant, tool, user
+from checks import check_trim
 from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_core import assistant, check_trim, tool, user
-from test_tools import call, error, ok, run
+from mcp_calls import call, error, ok, run
 
 import context_shrink as cs
+
+pytestmark = pytest.mark.core  # the fast loop: ./test/test.sh --fast
 
 MARKER = cs.diet_marker(7).replace("7", "")
 

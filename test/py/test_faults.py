@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx2
 import pytest
-from test_core import conversation
-from test_security import proxied, raw_upstream
+from builders import conversation
 from tiny_llama import free_port
+from upstreams import proxied, raw_upstream
 
 Reader, Writer = asyncio.StreamReader, asyncio.StreamWriter
 CHAT = json.dumps({"id": "c", "choices": [{"message": {"role": "assistant", "content": "- a summary."},

@@ -13,8 +13,8 @@ from fake_openai import FakeOpenAI, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mcp import Client
+from mcp_calls import ok
 from planted import IDENTIFIERS, planted_conversation, prose_conversation
-from test_tools import ok
 
 import context_shrink as cs
 

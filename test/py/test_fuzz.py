@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import conversation
 from conftest import ROOT
 from fake_openai import FakeOpenAI, serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_core import conversation
-from test_sessions import claude_store
-from test_sessions import environ as sessions_environ
+from stores import claude_store
+from stores import environ as sessions_environ
 
 import context_shrink as cs
 

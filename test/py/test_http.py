@@ -18,12 +18,11 @@ import anyio
 import httpx2
 import mcp_types as types
 import pytest
+from builders import chat_history, session
 from fake_openai import FakeOpenAI, serve
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from proxy_helpers import MODULE, started
-from test_compaction import session
-from test_proxy import chat_history
 
 import context_shrink as cs
 

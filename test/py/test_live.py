@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from test_core import conversation
-from test_tools import call, ok, run
+from builders import conversation
+from mcp_calls import call, ok, run
 
 import context_shrink as cs
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx2
 import pytest
+from builders import conversation
 from conftest import LOCAL_SESSIONS
-from test_core import conversation
-from test_tools import call, ok, run
+from mcp_calls import call, ok, run
 
 import context_shrink as cs
 

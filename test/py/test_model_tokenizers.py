@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_core import assistant, conversation, tool, user
-from test_tools import call, ok, run
+from builders import assistant, conversation, tool, user
+from mcp_calls import call, ok, run
 
 import context_shrink as cs
 

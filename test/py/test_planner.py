@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 import context_shrink as cs
 
+pytestmark = pytest.mark.core  # the fast loop: ./test/test.sh --fast
+
 TOK = cs.resolve_tokenizer("heuristic")  # deterministic and fast (cached); the rule does not depend on the counter
 STABLE_RATIO = 0.6
 PROPERTY = settings(
@@ -57,6 +59,7 @@ def trim(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: flo
     return cs.trim_messages(messages, TOK, budget, keep_last=keep_last, target_ratio=ratio)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(cases(), keep_lasts, modes)
 def test_p1_p2_p5_p6_fits_uses_the_room_honestly(case: Case, keep_last: int, ratio: float) -> None:
@@ -84,6 +87,7 @@ def replay(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: f
     return [trim(messages[:k], budget, keep_last, ratio) for k in range(lead + 1, len(messages) + 1)]
 
 
+@pytest.mark.slow
 @REPLAY
 @given(cases(max_budget=8192), keep_lasts, modes)
 def test_p3_the_cut_never_moves_back(case: Case, keep_last: int, ratio: float) -> None:
@@ -108,6 +112,7 @@ def prefix_changed(before: list[dict[str, Any]], after: list[dict[str, Any]]) ->
     )
 
 
+@pytest.mark.slow
 @REPLAY
 @given(cases(max_budget=8192), keep_lasts)
 def test_p4_stable_requests_change_once_per_grid_step(case: Case, keep_last: int) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
 from checks import check_trim
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import context_shrink as cs
+
+pytestmark = pytest.mark.core  # the fast loop: ./test/test.sh --fast
 
 text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=300)
 

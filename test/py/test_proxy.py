@@ -17,14 +17,14 @@ from typing import Any
 
 import httpx2
 import pytest
+from builders import chat_history, conversation
 from checks import anthropic_problems, responses_problems
 from fake_openai import FakeOpenAI, serve
+from mcp_calls import call, ok, run
 from proxy_helpers import MODULE, proxy
 from starlette.responses import JSONResponse
-from test_core import conversation
-from test_security import SUMMARY, Recorder
-from test_tools import call, ok, run
 from tiny_llama import free_port
+from upstreams import SUMMARY, Recorder
 
 import context_shrink as cs
 
@@ -153,17 +153,6 @@ def test_cli_rejects_a_missing_upstream(capsys: pytest.CaptureFixture[str], monk
 
 def chat(url: str, body: dict[str, Any], **headers: str) -> httpx2.Response:
     return httpx2.post(url + "/chat/completions", json=body, headers=headers, timeout=60)
-
-
-def chat_history(turns: int, size: int) -> list[dict[str, Any]]:
-    """A plain chat (no tool results to clear): only compaction or trimming can shrink it."""
-    messages = [{"role": "system", "content": "You are a helpful assistant."}]
-    for t in range(turns):
-        messages += [
-            {"role": "user", "content": f"turn {t}: please explain file_{t}.py " + "word " * size},
-            {"role": "assistant", "content": f"answer {t}: " + "because " * size},
-        ]
-    return messages
 
 
 def summary_calls(fake: FakeOpenAI) -> int:

@@ -15,66 +15,17 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import agents
 import anyio
 import pytest
-import test_agents
 from agent_upstream import request_view
+from agents import binary, run_session
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mcp import Client
-from test_agents import binary, run_session
+from stores import claude_store, environ, plain, write_jsonl
 
 import context_shrink as cs
-
-
-def plain(content: Any) -> str:
-    """A message content's text: a string, or its text parts joined."""
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return content or ""
-
-
-def environ(home: Path) -> dict[str, str]:
-    return {"HOME": str(home), "XDG_DATA_HOME": str(home / "data"), "CODEX_HOME": str(home / ".codex")}
-
-
-def write_jsonl(path: Path, records: list[Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
-
-def claude_store(home: Path, cwd: str, compacted: bool = False) -> Path:
-    """A Claude Code session: a prompt, an environment attachment, a response in two block records (text,
-    tool_use), its tool_result, an answer; bookkeeping records between; optionally a compaction first."""
-    base = {"sessionId": "s1", "cwd": cwd}
-    records: list[Any] = [{"type": "queue-operation", "operation": "enqueue", "content": "secret prompt copy"}]
-    parent = None
-    if compacted:
-        records += [{**base, "type": "user", "uuid": "old", "parentUuid": None,
-                     "message": {"role": "user", "content": "an old question"}},
-                    {**base, "type": "system", "subtype": "compact_boundary", "uuid": "b", "parentUuid": "old"},
-                    {**base, "type": "user", "uuid": "sum", "parentUuid": "b", "isCompactSummary": True,
-                     "message": {"role": "user", "content": "Summary: the old question was answered."}}]  # fmt: skip
-        parent = "sum"
-    records += [
-        {**base, "type": "user", "uuid": "u1", "parentUuid": parent, "message": {"role": "user", "content": "fix it"}},
-        {**base, "type": "attachment", "uuid": "a1", "parentUuid": "u1", "attachment": {"type": "environment"},
-         "rendered": [{"content": "<system-reminder>cwd: /x</system-reminder>"}], "renderedRole": "system"},
-        {**base, "type": "attachment", "uuid": "a2", "parentUuid": "a1", "attachment": {"type": "prompt_snapshot"}},
-        {"type": "api-request", "params": {"messages": ["a copy"]}},
-        {**base, "type": "assistant", "uuid": "r1", "parentUuid": "a2",
-         "message": {"id": "msg_1", "role": "assistant", "content": [{"type": "text", "text": "Reading."}]}},
-        {**base, "type": "assistant", "uuid": "r2", "parentUuid": "r1", "message": {"id": "msg_1", "role": "assistant",
-         "content": [{"type": "tool_use", "id": "tu1", "name": "Read", "input": {"file_path": "a.py"}}]}},
-        "{not json",
-        {**base, "type": "user", "uuid": "t1", "parentUuid": "r2", "message": {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "tu1", "content": [{"type": "text", "text": "print(1)"}]}]}},
-        {**base, "type": "assistant", "uuid": "r3", "parentUuid": "t1",
-         "message": {"id": "msg_2", "role": "assistant", "content": [{"type": "text", "text": "Done."}]}},
-        {"type": "last-prompt", "lastPrompt": "fix it", "leafUuid": "r3"},
-    ]  # fmt: skip
-    return write_jsonl(home / ".claude" / "projects" / "-x" / "s1.jsonl", records)
 
 
 def test_a_claude_code_session(tmp_path: Path) -> None:
@@ -807,7 +758,7 @@ def test_a_real_opencode_session_after_its_own_compactions_reads_as_sent(
     """OpenCode given a small limit compacts on its own (a compaction part with a kept tail, the summary, a
     synthetic "Continue" message); the session read from its store is what it sent last."""
     binary("opencode")
-    monkeypatch.setattr(test_agents, "WINDOW", 11_000)  # OpenCode's limit: it compacts between the reads
+    monkeypatch.setattr(agents, "WINDOW", 11_000)  # OpenCode's limit: it compacts between the reads
     session = run_session("opencode", tmp_path, proxied=False, steps=3)
     assert session.returncode == 0, session.output[-2000:]
     found = cs.read_session("opencode:latest", ["opencode"], tmp_path / "project", environ(tmp_path / "home"))

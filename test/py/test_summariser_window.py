@@ -19,7 +19,7 @@ import httpx2
 import pytest
 from conftest import LOCAL_SESSIONS, served_llama
 from fake_openai import serve
-from test_tools import call, ok, run
+from mcp_calls import call, ok, run
 
 import context_shrink as cs
 

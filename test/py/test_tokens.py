@@ -11,11 +11,13 @@ from typing import Any
 import anyio
 import httpx2
 import pytest
+from builders import COOKBOOK, conversation, user
 from conftest import load_session, session_files
 from samples import samples
-from test_core import COOKBOOK, conversation, user
 
 import context_shrink as cs
+
+pytestmark = pytest.mark.core  # the fast loop: ./test/test.sh --fast
 
 # --------------------------------------------------------------------------- tokenizer choice
 

@@ -8,11 +8,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
+from builders import assistant, conversation, tool, user
 from conftest import LOCAL_SESSIONS
 from mcp import Client
-from test_core import assistant, conversation, tool, user
+from mcp_calls import call, error, ok, run
 
 import context_shrink as cs
 
@@ -95,25 +95,6 @@ CONTRACT = {
     "recall_context": ["query", "conversation", "limit"],
     "list_sessions": ["agent", "limit"],
 }
-
-
-def run(coro: Any) -> Any:
-    return anyio.run(lambda: coro)
-
-
-async def call(server: Any, name: str, arguments: dict[str, Any]) -> Any:
-    async with Client(server) as client:
-        return await client.call_tool(name, arguments)
-
-
-def ok(result: Any) -> dict[str, Any]:
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
-
-
-def error(result: Any) -> str:
-    assert result.is_error
-    return result.content[0].text
 
 
 @pytest.fixture

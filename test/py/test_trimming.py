@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import assistant, conversation, tool, user
 from checks import check_trim
 from conftest import load_session, session_files
-from test_core import assistant, conversation, tool, user
-from test_tools import call, error, ok, run
+from mcp_calls import call, error, ok, run
 
 import context_shrink as cs
+
+pytestmark = pytest.mark.core  # the fast loop: ./test/test.sh --fast
 
 LINE = re.compile(
     r"^(?P<id>[0-9a-f]{8}) (?P<kind>system|user|assistant|tool_call|tool_result|image) (?P<tokens>\d+)tok: "
