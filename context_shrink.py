@@ -4508,19 +4508,20 @@ async def _climb(
         used += ["diet"] if diet else []
         if diet and count_messages(lighter, tokenizer)[1] + tools_tokens <= trigger:
             return done(lighter, "diet")
+    # every result before the turn in progress as its placeholder (which keeps the values it held): the same
+    # bytes every turn, so a span summarised from it is found again
+    every = cleared_before(lighter, protect)
     if "clear" in policy.rungs:  # nothing dropped, only tool output reduced (and reasoning, pixels)
         cleared = await run(rungs.trim, lighter)
-        light = all(c["change"] in LIGHT_CHANGES or lighter[c["index"]]["role"] in RESULT_ROLES
-                    for c in cleared["changes"])  # fmt: skip
-        if cleared["fits"] and not cleared["dropped"] and light:
+        reduced = all(c["change"] in LIGHT_CHANGES or lighter[c["index"]]["role"] in RESULT_ROLES
+                      for c in cleared["changes"])  # fmt: skip
+        if cleared["fits"] and not cleared["dropped"] and reduced:
             return done(cleared["messages"], "+".join([*used, "clear"]))
-        every = cleared_before(lighter, protect)  # not enough: every result before the turn in progress
-        if count_messages(every, tokenizer)[1] + tools_tokens <= trigger:  # nothing dropped, values kept
+        if count_messages(every, tokenizer)[1] + tools_tokens <= trigger:  # not enough: every old result
             return done(every, "+".join([*used, "clear"]))
     reason, gone = None if "compact" in policy.rungs and summarise else "no summariser", []
-    if reason is None:  # on the cleared history: a summary of old turns' gist, their values kept in placeholders
-        light = cleared_before(lighter, protect)  # the same bytes every turn: a summarised span is found again
-        lighter, reason, compacted, gone = await _compact_rung(light, rungs, summarise)  # type: ignore[arg-type]
+    if summarise is not None and reason is None:  # on the cleared history: a summary of old turns' gist
+        lighter, reason, compacted, gone = await _compact_rung(every, rungs, summarise)
         if compacted is not None:
             cost = {k: compacted[k] for k in ("summary_cached", "summary_calls")}
             return done(rungs.with_ledger(compacted["messages"], gone), "compact", **cost)

@@ -22,7 +22,11 @@ def gibberish_is_fine(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny random model writes gibberish until max_tokens, which the degenerate-output guard rightly
     refuses; these tests are about the wire (chunking, refusals, counting), so the guard stands aside.
     The guard itself is tested in test_fidelity.py."""
-    monkeypatch.setattr(cs, "guard_summary", lambda text, source, limit, count: (cs.clean_summary(text), [], True))
+
+    def accept(text: str, source: str, limit: int, count: Any, keep: str = "") -> tuple[str, list[str], bool]:
+        return cs.clean_summary(text), [], True
+
+    monkeypatch.setattr(cs, "guard_summary", accept)
 
 
 def session() -> list[dict[str, Any]]:
