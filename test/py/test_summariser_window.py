@@ -36,14 +36,16 @@ def llama_2k(tiny_model: Path) -> Iterator[str]:
 
 
 def history(tokens: int = 6000) -> list[dict[str, Any]]:
-    """The first messages of a real SWE-agent session, about ``tokens`` cl100k tokens, ending on a user turn."""
+    """The first messages of a real SWE-agent session, about ``tokens`` cl100k tokens, then an answer and a new
+    user turn (so the turn in progress is that message: the proxy never summarises the turn in progress)."""
     messages = json.loads((LOCAL_SESSIONS / "swe-agent_function-calling_marshmallow-1867.json").read_text())["messages"]
     tokenizer = cs.resolve_tokenizer("tiktoken:cl100k_base")
     counts = cs.count_messages(messages, tokenizer)[0]
     end = next(k for k in range(len(messages)) if sum(counts[:k]) >= tokens)
     while messages[end - 1]["role"] == "assistant" and messages[end - 1].get("tool_calls"):
         end += 1  # never end between a tool call and its results
-    return [*messages[:end], {"role": "user", "content": "Go on: run the tests again."}]
+    answer = {"role": "assistant", "content": "I changed src/parser.py; the parser tests pass."}
+    return [*messages[:end], answer, {"role": "user", "content": "Go on: run the tests again."}]
 
 
 def refusals(capfd: pytest.CaptureFixture[str]) -> int:
@@ -105,4 +107,7 @@ def test_the_proxy_compacts_without_overflowing_the_summariser(
     assert reply.status_code == 200, reply.text
     header = reply.headers["x-context-shrink"]
     assert "action=compact" in header, header
-    assert seen <= (0 if counting else 1), header
+    # Without counting the first refusal teaches the tokens-per-token ratio on one chunk; the span is the
+    # cleared history (placeholders dense with ids), so one denser chunk may be refused once more before
+    # it is re-split at its own ratio. Never more, and the compaction succeeds.
+    assert seen <= (0 if counting else 2), header
