@@ -3565,8 +3565,9 @@ def _ledger_items(gone: Sequence[Mapping[str, Any]], later: str) -> dict[str, li
     to, and the values tool results held (those ``later`` text names first, then oldest first)."""
     users = [user_words(m) for m in gone if m.get("role") == "user"]
     said = [r for m in gone if m.get("role") == "assistant" for r in _call_references(m)]
-    values = [v for m in gone if m.get("role") in RESULT_ROLES for v in text_values(_plain_content(m.get("content")))]
-    values = [v for v in dict.fromkeys(values) if v in later] + [v for v in dict.fromkeys(values) if v not in later]
+    values = list(dict.fromkeys(v for m in gone if m.get("role") in RESULT_ROLES
+                                for v in text_values(_plain_content(m.get("content")))))  # fmt: skip
+    values = [v for v in values if v in later] + [v for v in values if v not in later]
     return {"user": list(dict.fromkeys(u for u in users if u)), "assistant": list(dict.fromkeys(said)),
             "values": values}  # fmt: skip
 
@@ -8040,12 +8041,7 @@ def prompt_tokens_in(reply: Any) -> int | None:
 def usage_in_stream(tail: bytes) -> int | None:
     """The prompt's size in the last SSE event that reports one (``include_usage``; Responses' completed
     event), if any."""
-    for line in reversed(tail.decode("utf-8", "replace").splitlines()):
-        if line.startswith("data:") and '"usage"' in line:
-            with contextlib.suppress(ValueError):
-                if (tokens := prompt_tokens_in(json.loads(line[5:]))) is not None:
-                    return tokens
-    return None
+    return next((t for e in reversed(sse_events(tail)) if (t := prompt_tokens_in(e)) is not None), None)
 
 
 # --- one chat request, stage by stage: read, measure once, plan and shrink, forward, learn from the reply ----------
@@ -8108,13 +8104,15 @@ class ChatRequest:
 class Measured:
     """A request counted once: per message in the local tokenizer (``counts``), and the whole in the upstream's
     tokens (``tokens``: its own count when ``exact``, else the local one calibrated). ``tools_cost`` is what the
-    tools add in the upstream's tokens once it counted them (None: they are counted as the messages are)."""
+    tools add in the upstream's tokens once it counted them (None: they are counted as the messages are, in
+    ``local_tools`` local tokens)."""
 
     counts: list[int]
     raw: int
     tokens: int
     tools_cost: int | None
     exact: bool
+    local_tools: int = 0
 
 
 @dataclasses.dataclass
@@ -8439,7 +8437,7 @@ async def measure(
             return Measured(counts, raw, sum(found), found[1], True)
     elif model not in state.factors:  # first sight of a long request: the upstream counts it, if it can
         await calibrate(state, request, raw + local_tools, window, authorization)
-    return Measured(counts, raw, total + tools, tools_cost, False)
+    return Measured(counts, raw, total + tools, tools_cost, False, local_tools)
 
 
 async def shrink_request(
@@ -8485,9 +8483,7 @@ def fixed_part(state: ProxyState, request: ChatRequest, measured: Measured) -> i
     """What no rung can shrink, in the upstream's tokens: the agent's leading system messages and its tools."""
     factor = state.factors.get(request.model, 1.0)
     local = sum(measured.counts[: _leading_system(request.messages)]) + state.tokenizer.format.priming
-    if measured.tools_cost is None:  # the tools counted as the messages are
-        local += count_tools(request.tools, state.tokenizer)
-    return math.ceil(local * factor) + (measured.tools_cost or 0)
+    return math.ceil((local + measured.local_tools) * factor) + (measured.tools_cost or 0)
 
 
 def fixed_part_problem(fixed: int, window: int, budget: int) -> str:
