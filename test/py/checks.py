@@ -132,6 +132,7 @@ def anthropic_problems(body: dict[str, Any]) -> list[str]:
     for k, (a, b) in enumerate(itertools.pairwise(body["messages"])):
         if b.get("role") == "system" and a["role"] == "assistant" and "tool_use" in str(a["content"]):
             problems.append(f"message {k + 1}: a system message between a tool_use and its result")
+    problems += [f"message {k} has empty content" for k, m in enumerate(body["messages"]) if not m.get("content")]
     turns = [m for m in body["messages"] if m.get("role") != "system"]
     problems += [f"turns {k} and {k + 1} are both {a['role']}" for k, (a, b) in enumerate(itertools.pairwise(turns))
                  if a["role"] == b["role"]]  # fmt: skip

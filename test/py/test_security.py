@@ -191,6 +191,8 @@ def test_an_absurd_refused_window_is_not_learnt() -> None:
     calls: list[int] = []
 
     def answer(request: Request, body: bytes) -> Response:
+        if not request.url.path.endswith("/chat/completions"):  # the proxy asks the upstream its window
+            return JSONResponse({"error": "not here"}, status_code=404)
         calls.append(1)
         return JSONResponse(refusal, status_code=400) if len(calls) == 1 else JSONResponse(SUMMARY)
 

@@ -86,3 +86,47 @@ def test_responses_items_as_chat_and_back() -> None:
 def test_a_body_it_cannot_read_is_an_error_naming_why(body: dict[str, Any], said: str) -> None:
     with pytest.raises(cs.ContextShrinkError, match=said):
         cs.messages_view(body)
+
+
+def test_an_anthropic_message_is_edited_block_by_block() -> None:
+    """#34: a cleared tool result keeps its block (is_error, cache_control) with the new content; the other
+    blocks of its message (an image, a text with citations) go out as sent; a turn that held only thinking,
+    its reasoning removed, is not sent with empty content (the turns around it are joined)."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    cited = {"type": "text", "text": "see the screenshot", "citations": [{"type": "char_location", "cited_text": "s"}]}
+    result = {"type": "tool_result", "tool_use_id": "t1", "is_error": True, "cache_control": {"type": "ephemeral"},
+              "content": [{"type": "text", "text": "Traceback ... " * 20}]}  # fmt: skip
+    body = anthropic()
+    body["messages"][2]["content"] = [result, image, cited]
+    body["messages"] += [{"role": "user", "content": "go on"}]
+    view = cs.messages_view(body)
+    k = next(i for i, m in enumerate(view.messages) if m["role"] == "tool")
+    sent = [*view.messages[:k], {**view.messages[k], "content": "[cleared]"}, *view.messages[k + 1 :]]
+    sent = [cs.without_reasoning(m) if m["role"] == "assistant" and not m["content"] else m for m in sent]
+    written = cs.messages_body(body, view, sent)["messages"]
+    assert written[2]["content"][:3] == [{**result, "content": "[cleared]"}, image, cited]
+    assert written[:2] == body["messages"][:2]
+    assert all(m["content"] for m in written) and [m["role"] for m in written] == ["user", "assistant", "user"]
+    assert written[2]["content"][-1] == {"type": "text", "text": "go on"}  # the turn after, joined
+
+
+def test_an_image_removed_from_a_message_leaves_its_other_blocks_as_sent() -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    cited = {"type": "text", "text": "see the screenshot", "citations": [{"type": "char_location", "cited_text": "s"}]}
+    body = {"messages": [{"role": "user", "content": [image, cited]}]}
+    view = cs.messages_view(body)
+    sent = [{"role": "user", "content": "[image removed: png, 0 KB]\nsee the screenshot"}]
+    assert cs.messages_body(body, view, sent)["messages"][0]["content"] == [
+        {"type": "text", "text": "[image removed: png, 0 KB]"},
+        cited,
+    ]
+
+
+def test_an_assistant_turn_with_new_text_keeps_its_thinking_and_calls() -> None:
+    body = anthropic()
+    view = cs.messages_view(body)
+    k = next(i for i, m in enumerate(view.messages) if m.get("tool_calls"))
+    sent = [*view.messages[:k], {**view.messages[k], "content": "ok (shortened)"}, *view.messages[k + 1 :]]
+    written = cs.messages_body(body, view, sent)["messages"]
+    original = body["messages"][1]["content"]
+    assert written[1]["content"] == [original[0], {"type": "text", "text": "ok (shortened)"}, original[2]]

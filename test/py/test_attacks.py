@@ -1,0 +1,313 @@
+"""Hardening, round two (#34), through the doors as an attacker meets them: no key usable without the token,
+no browser cross-site use, headers always valid, bounded time for slow bodies and cut streams, clear
+errors for deep nesting, a learnt window that is evidence and not a verdict. Each test reproduces one
+failure of the attack run on the previous main."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import h11
+import httpx2
+import pytest
+from builders import conversation
+from fake_openai import serve
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mcp_calls import call, error, run
+from proxy_helpers import started
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from stores import claude_store, environ
+from upstreams import PROXY_KEY, Recorder, proxied, raw_upstream
+
+import context_shrink as cs
+
+TOKEN = "test-token-0123456789abcdef"
+ABOUT = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+HELLO = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": ABOUT}
+ACCEPT = {"Accept": "application/json, text/event-stream"}
+
+
+def reflecting(request: Request, body: bytes) -> Response:
+    """An upstream like llama.cpp: it answers and reflects the browser's Origin in its CORS grant."""
+    reply = JSONResponse({"object": "list", "data": []})
+    reply.headers["access-control-allow-origin"] = request.headers.get("origin", "*")
+    reply.headers["access-control-allow-credentials"] = "true"
+    return reply
+
+
+# --------------------------------------------------------------------------- keys and exposure
+
+
+def test_health_is_get_only_and_nothing_else_skips_the_token(tmp_path: Path) -> None:
+    """Any method but GET on /health went past the token and was relayed upstream with the proxy's key."""
+    recorder = Recorder(reflecting)
+    keyed = {"CONTEXT_SHRINK_PROXY_API_KEY": PROXY_KEY}
+    with serve(recorder) as upstream, started("serve", "--token", TOKEN, "--upstream", upstream,
+                                              log=tmp_path / "log", env=keyed) as base:  # fmt: skip
+        answers = {m: httpx2.request(m, base + "/health", json={"model": "m"}) for m in ("POST", "PUT", "DELETE")}
+        authorised = httpx2.post(base + "/health", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
+        get = httpx2.get(base + "/health")
+    assert {m: r.status_code for m, r in answers.items()} == {"POST": 401, "PUT": 401, "DELETE": 401}
+    assert authorised.status_code == 405 and get.status_code == 200
+    assert recorder.paths == [], "a /health request was relayed upstream"
+
+
+def test_the_plain_proxy_refuses_browser_cross_site_requests() -> None:
+    recorder = Recorder(reflecting)
+    with serve(recorder) as upstream, proxied(upstream, api_key=PROXY_KEY) as url:
+        evil = httpx2.post(url + "/chat/completions", json={"model": "m", "messages": []},
+                           headers={"Origin": "https://evil.example"})  # fmt: skip
+        blind = httpx2.get(url + "/models", headers={"Sec-Fetch-Site": "cross-site"})
+        local = httpx2.get(url + "/models", headers={"Origin": "http://localhost:5173"})
+        agent = httpx2.get(url + "/models")
+    assert evil.status_code == 403 and "evil.example" in evil.json()["error"]["message"]
+    assert blind.status_code == 403
+    assert local.status_code == agent.status_code == 200
+    assert recorder.paths == ["/v1/models", "/v1/models"]  # the refused ones never reached the upstream
+    assert not any(k.startswith("access-control-") for k in local.headers), "the upstream's CORS grant was relayed"
+
+
+def test_an_allowed_origin_gets_the_upstreams_cors_grant() -> None:
+    recorder = Recorder(reflecting)
+    with serve(recorder) as upstream, proxied(upstream, origins=("https://app.example",)) as url:
+        allowed = httpx2.get(url + "/models", headers={"Origin": "https://app.example", "Sec-Fetch-Site": "cross-site"})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def raw_get(port: int, path: str, host: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+@pytest.mark.parametrize("door", ["serve", "proxy"])
+def test_a_foreign_host_name_is_refused(door: str, tmp_path: Path) -> None:
+    """DNS rebinding: a page on evil.example whose name resolves to 127.0.0.1 reads nothing, whatever path."""
+    recorder = Recorder(reflecting)
+    with serve(recorder) as upstream, started(door, "--upstream", upstream, log=tmp_path / "log") as base:
+        port = int(base.rsplit(":", 1)[1])
+        answers = {p: raw_get(port, p, f"evil.example:{port}") for p in
+                   ("/context-shrink/stats", "/metrics", "/v1/models", "/mcp")}  # fmt: skip
+        ours = raw_get(port, "/v1/models", f"localhost:{port}")
+    for path, answer in answers.items():
+        assert answer.startswith(b"HTTP/1.1 403"), (path, answer[:200])
+    assert ours.startswith(b"HTTP/1.1 200") and recorder.paths == ["/v1/models"]
+
+
+def test_allow_origin_works_on_mcp_too(tmp_path: Path) -> None:
+    """The SDK's own origin check refused an origin --allow-origin allows; one guard decides now."""
+    with started("serve", "--allow-origin", "https://app.example", log=tmp_path / "log") as base:
+        allowed = httpx2.post(base + "/mcp", json=HELLO, headers={**ACCEPT, "Origin": "https://app.example"})
+        other = httpx2.post(base + "/mcp", json=HELLO, headers={**ACCEPT, "Origin": "https://other.example"})
+    assert allowed.status_code == 200, allowed.text
+    assert other.status_code == 403
+
+
+# --------------------------------------------------------------------------- headers always valid
+
+
+@settings(max_examples=300, deadline=None)
+@given(reason=st.text(max_size=400), conversation=st.text(max_size=50))
+def test_the_header_is_valid_for_any_reason_text(reason: str, conversation: str) -> None:
+    """A reason whose character 200 was a space made h11 refuse the header and drop the connection."""
+    header = cs.shrink_header({"tokens_before": 9, "tokens_after": 3, "action": "trim", "reason": reason,
+                               "conversation": conversation})  # fmt: skip
+    h11.Response(status_code=200, headers=[("x-context-shrink", header)])  # raises when invalid
+    assert header == header.strip() and len(header) < 400
+
+
+# --------------------------------------------------------------------------- streams cut
+
+
+def cut_upstream(head: bytes, sent: bytes) -> Any:
+    """A server that answers 200 with ``head``, sends ``sent`` and closes the connection mid-body."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n\r\n" + sent)
+        await writer.drain()
+        writer.close()
+
+    return raw_upstream(handle)
+
+
+def test_a_stream_cut_inside_an_event_ends_with_a_whole_error_event() -> None:
+    """The error event was glued onto the half event, so a client could parse neither."""
+    whole = b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+    sent = b"5c\r\n" + whole + b'data: {"choices": [{"del\r\n'  # one chunk: a whole event and half of the next
+    head = b"content-type: text/event-stream\r\ntransfer-encoding: chunked"
+    with cut_upstream(head, sent.replace(b"5c", b"%x" % (len(whole) + 24))) as url, proxied(url, window=8192) as front:
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        reply = httpx2.post(f"{front}/chat/completions", json=body)
+    events = [e for e in reply.text.split("\n\n") if e.strip()]
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["delta"]["content"] == "a"
+    assert "error" in json.loads(events[-1].removeprefix("data: ")) and len(events) == 2  # the half event dropped
+
+
+def test_a_cut_json_reply_to_a_streamed_request_is_never_a_clean_200() -> None:
+    head = b"content-type: application/json\r\ntransfer-encoding: chunked"
+    with cut_upstream(head, b"10\r\n" + b'{"choices": [{"m' + b"\r\n") as url, proxied(url, window=8192) as front:
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(httpx2.RemoteProtocolError):
+            httpx2.post(f"{front}/chat/completions", json=body)
+
+
+# --------------------------------------------------------------------------- deep nesting
+
+
+@pytest.mark.parametrize("depth", [300, 900, 5000])
+def test_a_deeply_nested_messages_file_is_a_clear_error(depth: int, tmp_path: Path) -> None:
+    """messages_path files nested 900+ deep gave a bare "Error executing tool"."""
+    path = tmp_path / "deep.json"
+    path.write_text("[" + json.dumps({"role": "user", "content": "hi"})[:-1] + ', "meta": ' + "[" * depth
+                    + "]" * depth + "}]")  # fmt: skip
+    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken"))
+    for tool in ("estimate_context", "trim_context", "analyze_context"):
+        said = error(run(call(server, tool, {"messages_path": str(path), "max_context_tokens": 1000})))
+        assert "nested" in said and "deep" in said, (tool, said)
+
+
+@pytest.mark.parametrize("api", ["/chat/completions", "/messages", "/responses"])
+def test_a_deeply_nested_proxy_body_is_relayed_with_the_reason(api: str) -> None:
+    """A body nested 990+ deep was a bare 500."""
+    recorder = Recorder()
+    nested = '{"role": "user", "content": "hi", "meta": ' + "[" * 995 + "]" * 995 + "}"
+    body = '{"model": "m", "max_tokens": 9, "messages": [' + nested + '], "input": [' + nested + "]}"
+    with serve(recorder) as upstream, proxied(upstream, window=8192) as url:
+        reply = httpx2.post(url + api, content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 200 and "nested" in reply.headers["x-context-shrink"]
+    assert len(recorder.paths) == 1  # the upstream answers it
+
+
+# --------------------------------------------------------------------------- session and output_path
+
+
+@pytest.mark.parametrize("tool", ["prune_context", "trim_context", "compact_context"])
+def test_a_session_with_an_output_path_is_refused_before_anything_is_written(
+    tool: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prune_context wrote the file and then failed; trim_context ignored output_path without a word."""
+    for name, value in environ(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    path = claude_store(tmp_path, str(tmp_path))
+    original = path.read_bytes()
+    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", session_stores=("claude",)))
+    arguments = {"session": "claude:s1", "output_path": "out.json", "dry_run": False, "max_context_tokens": 300}
+    said = error(
+        run(call(server, tool, {**arguments, **({"summary": "s", "force": True} if "compact" in tool else {})}))
+    )
+    assert "output_path cannot be used with session" in said
+    assert not (tmp_path / "out.json").exists() and path.read_bytes() == original
+
+
+# --------------------------------------------------------------------------- a learnt window is evidence
+
+
+def refusing_once(refusal: dict[str, Any], times: int = 1) -> tuple[Recorder, list[int]]:
+    """An upstream that refuses the first ``times`` requests with ``refusal``, then answers with usage."""
+    calls: list[int] = []
+
+    def answer(request: Request, body: bytes) -> Response:
+        if not request.url.path.endswith("/chat/completions"):  # the proxy's probes: nothing to learn from
+            return JSONResponse({"error": "not here"}, status_code=404)
+        calls.append(1)
+        if len(calls) <= times:
+            return JSONResponse(refusal, status_code=400)
+        reply = {"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                 "usage": {"prompt_tokens": len(body) // 4, "completion_tokens": 1}}  # fmt: skip
+        return JSONResponse(reply)
+
+    return Recorder(answer), calls
+
+
+@pytest.mark.parametrize(("window", "prompt"), [(300, 900), (4000, 10**27)])
+def test_one_odd_refusal_does_not_change_every_later_request(window: int, prompt: int) -> None:
+    """One refusal claiming a plausible wrong window (300 tokens), or a prompt of 10^27 tokens, cut or
+    compacted every later request for that model (20 of 20)."""
+    said = f"request ({prompt} tokens) exceeds the available context size ({window} tokens)"
+    refusal = {"error": {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": prompt,
+                         "n_ctx": window, "message": said}}  # fmt: skip
+    recorder, _ = refusing_once(refusal)
+    request = {"model": "m", "messages": conversation(8, size=80), "max_tokens": 64}  # 3,200 of 8,192 tokens
+    with serve(recorder) as url, proxied(url, window=8192) as front:
+        httpx2.post(f"{front}/chat/completions", json=request)
+        later = [httpx2.post(f"{front}/chat/completions", json=request) for _ in range(20)]
+    assert all(r.status_code == 200 for r in later)
+    assert [r.headers["x-context-shrink"] for r in later if "action=none" not in r.headers["x-context-shrink"]] == []
+
+
+def test_a_window_two_refusals_agree_on_is_learnt_and_a_larger_answer_corrects_it() -> None:
+    """An upstream that really has a 1,024-token window: its first refusal serves the retry only, the second
+    (the next request) teaches the window; an answer to a larger prompt later would make it forgotten."""
+
+    def answer(request: Request, body: bytes) -> Response:
+        if not request.url.path.endswith("/chat/completions"):
+            return JSONResponse({"error": "not here"}, status_code=404)
+        size = len(body) // 3  # about its tokens
+        if size > 1024:
+            said = f"request ({size} tokens) exceeds the available context size (1024 tokens)"
+            return JSONResponse({"error": {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": size,
+                                           "n_ctx": 1024, "message": said}}, status_code=400)  # fmt: skip
+        choice = {"message": {"role": "assistant", "content": "- ok"}, "finish_reason": "stop"}
+        return JSONResponse({"choices": [choice], "usage": {"prompt_tokens": size, "completion_tokens": 1}})
+
+    request = {"model": "m", "messages": conversation(8, size=80), "max_tokens": 64}
+    with serve(Recorder(answer)) as url, proxied(url, window=8192) as front:
+        first, second, third = (httpx2.post(f"{front}/chat/completions", json=request) for _ in range(3))
+    assert "retried=1" in first.headers["x-context-shrink"] and "retried=1" in second.headers["x-context-shrink"]
+    assert "window=1024" in third.headers["x-context-shrink"] and "retried" not in third.headers["x-context-shrink"]
+    config = cs.ProxyConfig(upstream="http://x/v1", window=8192)
+    state = cs.ProxyState(config, None, cs.resolve_tokenizer("tiktoken"))  # type: ignore[arg-type]
+    state.windows["m"] = 1024
+    state.learn_usage("m", 2000, 2000)  # the upstream answered a larger prompt than the learnt window
+    assert "m" not in state.windows
+
+
+# --------------------------------------------------------------------------- bounded time
+
+
+def slow_body(port: int, head: str, seconds: float) -> float:
+    """Send ``head`` and then a byte a second of a 10,000-byte body; how long until the server closes."""
+    began = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=seconds + 5) as sock:
+        sock.sendall(head.encode())
+        with contextlib.suppress(OSError):
+            while time.monotonic() - began < seconds:
+                sock.sendall(b"x")
+                sock.settimeout(1)
+                try:
+                    if sock.recv(65536) == b"":
+                        break
+                    while sock.recv(65536):  # an answer, then the close
+                        pass
+                    break
+                except TimeoutError:
+                    continue
+    return time.monotonic() - began
+
+
+@pytest.mark.parametrize("door", ["proxy", "serve"])
+def test_a_slow_body_is_cut_off(door: str, tmp_path: Path) -> None:
+    """100 of 100 slow bodies were still open after 45 s, including ones already refused 401."""
+    recorder = Recorder()
+    flags = ("--token", TOKEN) if door == "serve" else ()
+    env = {"CONTEXT_SHRINK_PROXY_BODY_TIMEOUT": "2"}
+    with serve(recorder) as upstream, started(door, "--upstream", upstream, *flags, log=tmp_path / "log",
+                                              env=env) as base:  # fmt: skip
+        port = int(base.rsplit(":", 1)[1])
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+                "content-length: 10000\r\n\r\n{")  # fmt: skip
+        held = slow_body(port, head, 20)
+    assert held < 15, f"a slow body held the connection {held:.0f} s"  # a bound, not a speed: 2 s + slack
+    assert recorder.paths == []
