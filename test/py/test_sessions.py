@@ -8,6 +8,7 @@ actually sent last."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -376,7 +377,12 @@ def test_any_store_content_reads_or_says_why(records: list[Any], tmp_path: Path)
 
 
 def make_idle(path: Path, when: float) -> None:
-    """Date the store (and its SQLite WAL) back, as if the agent had left it alone since ``when``."""
+    """Date the store (and its SQLite WAL) back, as if the agent had left it alone since ``when``: a JSONL
+    file's mtime; OpenCode's rows' ``time_updated`` too (its quiet rule reads them, not the file)."""
+    if path.suffix == ".db":
+        with contextlib.closing(sqlite3.connect(path)) as db, db:
+            for table in ("message", "part", "session"):
+                db.execute(f"UPDATE {table} SET time_updated = min(time_updated, ?)", (int(when * 1000),))
     for store in (path, path.with_name(path.name + "-wal")):
         if store.exists():
             os.utime(store, (when, when))
