@@ -5770,9 +5770,8 @@ def _backup_path(path: Path) -> Path:
 
 
 def _backup(path: Path, data: bytes | None = None) -> Path:
-    """Copy ``path`` (or write ``data``, what was read from it) to a new :func:`_backup_path`, after checking
-    there is room; a copy that fails (the disk filled meanwhile) is removed, never left half written."""
-    ensure_room(path.parent, path.stat().st_size if data is None else len(data), "the backup")
+    """Copy ``path`` (or write ``data``, what was read from it) to a new :func:`_backup_path` (its callers have
+    checked there is room); a copy that fails (the disk filled meanwhile) is removed, never left half written."""
     saved = _backup_path(path)
     try:
         with saved.open("wb") as out:
@@ -5879,7 +5878,8 @@ def replace_keeping_appends(path: Path, basis: bytes, new: bytes, appends: bool 
                 how = "had lines added" if before.startswith(basis) else "was changed"
                 raise ContextShrinkError(f"{path} {how} since it was read (the agent is writing it): nothing "
                                          "written; read it again and retry")  # fmt: skip
-            ensure_room(path.parent, len(new) + len(extra), "the new file")
+            need = len(new) + len(extra) + (len(before) if backup else 0)
+            ensure_room(path.parent, need, "the backup and the new file")
             if backup is not None:
                 backup(before)
             os.replace(_write_beside(path, new + extra, stat.S_IMODE(os.fstat(fd).st_mode)), path)
@@ -6350,13 +6350,13 @@ class JsonlStore(AgentStore):
             swap = replace_keeping_appends(found.path, found.basis, text.encode("utf-8", "backslashreplace"),
                                            appends=c is None,
                                            backup=lambda before: kept.append(_backup(found.path, before)))  # fmt: skip
-        except OSError as exc:
+        except BaseException as exc:
             for saved in kept:
                 saved.unlink(missing_ok=True)
-            raise ContextShrinkError(f"cannot write {found.path} (nothing written): {exc.strerror or exc}") from None
-        except BaseException:
-            for saved in kept:
-                saved.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise ContextShrinkError(
+                    f"cannot write {found.path} (nothing written): {exc.strerror or exc}"
+                ) from None
             raise
         self.forget_index(found)
         again = self.read(found.path, found.id)
@@ -9561,7 +9561,7 @@ class HttpGuard:
     def refusal(self, scope: Any, headers: Headers) -> Response | None:
         """Why this request is refused before anything reads it, or None."""
         host = _host_name(headers.get("host") or "")
-        if self.hosts is not None and host.lower() not in self.hosts:
+        if self.hosts is not None and host not in self.hosts:
             return _failure(403, f"context-shrink: host {host[:100]!r} is not this machine (DNS rebinding?)",
                             "forbidden")  # fmt: skip
         origin = (headers.get("origin") or "").rstrip("/")
