@@ -167,6 +167,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "prune_messages",
     "pseudo_tool",
     "read_archive",
+    "read_file_bytes",
     "read_file_text",
     "read_jsonl_lines",
     "read_session",
@@ -219,7 +220,6 @@ import dataclasses
 import datetime
 import difflib
 import functools
-import glob
 import hashlib
 import hmac
 import inspect
@@ -238,14 +238,23 @@ import stat
 import string
 import struct
 import sys
-import tempfile
 import threading
 import time
 import uuid as uuid_module
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
 
 try:  # POSIX: the session writers' lock
     import fcntl
@@ -420,6 +429,7 @@ def unknown_names(given: Iterable[str], known: Collection[str], what: str = "arg
 
 
 OptionsT = TypeVar("OptionsT")
+ResultT = TypeVar("ResultT")
 
 
 def options_of(kind: type[OptionsT], options: OptionsT | None, fields: Mapping[str, Any]) -> OptionsT:
@@ -4469,6 +4479,10 @@ def standing_context(messages: Sequence[Mapping[str, Any]], budget: int, size: C
     return sorted(chosen)
 
 
+SummaryAsk = tuple[list[dict[str, Any]], dict[str, Any], int, int]  # a SpanSummary's arguments
+Ladder = Generator[SummaryAsk, Any, dict[str, Any]]  # the rungs, climbed: asks for summaries, returns the result
+
+
 async def shrink(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]],
@@ -4486,9 +4500,45 @@ async def shrink(
     leading system messages, and counted like them. Nothing happens below ``trigger`` x the budget. A failed
     summary falls through to trimming with the reason kept. ``counted`` is the messages' count when the caller
     has it (it is not counted again). Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
-    ``tokens_before``/``tokens_after``, ``fits``, ``reason`` and ``summary_cached``; the heavy work runs in a
-    worker thread."""
+    ``tokens_before``/``tokens_after``, ``fits``, ``reason`` and ``summary_cached``. Every step runs in a worker
+    thread and only ``summarise`` on the caller's event loop (:func:`climbed`), so that one large request does
+    not hold up the small ones served beside it."""
+    steps = _shrink_steps(messages, tools, tokenizer, budget, policy, summarise is not None, counted)
+    return await climbed(steps, summarise)
 
+
+async def climbed(steps: Ladder, summarise: SpanSummary | None) -> dict[str, Any]:
+    """Run ``steps`` to their result: each stretch between two summaries in a worker thread, each summary asked
+    of ``summarise`` here (its :class:`ContextShrinkError` handed back into the steps)."""
+    done, value = await anyio.to_thread.run_sync(_step, steps, None, None)
+    while not done:
+        try:
+            got, failure = await cast(SpanSummary, summarise)(*value), None
+        except ContextShrinkError as exc:
+            got, failure = None, exc
+        done, value = await anyio.to_thread.run_sync(_step, steps, got, failure)
+    return value
+
+
+def _step(steps: Ladder, got: Any, failure: BaseException | None) -> tuple[bool, Any]:
+    """``steps`` resumed with a summary (or its failure) up to the next ask: ``(False, ask)``, or ``(True,
+    result)`` at the end."""
+    try:
+        return False, steps.throw(failure) if failure is not None else steps.send(got)
+    except StopIteration as stop:
+        return True, stop.value
+
+
+def _shrink_steps(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    budget: int,
+    policy: Policy,
+    summarises: bool,
+    counted: int | None,
+) -> Ladder:
+    """:func:`shrink`'s work as steps (pure): it yields what a summary is asked for and is sent the summary."""
     tools_tokens = count_tools(tools, tokenizer)
     before = (count_messages(messages, tokenizer)[1] if counted is None else counted) + tools_tokens
     result: dict[str, Any] = {"messages": list(messages), "action": "none", "tokens_before": before,
@@ -4499,11 +4549,11 @@ async def shrink(
     size = lambda m: count_messages([m], tokenizer)[0][0]  # noqa: E731
     standing = standing_context(messages, budget, size) if policy.protect_turn else []
     if not standing:
-        return await _climb(messages, tools, tokenizer, budget, policy, summarise, result)
+        return (yield from _climb(messages, tools, tokenizer, budget, policy, summarises, result))
     held = set(standing)
     core = [m for i, m in enumerate(messages) if i not in held]
     room = budget - sum(size(messages[i]) for i in standing)
-    got = await _climb(core, tools, tokenizer, room, policy, summarise, {**result, "messages": core})
+    got = yield from _climb(core, tools, tokenizer, room, policy, summarises, {**result, "messages": core})
     if got["messages"] is core or got["action"] == "none":
         return {**result, "action": got["action"], "reason": got["reason"]}  # said of the request as it came
     lead = _leading_system(got["messages"])
@@ -4512,17 +4562,16 @@ async def shrink(
     return {**got, "messages": out, "tokens_before": before, "tokens_after": after, "fits": after <= budget}
 
 
-async def _climb(
+def _climb(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
     budget: int,
     policy: Policy,
-    summarise: SpanSummary | None,
+    summarises: bool,
     result: dict[str, Any],
-) -> dict[str, Any]:
+) -> Ladder:
     """:func:`shrink`'s rungs, climbed on ``messages`` (``result``: what is said when nothing is done)."""
-    run = anyio.to_thread.run_sync
     tools_tokens = count_tools(tools, tokenizer)
     trigger = int(policy.trigger * budget)
 
@@ -4534,7 +4583,7 @@ async def _climb(
     rungs = Rungs(tokenizer, budget, tools, policy, protect, policy.ledger_tokens(budget))
     lighter, used = list(messages), []
     if "diet" in policy.rungs:
-        lighter, diet = await run(diet_results, lighter, tokenizer)
+        lighter, diet = diet_results(lighter, tokenizer)
         used += ["diet"] if diet else []
         if diet and count_messages(lighter, tokenizer)[1] + tools_tokens <= trigger:
             return done(lighter, "diet")
@@ -4542,25 +4591,25 @@ async def _climb(
     # bytes every turn, so a span summarised from it is found again
     every = cleared_before(lighter, protect)
     if "clear" in policy.rungs:  # nothing dropped, only tool output reduced (and reasoning, pixels)
-        cleared = await run(rungs.trim, lighter)
+        cleared = rungs.trim(lighter)
         reduced = all(c["change"] in LIGHT_CHANGES or lighter[c["index"]]["role"] in RESULT_ROLES
                       for c in cleared["changes"])  # fmt: skip
         if cleared["fits"] and not cleared["dropped"] and reduced:
             return done(cleared["messages"], "+".join([*used, "clear"]))
         if count_messages(every, tokenizer)[1] + tools_tokens <= trigger:  # not enough: every old result
             return done(every, "+".join([*used, "clear"]))
-    reason, gone = None if "compact" in policy.rungs and summarise else "no summariser", []
-    if summarise is not None and reason is None:  # on the cleared history: a summary of old turns' gist
-        lighter, reason, compacted, gone = await _compact_rung(every, rungs, summarise)
+    reason, gone = None if "compact" in policy.rungs and summarises else "no summariser", []
+    if reason is None:  # on the cleared history: a summary of old turns' gist
+        lighter, reason, compacted, gone = yield from _compact_rung(every, rungs)
         if compacted is not None:
             cost = {k: compacted[k] for k in ("summary_cached", "summary_calls")}
             return done(rungs.with_ledger(compacted["messages"], gone), "compact", **cost)
     if "trim" not in policy.rungs:
         return {**done(lighter, "+".join(used) or "none"), "reason": reason}
-    cut = await run(rungs.trim, lighter, budget - rungs.ledger)
+    cut = rungs.trim(lighter, budget - rungs.ledger)
     if not cut["fits"] and rungs.ledger:  # the ledger's room must not be what keeps the request from fitting
         rungs, gone = dataclasses.replace(rungs, ledger=0), []
-        cut = await run(rungs.trim, lighter)
+        cut = rungs.trim(lighter)
     if cut["messages"] == result["messages"]:  # said as it is: nothing was cut
         why = reason or "nothing can be cut without touching the newest request"
         return {**result, "action": "unchanged (still too long)", "reason": why}
@@ -4569,15 +4618,15 @@ async def _climb(
     return done(out, "trim" if after <= budget else "trim (still too long)", reason=reason)
 
 
-async def _compact_rung(
-    messages: list[dict[str, Any]], rungs: Rungs, summarise: SpanSummary
-) -> tuple[list[dict[str, Any]], str | None, dict[str, Any] | None, list[Any]]:
+def _compact_rung(
+    messages: list[dict[str, Any]], rungs: Rungs
+) -> Generator[SummaryAsk, Any, tuple[list[dict[str, Any]], str | None, dict[str, Any] | None, list[Any]]]:
     """The compact rung: ``(messages, reason, result, gone)``; ``result`` is set when the compacted request
     fits (else the messages are what the next rung starts from and ``reason`` says why); ``gone`` is what the
     summary stands for. No summary is asked for when even a compacted request could not fit (the turn in
     progress alone is over the budget): the trim rung reduces it instead."""
 
-    plan = await anyio.to_thread.run_sync(rungs.compact, messages, None)
+    plan = rungs.compact(messages, None)
     if not plan["needs_summary"]:
         return messages, plan["reason"], None, []
     room = rungs.budget - rungs.ledger
@@ -4588,7 +4637,7 @@ async def _compact_rung(
     if count_messages(span, rungs.tokenizer)[1] < growth:
         return messages, "too little to summarise yet: the oldest turns are dropped, their facts kept", None, []
     try:
-        got = await summarise(messages, plan, rungs.policy.summary_tokens(room), growth)
+        got = yield messages, plan, rungs.policy.summary_tokens(room), growth
     except ContextShrinkError as exc:
         log.warning("summary failed: %s; trimming instead", exc)
         return messages, f"summary failed: {exc}", None, []
@@ -5610,9 +5659,26 @@ def resolve_path(root: Path, path: str) -> Path:
     return target
 
 
-def read_file_bytes(path: Path, cap: int | None = None, setting: str = "") -> bytes:
+def check_opened(fd: int, root: Path, path: Path) -> None:
+    """Refuse the open descriptor ``fd`` unless it is the file or folder ``path`` names inside ``root`` now.
+
+    ``path`` was checked (:func:`resolve_path`) before it was opened; a folder on its way swapped for a symlink
+    in between led the open out of the root, and the file opened then is not the one the path names inside
+    it. Checked on the descriptor, after the open: no window is left between the check and the use."""
+    info = os.fstat(fd)
+    try:
+        now: os.stat_result | None = os.stat(resolve_path(root, str(path)))
+    except (ContextShrinkError, OSError):
+        now = None
+    if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+        raise ContextShrinkError(f"{path} moved while it was opened (a folder on its way was replaced, perhaps by "
+                                 f"a symlink out of the allowed root {root}): nothing read or written")  # fmt: skip
+
+
+def read_file_bytes(path: Path, cap: int | None = None, setting: str = "", root: Path | None = None) -> bytes:
     """A regular file's bytes, at most ``cap``. FIFOs, devices and sockets are refused before anything is read
-    (opened non-blocking, checked with ``fstat``)."""
+    (opened non-blocking, checked with ``fstat``); with ``root``, a file that is not the one ``path`` names
+    inside it once opened (:func:`check_opened`)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
@@ -5624,6 +5690,8 @@ def read_file_bytes(path: Path, cap: int | None = None, setting: str = "") -> by
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ContextShrinkError(f"{path} is not a regular file (a FIFO, device, socket or folder is never read)")
+        if root is not None:
+            check_opened(fd, root, path)
         handle = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -5644,9 +5712,11 @@ def decoded(data: bytes, path: Path, errors: str = "strict") -> str:
         raise ContextShrinkError(f"cannot read {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
-def read_file_text(path: Path, cap: int | None = None, setting: str = "", errors: str = "strict") -> str:
+def read_file_text(
+    path: Path, cap: int | None = None, setting: str = "", errors: str = "strict", root: Path | None = None
+) -> str:
     """A regular file's text (UTF-8, line endings as written), at most ``cap`` bytes (:func:`read_file_bytes`)."""
-    return decoded(read_file_bytes(path, cap, setting), path, errors)
+    return decoded(read_file_bytes(path, cap, setting, root), path, errors)
 
 
 def _lines(text: str) -> list[str]:
@@ -5654,12 +5724,13 @@ def _lines(text: str) -> list[str]:
     return re.findall(r"[^\n]*\n|[^\n]+$", text)
 
 
-def load_messages_file(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Read messages from JSON (a list, or an object with ``messages``) or JSONL (one message a line).
+def load_messages_file(path: Path, root: Path | None = None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Read messages from JSON (a list, or an object with ``messages``) or JSONL (one message a line), from
+    inside ``root`` when given (:func:`check_opened`).
 
     Returns the messages and, for a request-body object, the object itself (to keep its other keys).
     """
-    text = read_file_text(path)
+    text = read_file_text(path, root=root)
     try:
         data = json.loads(text)
     except RecursionError:
@@ -5685,13 +5756,13 @@ def load_messages_file(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]
     return data, None
 
 
-def read_jsonl_lines(path: Path) -> list[tuple[str, dict[str, Any] | None]] | None:
+def read_jsonl_lines(path: Path, root: Path | None = None) -> list[tuple[str, dict[str, Any] | None]] | None:
     """A JSONL file's lines, each with its parsed message (None for a line that does not parse or is blank).
 
     None when the file is one JSON document instead. Used where a file is rewritten in place, so that a
-    line that does not parse is kept byte for byte.
+    line that does not parse is kept byte for byte. With ``root``, read from inside it (:func:`check_opened`).
     """
-    text = read_file_text(path)
+    text = read_file_text(path, root=root)
     try:
         json.loads(text)
         return None
@@ -5731,20 +5802,8 @@ def render_jsonl(
 TEMP_MARK = ".context-shrink-"  # this module's temporary files: .<file>.context-shrink-XXXX.tmp beside it
 STALE_TEMP_SECONDS = 60.0  # one of them older than this was left by a process killed mid-write
 DISK_MARGIN = 1 << 20  # free space kept beyond what a backup and a new file need
-
-
-def _temp_beside(path: Path) -> tuple[int, str]:
-    return tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", suffix=".tmp", dir=path.parent)
-
-
-def _sweep_temp(path: Path) -> None:
-    """The temporary files a killed process of this module left beside ``path`` (older than a minute), removed."""
-    cutoff = time.time() - STALE_TEMP_SECONDS
-    for old in path.parent.glob(f".{glob.escape(path.name)}{TEMP_MARK}*.tmp"):
-        with contextlib.suppress(OSError):
-            info = old.lstat()
-            if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
-                old.unlink()
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def ensure_room(folder: Path, need: int, what: str) -> None:
@@ -5755,98 +5814,144 @@ def ensure_room(folder: Path, need: int, what: str) -> None:
                                  f"{free:,} are free; nothing written (free some space and try again)")  # fmt: skip
 
 
-def _backup_path(path: Path) -> Path:
-    """A new, empty ``<file>.pre-shrink-<UTC stamp>[-n]`` beside ``path``, with its mode: never one that exists
-    already."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    for n in itertools.count():
-        saved = path.with_name(f"{path.name}.pre-shrink-{stamp}" + (f"-{n}" if n else ""))
-        try:
-            os.close(os.open(saved, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IMODE(path.stat().st_mode)))
-        except FileExistsError:
-            continue
-        return saved
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _backup(path: Path, data: bytes | None = None) -> Path:
-    """Copy ``path`` (or write ``data``, what was read from it) to a new :func:`_backup_path` (its callers have
-    checked there is room); a copy that fails (the disk filled meanwhile) is removed, never left half written."""
-    saved = _backup_path(path)
-    try:
-        with saved.open("wb") as out:
-            if data is None:
-                with path.open("rb") as source:
-                    shutil.copyfileobj(source, out)
-            else:
-                out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-    except OSError as exc:
-        saved.unlink(missing_ok=True)
-        raise ContextShrinkError(f"cannot back {path} up (nothing written): {exc.strerror or exc}") from None
-    return saved
-
-
-def _write_beside(path: Path, data: bytes, mode: int) -> str:
-    """``data`` in a new temporary file beside ``path`` (flushed to disk), removed again on any failure."""
-    fd, tmp = _temp_beside(path)
-    try:
-        os.chmod(tmp, mode)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return tmp
-
-
-def write_text_atomic(path: Path, text: str, backup: bool = False) -> Path | None:
-    """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename), keeping an existing
-    file's mode; with ``backup``, first copy the existing file to a new ``<file>.pre-shrink-<UTC stamp>``.
-    Only regular files are written; a disk without room for both is refused first. Returns the backup's path."""
-    saved = None
-    try:
-        if path.is_dir() or (path.exists() and not path.is_file()):
-            raise ContextShrinkError(f"{path} is not a regular file: nothing written")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask()
-        data = text.encode("utf-8", "backslashreplace")  # a lone surrogate stays the JSON escape it was read as
-        ensure_room(path.parent, len(data) + (path.stat().st_size if backup and path.exists() else 0), "the file")
-        if backup and path.exists():
-            saved = _backup(path)
-        try:
-            os.replace(_write_beside(path, data, mode), path)
-        except BaseException:
-            if saved is not None:
-                saved.unlink(missing_ok=True)
-            raise
-    except OSError as exc:
-        raise ContextShrinkError(f"cannot write {path} (nothing written): {exc.strerror or exc}") from None
-    return saved
-
-
-@contextlib.contextmanager
-def _folder_lock(folder: Path) -> Iterator[None]:
-    """An exclusive lock on ``folder`` among this module's writers (``flock``; agents do not take it)."""
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _read_from(fd: int, offset: int) -> bytes:
+def _read_from(fd: int, offset: int = 0) -> bytes:
     chunks = []
     while chunk := os.pread(fd, 1 << 20, offset):
         chunks.append(chunk)
         offset += len(chunk)
     return b"".join(chunks)
+
+
+class Folder:
+    """A folder opened once. The files this module makes, replaces and removes in it are named relative to the
+    open descriptor (``dir_fd``, never following a symlink), so a folder on the way swapped for a symlink
+    after it was opened cannot send them elsewhere. With ``root``, the folder opened must be the one its path
+    names inside the root (:func:`check_opened`): a swap between the check and the open is refused too."""
+
+    def __init__(self, path: Path, root: Path | None = None) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | O_DIRECTORY)
+        try:
+            if root is not None:
+                check_opened(self.fd, root, path)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def __enter__(self) -> Folder:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        os.close(self.fd)
+
+    def lock(self) -> None:
+        """An exclusive lock among this module's writers until the folder is closed (``flock``; agents do not
+        take it)."""
+        if fcntl is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def stat(self, name: str) -> os.stat_result | None:
+        """``name``'s own status (a symlink is not followed); None when there is none."""
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def open(self, name: str, flags: int = os.O_RDONLY) -> int:
+        """``name`` opened (for reading unless ``flags`` say otherwise); a symlink is refused (ELOOP)."""
+        return os.open(name, flags | O_NOFOLLOW, dir_fd=self.fd)
+
+    def make(self, name: str, data: bytes | None, mode: int) -> bool:
+        """A new file ``name`` with ``mode``, holding ``data`` flushed to disk (None: left empty); False when
+        ``name`` exists already. Removed again on any failure (a full disk leaves no partial file)."""
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW, 0o600, dir_fd=self.fd)
+        except FileExistsError:
+            return False
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                os.fchmod(handle.fileno(), mode)
+                if data is not None:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+        except BaseException:
+            self.remove(name)
+            raise
+        return True
+
+    def temp(self, beside: str, data: bytes, mode: int) -> str:
+        """A new temporary file beside ``beside`` holding ``data`` (see :meth:`sweep`); its name."""
+        while not self.make(name := f".{beside}{TEMP_MARK}{os.urandom(6).hex()}.tmp", data, mode):
+            pass
+        return name
+
+    def backup(self, name: str, data: bytes | None, mode: int) -> Path:
+        """``data`` (what was read from ``name``; None: an empty file to copy into) in a new
+        ``<name>.pre-shrink-<UTC stamp>[-n]``, never one that exists already."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        try:
+            n = next(n for n in itertools.count() if self.make(f"{name}.pre-shrink-{stamp}" + (f"-{n}" if n else ""),
+                                                               data, mode))  # fmt: skip
+        except OSError as exc:
+            raise ContextShrinkError(
+                f"cannot back {self.path / name} up (nothing written): {exc.strerror or exc}"
+            ) from None
+        return self.path / (f"{name}.pre-shrink-{stamp}" + (f"-{n}" if n else ""))
+
+    def replace(self, source: str, name: str) -> None:
+        os.replace(source, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self.fd)
+
+    def sweep(self, beside: str) -> None:
+        """The temporary files a killed process of this module left beside ``beside`` (older than a minute),
+        removed."""
+        cutoff = time.time() - STALE_TEMP_SECONDS
+        with os.scandir(self.fd) as entries:
+            old = [e.name for e in entries if e.name.startswith(f".{beside}{TEMP_MARK}") and e.name.endswith(".tmp")]
+        for name in old:
+            with contextlib.suppress(OSError):
+                info = self.stat(name)
+                if info is not None and stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
+                    self.remove(name)
+
+
+def write_text_atomic(path: Path, text: str, backup: bool = False, root: Path | None = None) -> Path | None:
+    """Write ``text`` to ``path`` atomically (a temporary file beside it, then a rename), keeping an existing
+    file's mode; with ``backup``, first copy the existing file to a new ``<file>.pre-shrink-<UTC stamp>``.
+    Only regular files are written; a disk without room for both is refused first; with ``root``, a folder
+    that no longer is the one inside it is refused (:class:`Folder`). Returns the backup's path."""
+    saved = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with Folder(path.parent, root) as folder:
+            info = folder.stat(path.name)
+            if info is not None and not stat.S_ISREG(info.st_mode):
+                raise ContextShrinkError(f"{path} is not a regular file: nothing written")
+            mode = stat.S_IMODE(info.st_mode) if info else 0o666 & ~_umask()
+            data = text.encode("utf-8", "backslashreplace")  # a lone surrogate stays the JSON escape it was read as
+            old = _read_all(folder.open(path.name)) if backup and info else None
+            ensure_room(path.parent, len(data) + len(old or b""), "the file")
+            saved = folder.backup(path.name, old, mode) if old is not None else None
+            try:
+                folder.replace(folder.temp(path.name, data, mode), path.name)
+            except BaseException:
+                if saved is not None:
+                    folder.remove(saved.name)
+                raise
+    except OSError as exc:
+        raise ContextShrinkError(f"cannot write {path} (nothing written): {exc.strerror or exc}") from None
+    return saved
+
+
+def _read_all(fd: int) -> bytes:
+    try:
+        return _read_from(fd)
+    finally:
+        os.close(fd)
 
 
 APPEND_SETTLE_SECONDS = 0.01  # how long an agent's append to the old file is waited for after a swap
@@ -5855,46 +5960,53 @@ APPEND_SETTLE_SECONDS = 0.01  # how long an agent's append to the old file is wa
 @dataclasses.dataclass(frozen=True)
 class Swap:
     """What :func:`replace_keeping_appends` did: ``before``, the file's bytes it replaced (the agent's appends
-    included); ``written``, what it wrote; ``appended``, every byte the agent added after ``basis``."""
+    included); ``written``, what it wrote; ``appended``, every byte the agent added after ``basis``;
+    ``backup``, where ``before`` was kept (when asked)."""
 
     before: bytes
     written: bytes
     appended: bytes
+    backup: Path | None = None
 
 
-def replace_keeping_appends(path: Path, basis: bytes, new: bytes, appends: bool = True,
-                            backup: Callable[[bytes], Any] | None = None) -> Swap:  # fmt: skip
+def replace_keeping_appends(path: Path, basis: bytes, new: bytes, appends: bool = True, backup: bool = False) -> Swap:
     """Replace ``path``, which must still begin with ``basis`` (what was read), by ``new`` followed by every byte
     an agent appended after ``basis``: those there before the swap, and those it wrote to the old file while
-    it was swapped (read from it until it stays quiet). ``backup`` gets the bytes replaced, first. A file
-    changed otherwise, or appended to when ``appends`` is false, is left as it is (an error says so)."""
-    with _folder_lock(path.parent):
-        _sweep_temp(path)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    it was swapped (read from it until it stays quiet). With ``backup``, the bytes replaced are kept first
+    (removed again if the swap fails). A file changed otherwise, or appended to when ``appends`` is false, is
+    left as it is (an error says so); so is a symlink (never written through)."""
+    with Folder(path.parent) as folder:
+        folder.lock()
+        folder.sweep(path.name)
+        fd, saved, swapped = folder.open(path.name), None, False
         try:
-            before = _read_from(fd, 0)
+            before = _read_from(fd)
             extra = before[len(basis) :]
             if not before.startswith(basis) or (extra and not appends):
                 how = "had lines added" if before.startswith(basis) else "was changed"
                 raise ContextShrinkError(f"{path} {how} since it was read (the agent is writing it): nothing "
                                          "written; read it again and retry")  # fmt: skip
-            need = len(new) + len(extra) + (len(before) if backup else 0)
-            ensure_room(path.parent, need, "the backup and the new file")
-            if backup is not None:
-                backup(before)
-            os.replace(_write_beside(path, new + extra, stat.S_IMODE(os.fstat(fd).st_mode)), path)
-            late, offset = b"", len(before)
+            ensure_room(path.parent, len(new) + len(extra) + (len(before) if backup else 0),
+                        "the backup and the new file")  # fmt: skip
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            saved = folder.backup(path.name, before, mode) if backup else None
+            folder.replace(folder.temp(path.name, new + extra, mode), path.name)
+            swapped, late, offset = True, b"", len(before)
             for _ in range(50):  # an append that opened the old file before the swap lands in it
                 time.sleep(APPEND_SETTLE_SECONDS)
                 if not (more := _read_from(fd, offset)):
                     break
                 late, offset = late + more, offset + len(more)
             if late:
-                with open(path, "ab") as out:
+                with os.fdopen(folder.open(path.name, os.O_WRONLY | os.O_APPEND), "ab") as out:
                     out.write(late)
+        except BaseException:
+            if saved is not None and not swapped:  # kept once the file was replaced: the undo needs it
+                folder.remove(saved.name)
+            raise
         finally:
             os.close(fd)
-    return Swap(before, new + extra, extra + late)
+    return Swap(before, new + extra, extra + late, saved)
 
 
 def _umask() -> int:
@@ -5906,20 +6018,25 @@ def _umask() -> int:
 
 
 def write_messages_file(
-    path: Path, messages: list[dict[str, Any]], container: dict[str, Any] | None, backup: bool = False
+    path: Path,
+    messages: list[dict[str, Any]],
+    container: dict[str, Any] | None,
+    backup: bool = False,
+    root: Path | None = None,
 ) -> Path | None:
-    """Write atomically: JSONL for ``*.jsonl``, else JSON (a request body keeps its other keys)."""
+    """Write atomically (:func:`write_text_atomic`): JSONL for ``*.jsonl``, else JSON (a request body keeps its
+    other keys)."""
     if path.suffix == ".jsonl":
         text = "".join(json.dumps(m, ensure_ascii=False) + "\n" for m in messages)
     else:
         text = json.dumps({**container, "messages": messages} if container else messages, ensure_ascii=False)
-    return write_text_atomic(path, text, backup)
+    return write_text_atomic(path, text, backup, root)
 
 
 def load_text(text: str | None, path: Path | None, config: Config) -> str:
     """A text given inline or read from ``path`` (already confined to the root), within the configured caps."""
     if path is not None:
-        text = read_file_text(path, config.max_text_bytes, "CONTEXT_SHRINK_MAX_TEXT_BYTES", errors="replace")
+        text = read_file_text(path, config.max_text_bytes, "CONTEXT_SHRINK_MAX_TEXT_BYTES", "replace", config.root)
     if not isinstance(text, str):
         raise ContextShrinkError(f"text must be a string, got {_type_name(text)}")
     size = len(text.encode())
@@ -6258,6 +6375,15 @@ def _text_of(content: Any) -> str:
     return "" if content is None else json.dumps(content, ensure_ascii=False)
 
 
+def store_files(place: Path, pattern: str) -> list[Path]:
+    """The files matching ``pattern`` in an agent's store folder ``place``, each reached without leaving the
+    store: a symlink (to a file or a folder) that leads out of it is not followed (one inside it is)."""
+    if not place.is_dir():
+        return []
+    base = place.resolve()
+    return [path for path in place.glob(pattern) if base in path.resolve().parents]
+
+
 def _first_cwd(path: Path) -> str | None:
     """The working directory named in a session file's first 50 lines."""
     if not path.is_file():  # never a FIFO: opening one would wait for a writer
@@ -6345,28 +6471,21 @@ class JsonlStore(AgentStore):
         c, base = changes.compaction, decoded(found.basis, found.path)
         text = self.compact(found, c, base) if c else self.rewrite(found, changes, base)
         text = self.scrub(text, changes.erased) if changes.erased else text
-        kept: list[Path] = []
         try:
             swap = replace_keeping_appends(found.path, found.basis, text.encode("utf-8", "backslashreplace"),
-                                           appends=c is None,
-                                           backup=lambda before: kept.append(_backup(found.path, before)))  # fmt: skip
-        except BaseException as exc:
-            for saved in kept:
-                saved.unlink(missing_ok=True)
-            if isinstance(exc, OSError):
-                raise ContextShrinkError(
-                    f"cannot write {found.path} (nothing written): {exc.strerror or exc}"
-                ) from None
-            raise
+                                           appends=c is None, backup=True)  # fmt: skip
+        except OSError as exc:
+            raise ContextShrinkError(f"cannot write {found.path} (nothing written): {exc.strerror or exc}") from None
+        saved = cast(Path, swap.backup)  # asked for: always made
         self.forget_index(found)
         again = self.read(found.path, found.id)
         if reads_back(again, bool(swap.appended) or len(again.basis or b"") > len(swap.written)):
-            return kept[0]
+            return saved
         undo = replace_keeping_appends(found.path, swap.written, swap.before)
         self.forget_index(found)
         after = undo.appended.count(b"\n")
         raise ContextShrinkError(
-            f"the {found.agent} session did not read back as written; restored from {kept[0]}"
+            f"the {found.agent} session did not read back as written; restored from {saved}"
             + (f", with the {after} line(s) the agent wrote meanwhile after it" if after else "")
         )
 
@@ -6446,7 +6565,7 @@ class ClaudeStore(JsonlStore):
 
     def sessions(self, place: Path) -> list[dict[str, Any]]:
         return [{"id": path.stem, "cwd": _first_cwd(path), "path": path}
-                for path in (place.glob("*/*.jsonl") if place.is_dir() else [])]  # fmt: skip
+                for path in store_files(place, "*/*.jsonl")]  # fmt: skip
 
     @staticmethod
     def chain(records: list[tuple[int, dict[str, Any]]]) -> tuple[list[dict[str, Any]], bool]:
@@ -6717,7 +6836,7 @@ class CodexStore(JsonlStore):
 
     def sessions(self, place: Path) -> list[dict[str, Any]]:
         found = []
-        for path in place.glob("*/*/*/rollout-*.jsonl") if place.is_dir() else []:
+        for path in store_files(place, "*/*/*/rollout-*.jsonl"):
             meta: Any = {}
             with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
                 if path.is_file():  # never a FIFO: opening one would wait for a writer
@@ -7167,7 +7286,8 @@ class OpenCodeStore(AgentStore):
         """A copy through SQLite's backup API, so the WAL is included (after checking there is room for it)."""
         wal = path.with_name(path.name + "-wal")
         ensure_room(path.parent, path.stat().st_size + (wal.stat().st_size if wal.exists() else 0), "the backup")
-        saved = _backup_path(path)  # empty: SQLite writes the copy into it
+        with Folder(path.parent) as folder:  # an empty file: SQLite writes the copy into it
+            saved = folder.backup(path.name, None, stat.S_IMODE(path.stat().st_mode))
         try:
             with contextlib.closing(sqlite3.connect(path)) as source, \
                     contextlib.closing(sqlite3.connect(saved)) as copy:  # fmt: skip
@@ -7531,9 +7651,14 @@ def load_input(
         raise ContextShrinkError("give exactly one of messages or messages_path")
     if messages_path is not None:
         source = resolve_path(config.root, messages_path)
-        messages, container = load_messages_file(source)
+        messages, container = load_messages_file(source, config.root)
         return validate_messages(messages), container, source
     return validate_messages(messages), None, None
+
+
+def with_note(tokenizer: Tokenizer, note: str) -> Tokenizer:
+    """``tokenizer`` with ``note`` added to what its reports say about it (``tokenizer_note``)."""
+    return dataclasses.replace(tokenizer, note="; ".join(filter(None, [tokenizer.note, note])))
 
 
 async def exact_count(
@@ -7550,7 +7675,7 @@ async def exact_count(
         except ContextShrinkError as exc:
             note = f"server counting unavailable ({exc}); counted with {local.name}"
             log.info("%s", note)
-            local = dataclasses.replace(local, note="; ".join(filter(None, [local.note, note])))
+            local = with_note(local, note)
         else:
             counter, name = lambda m: _first(backend.count_tokens(m, tools, model)), f"server:{method}"
     if exact is None and local.exact is not None:  # the model's own chat template, rendered locally
@@ -7558,8 +7683,7 @@ async def exact_count(
         try:
             exact = await anyio.to_thread.run_sync(render, messages, tools)
         except ContextShrinkError as exc:
-            note = f"{exc}; counted per message with the {local.format.name} overhead"
-            local = dataclasses.replace(local, note="; ".join(filter(None, [local.note, note])))
+            local = with_note(local, f"{exc}; counted per message with the {local.format.name} overhead")
         else:
             counter = functools.partial(anyio.to_thread.run_sync, lambda m: render(m, tools))
     if exact is None:
@@ -7613,7 +7737,13 @@ async def prepare(
     local = await anyio.to_thread.run_sync(resolve_tokenizer, spec, model, config.chat_format)
     on_server = spec == "server" or (spec == "auto" and config.base_url_configured)
     local, exact, counter = await exact_count(backend, local, loaded, tools, model, on_server)
-    size, window_source = await window_for(backend, model, config.max_context_tokens if window is None else window)
+    asked = config.max_context_tokens if window is None else window
+    size, window_source = await window_for(backend, model, asked)
+    if asked == "auto" and exact is None and not window_source.startswith("default"):
+        local = with_note(local, f"the window ({size:,}, from {window_source}) is in the server's tokens and these "
+                          f"counts are {local.name}'s, which can differ by several percent: fits holds in "
+                          f"{local.name} tokens (keep reserve_tokens as a margin, or count on the server: "
+                          "tokenizer 'server')")  # fmt: skip
     return Prepared(loaded, container, tools, local, exact, size, window_source, backend, source, counter)
 
 
@@ -7647,7 +7777,7 @@ def deliver(config: Config, result: dict[str, Any], output_path: str | None, req
     result = {**result, "output_path": None, "backup_path": None}
     if output_path is not None and result["messages"] is not None:
         target = resolve_path(config.root, output_path)
-        backup = write_messages_file(target, result["messages"], req.container, backup=target == req.source)
+        backup = write_messages_file(target, result["messages"], req.container, target == req.source, config.root)
         result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
     return result
 
@@ -7840,9 +7970,9 @@ async def prune_request(state: ServerState, req: Prepared, options: PruneOptions
         return {**result, "dry_run": True}
     if write.lines is not None and target.suffix == ".jsonl":
         text = render_jsonl(write.lines, req.messages, result["messages"], set(result["removed_indices"]))
-        backup = write_text_atomic(target, text, backup=in_place)
+        backup = write_text_atomic(target, text, in_place, state.config.root)
     else:
-        backup = write_messages_file(target, result["messages"], req.container, backup=in_place)
+        backup = write_messages_file(target, result["messages"], req.container, in_place, state.config.root)
     result.update(messages=None, output_path=str(target), backup_path=str(backup) if backup else None)
     return {**result, "dry_run": False}
 
@@ -8078,7 +8208,7 @@ def history_tools(tool: Callable[..., Any], config: Config) -> None:
         )  # fmt: skip
         messages, found = await session_source(config, session, messages, messages_path, output_path)
         source = resolve_path(config.root, messages_path) if messages_path is not None else None
-        lines = read_jsonl_lines(source) if source is not None and messages is None else None
+        lines = read_jsonl_lines(source, config.root) if source is not None and messages is None else None
         if lines is not None:  # JSONL: a line that does not parse is kept as it is
             messages, messages_path = [m for _, m in lines if m is not None], None
         req = await prepare(state_of(ctx), messages, messages_path, tools, None, max_context_tokens)
@@ -8710,8 +8840,8 @@ class ProxyState:
         """Append what ``sent`` no longer carries to the archive; the conversation's id, or None."""
         if self.config.archive_dir is None:
             return None
-        conversation = conversation_id(original)
-        folded = folded_away(original, sent)
+        conversation, folded = await anyio.to_thread.run_sync(lambda: (conversation_id(original),
+                                                                        folded_away(original, sent)))  # fmt: skip
         try:
             async with self.lock:
                 seen = self.archived.setdefault(conversation, set())
@@ -9165,7 +9295,7 @@ class ProxyFront:
             body = await parsed(raw)
             if not isinstance(body, dict):
                 raise ContextShrinkError("the body is not a JSON object")
-            view = wire.view(body)
+            view = await off_loop(len(raw), lambda: wire.view(body))
         except (ValueError, RecursionError) as exc:
             why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             return await self.passthrough(request, raw, f"not shrunk: {why}")
@@ -9202,7 +9332,7 @@ class ProxyFront:
                     return self.finish(body, report, retry)
                 sent, report = retry
             if recall and upstream.status_code < 400:
-                folded = [m for _, m in folded_away(body["messages"], sent["messages"])]
+                folded = [m for _, m in await anyio.to_thread.run_sync(folded_away, body["messages"], sent["messages"])]
                 calls = [m for m in body["messages"] if m.get("tool_calls")]
                 exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls)
                 upstream = await self.recalled(upstream, exchange, folded, recall, report)
@@ -9473,16 +9603,21 @@ class CutResponse(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
+    """``work()``, in a worker thread when ``size`` (the bytes it works on) is large, so that small requests are
+    not held up behind it; a small one is done at once (a thread would cost more than the work)."""
+    return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
+
+
 async def parsed(raw: bytes) -> Any:
-    """A request body's JSON, checked for nesting (:func:`nesting_problem`); a large one read in a worker
-    thread, so that small requests are not held up behind it."""
+    """A request body's JSON, checked for nesting (:func:`nesting_problem`), read :func:`off_loop`."""
 
     def read() -> Any:
         body = json.loads(raw)
         nesting_problem(body, "the body's values")
         return body
 
-    return await anyio.to_thread.run_sync(read) if len(raw) >= OFF_LOOP_BYTES else read()
+    return await off_loop(len(raw), read)
 
 
 def _encode(body: Any) -> bytes:
@@ -9723,11 +9858,17 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
     serve_http(build_proxy(config, tokenizer), config.host, config.port, timeouts, announce)
 
 
+SWITCH_INTERVAL = 0.0005  # seconds a thread holds the GIL before another may take it (CPython's default: 0.005)
+
+
 def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], announce: str) -> None:
     """Run ``app`` with uvicorn (:func:`listening`; ``timeouts``: for a request's headers, for an idle kept-alive
     connection) on ``host:port``, bound before ``announce`` (its ``{}`` is the address) is logged: a taken port
-    raises :class:`OSError` before anything claims to serve."""
+    raises :class:`OSError` before anything claims to serve. The event loop waits for the GIL at most
+    :data:`SWITCH_INTERVAL` while a large request is shrunk in a worker thread (at the default 5 ms, a small
+    request served beside it waited that long at every step: ~100 ms instead of ~5)."""
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request is enough
+    sys.setswitchinterval(SWITCH_INTERVAL)
     server = uvicorn.Server(listening(app, host, port, *timeouts))
     listener = bound_listener(host, port)
     log.info(announce.replace("{}", f"{host}:{listener.getsockname()[1]}", 1))

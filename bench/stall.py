@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -62,8 +64,9 @@ def upstream() -> Iterator[str]:
 def proxy(module: Path, base: str) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "CONTEXT_SHRINK_TOKENIZER": "tiktoken"}
+    archive = tempfile.mkdtemp(prefix="stall-archive-")  # archived as by default, not in the user's folder
     command = [sys.executable, str(module), "proxy", "--upstream", base, "--port", str(port), "--window", "32768",
-               "--no-archive", "--rungs", "diet,clear,trim"]  # fmt: skip
+               "--rungs", "diet,clear,trim", "--archive-dir", archive]  # fmt: skip
     process = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
     try:
         while True:
@@ -74,6 +77,7 @@ def proxy(module: Path, base: str) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait()
+        shutil.rmtree(archive, ignore_errors=True)
 
 
 def history(n: int) -> list[dict[str, object]]:

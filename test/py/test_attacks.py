@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import h11
 import httpx2
 import pytest
@@ -20,7 +23,7 @@ from builders import conversation
 from fake_openai import serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mcp_calls import call, error, run
+from mcp_calls import call, error, ok, run
 from proxy_helpers import started
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -209,6 +212,167 @@ def test_a_session_with_an_output_path_is_refused_before_anything_is_written(
     )
     assert "output_path cannot be used with session" in said
     assert not (tmp_path / "out.json").exists() and path.read_bytes() == original
+
+
+# --------------------------------------------------------------------------- paths: no check-then-use window
+
+
+def swapped_after_the_check(monkeypatch: pytest.MonkeyPatch, folder: Path, outside: Path) -> None:
+    """The race at its worst moment: just after a path inside the root was checked, a folder on its way is
+    replaced by a symlink out of the root (what an attacker flipping the folder hit 1 time in 400)."""
+    check = cs.resolve_path
+
+    def racing(root: Path, path: str) -> Path:
+        target = check(root, path)
+        if not folder.is_symlink():
+            folder.rename(folder.with_name(folder.name + ".real"))
+            folder.symlink_to(outside, target_is_directory=True)
+        return target
+
+    monkeypatch.setattr(cs, "resolve_path", racing)
+
+
+def jsonl(messages: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(m) + "\n" for m in messages)
+
+
+READS = {
+    "trim_context": {"messages_path": "sub/h.jsonl", "max_context_tokens": 100_000},
+    "prune_context": {"messages_path": "sub/h.jsonl", "clear_tool_results_before": 0},
+    "estimate_context": {"messages_path": "sub/h.jsonl"},
+    "shrink_text": {"path": "sub/h.jsonl"},
+}
+
+
+@pytest.mark.parametrize("tool", list(READS))
+def test_a_folder_swapped_for_a_symlink_after_the_check_is_not_read_through(
+    tool: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read opened the path after checking it: a folder swapped meanwhile led it out of the root. Now the
+    opened file itself is checked: refused, and nothing of the outside file comes back."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (root / "sub" / "h.jsonl").write_text(jsonl(conversation(3, size=5)))
+    (outside / "h.jsonl").write_text(jsonl([{"role": "user", "content": "SECRET-OUTSIDE " * 20}] * 3))
+    swapped_after_the_check(monkeypatch, root / "sub", outside)
+    server = cs.build_server(cs.Config(root=root, tokenizer="tiktoken"))
+    reply = run(call(server, tool, READS[tool]))
+    assert "SECRET-OUTSIDE" not in json.dumps(reply.structured_content) + reply.content[0].text
+    assert "moved while it was opened" in error(reply)
+
+
+def test_a_folder_swapped_for_a_symlink_after_the_check_is_not_written_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The temporary file and the rename went through the swapped folder, out of the root."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    swapped_after_the_check(monkeypatch, root / "sub", outside)
+    server = cs.build_server(cs.Config(root=root, tokenizer="tiktoken"))
+    reply = run(call(server, "trim_context", {"messages": conversation(3, size=5), "output_path": "sub/out.json"}))
+    assert "moved while it was opened" in error(reply)
+    assert list(outside.iterdir()) == []
+
+
+def test_a_folder_flipping_to_a_symlink_never_lets_a_read_or_write_escape(tmp_path: Path) -> None:
+    """An attacker flips a folder between itself and a symlink out of the root while files are read and
+    written through it (400 of each, seeded timing): nothing outside is read, nothing lands outside."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    folder, aside = root / "sub", root / "sub.real"
+    folder.mkdir(parents=True)
+    outside.mkdir()
+    (folder / "h.jsonl").write_text("inside\n")
+    (outside / "h.jsonl").write_text("SECRET-OUTSIDE\n")
+    stop, rng, escaped = threading.Event(), random.Random(34), []
+
+    def flip() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                folder.rename(aside)
+                folder.symlink_to(outside, target_is_directory=True)
+                time.sleep(rng.random() / 5000)
+                folder.unlink()
+                aside.rename(folder)
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        for k in range(400):
+            with contextlib.suppress(cs.ContextShrinkError):
+                data = cs.read_file_bytes(cs.resolve_path(root, "sub/h.jsonl"), root=root)
+                escaped += [f"read {k}"] if b"SECRET" in data else []
+            with contextlib.suppress(cs.ContextShrinkError):
+                cs.write_text_atomic(cs.resolve_path(root, "sub/out.json"), f"{k}\n", root=root)
+            escaped += [f"wrote {k}: {p.name}" for p in outside.iterdir() if p.name != "h.jsonl"]
+    finally:
+        stop.set()
+        flipper.join()
+    assert escaped == []
+
+
+# --------------------------------------------------------------------------- one large shrink beside small requests
+
+
+@pytest.mark.parametrize("rungs", [("diet", "clear", "trim"), ("compact", "trim")])
+def test_no_step_of_a_shrink_runs_on_the_event_loop(rungs: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one 100k-message request was shrunk, a small one waited up to 19 s: steps between the rungs (the
+    counts, the ledger of what a cut took out) ran on the event loop. Now every step runs in a worker thread;
+    only the summariser's call is awaited on the loop (and its answer handed back to the steps)."""
+    where: list[str] = []
+    loop: list[int] = []
+    count, ledger = cs.count_messages, cs.fact_ledger
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        where.append("loop" if threading.get_ident() in loop else "worker")
+        return count(*args, **kwargs)
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        where.append("loop" if threading.get_ident() in loop else "worker")
+        return ledger(*args, **kwargs)
+
+    monkeypatch.setattr(cs, "count_messages", counted)
+    monkeypatch.setattr(cs, "fact_ledger", noted)
+    asked: list[str] = []
+
+    async def summarise(messages: Any, plan: Any, max_tokens: int, growth: int) -> dict[str, Any]:
+        asked.append("loop" if threading.get_ident() in loop else "worker")
+        return {"summary": "the old turns read files", "summary_cached": False, "model_calls": 1}
+
+    async def go() -> dict[str, Any]:
+        loop.append(threading.get_ident())
+        tokenizer = cs.resolve_tokenizer("tiktoken:cl100k_base")
+        return await cs.shrink(conversation(40, size=60), [], tokenizer, 3000, cs.Policy(rungs=rungs), summarise)
+
+    result = anyio.run(go)
+    assert result["fits"] and where and set(where) == {"worker"}
+    assert asked == (["loop"] if "compact" in rungs else [])
+    assert result["action"] == ("compact" if "compact" in rungs else result["action"])
+
+
+# --------------------------------------------------------------------------- a window in another tokenizer's tokens
+
+
+def test_a_window_from_the_server_counted_with_another_tokenizer_says_so(tmp_path: Path) -> None:
+    """With an explicit tiktoken tokenizer and max_context_tokens "auto", fits held in cl100k tokens but not
+    necessarily in the server's, without a word. Now the report says which tokens fits is in."""
+
+    def llama(request: Request, body: bytes) -> Response:
+        if request.url.path == "/props":
+            return JSONResponse({"default_generation_settings": {"n_ctx": 4096}})
+        return JSONResponse({"error": "not here"}, status_code=404)
+
+    with serve(Recorder(llama)) as upstream:
+        config = cs.Config(root=tmp_path, tokenizer="tiktoken:cl100k_base", base_url=upstream)
+        server = cs.build_server(config)
+        found = ok(run(call(server, "estimate_context", {"messages": conversation(3, size=5),
+                                                          "max_context_tokens": "auto"})))  # fmt: skip
+        given = ok(run(call(server, "estimate_context", {"messages": conversation(3, size=5),
+                                                          "max_context_tokens": 4096})))  # fmt: skip
+    assert found["max_context_tokens"] == 4096 and found["max_context_source"] == "llama.cpp /props"
+    assert "in the server's tokens" in found["tokenizer_note"] and "tiktoken:cl100k_base" in found["tokenizer_note"]
+    assert "server's tokens" not in (given["tokenizer_note"] or "")  # a window the caller gave is in its own terms
 
 
 # --------------------------------------------------------------------------- a learnt window is evidence

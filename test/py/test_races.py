@@ -320,7 +320,7 @@ def test_a_session_that_is_a_symlink_is_not_written_through(tmp_path: Path) -> N
     """A write replaced the link with a file (and wrote wherever the link pointed); now it refuses, and the
     link and its target stay as they were."""
     path = claude_store(tmp_path, "/x")
-    target = tmp_path / "elsewhere.jsonl"
+    target = path.with_name("elsewhere.jsonl.orig")  # inside the store (one outside is not even read)
     target.write_bytes(path.read_bytes())
     path.unlink()
     path.symlink_to(target)
@@ -329,3 +329,23 @@ def test_a_session_that_is_a_symlink_is_not_written_through(tmp_path: Path) -> N
     with pytest.raises(cs.ContextShrinkError, match="nothing written"):
         cs.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
     assert path.is_symlink() and target.read_bytes() == before and list(path.parent.glob("*.pre-shrink-*")) == []
+
+
+def test_symlinks_leading_out_of_a_store_are_not_followed(tmp_path: Path) -> None:
+    """A session file, or a project folder, that is a symlink out of the agent's store was listed and read
+    (its text handed to the caller); now only what lies inside the store is. A symlink inside it still reads."""
+    path = claude_store(tmp_path, "/x")
+    outside = tmp_path / "outside"
+    (outside / "proj").mkdir(parents=True)
+    secret = path.read_text().replace('"s1"', '"evil"').replace("list the files", "SECRET-OUTSIDE")
+    (outside / "evil.jsonl").write_text(secret)
+    (outside / "proj" / "evil2.jsonl").write_text(secret.replace('"evil"', '"evil2"'))
+    (path.parent / "evil.jsonl").symlink_to(outside / "evil.jsonl")
+    (path.parent.parent / "linked").symlink_to(outside / "proj", target_is_directory=True)
+    (path.parent / "alias.jsonl").symlink_to(path)  # inside the store: followed
+    listed = [s["session"] for s in cs.list_sessions(["claude"], environ(tmp_path))]
+    assert sorted(listed) == ["claude:alias", "claude:s1"]
+    for ident in ("evil", "evil2"):
+        with pytest.raises(cs.ContextShrinkError, match="no claude session"):
+            cs.read_session(f"claude:{ident}", ["claude"], Path("/x"), environ(tmp_path))
+    assert cs.read_session("claude:alias", ["claude"], Path("/x"), environ(tmp_path)).messages
