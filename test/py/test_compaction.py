@@ -264,9 +264,11 @@ def test_without_sampling_or_model_it_plans(tmp_path: Path) -> None:
 def test_progress_is_reported_per_request(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=2500)
     updates: list[tuple[float, str | None]] = []
+    totals: list[float | None] = []
 
     async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         updates.append((progress, message))
+        totals.append(total)
 
     with serve(fake) as url:
         server = cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", model="fake", base_url=url))
@@ -280,3 +282,6 @@ def test_progress_is_reported_per_request(tmp_path: Path) -> None:
     assert len(updates) == result["model_calls"] == len(fake.requests)
     assert [p for p, _ in updates] == sorted(p for p, _ in updates)
     assert any("merging partial summaries" in (m or "") for _, m in updates)
+    chunks = [t for t, (_, m) in zip(totals, updates, strict=True) if "summarising chunks" in (m or "")]
+    assert chunks and set(chunks) == {result["map_chunks"]}  # a known total: the chunks
+    assert all(t is not None and p <= t for t, (p, _) in zip(totals, updates, strict=True))

@@ -243,8 +243,9 @@ def test_a_real_small_model_keeps_every_planted_identifier(tmp_path: Path) -> No
     assert_identifiers_survive(result, messages)
 
 
-def test_summaries_are_filed_by_what_shapes_them(tmp_path: Path) -> None:
+def test_summaries_are_filed_by_what_shapes_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A summary made with anchoring is not reused for a call without it; extracted notes are never reused."""
+    monkeypatch.setattr(cs, "SUMMARY_BACKOFF", 0.0)  # the summariser that failed is asked again at once
     messages = planted_conversation()
     fake = FakeOpenAI(window=100_000, script=["copy", "copy"])
     with serve(fake) as url:

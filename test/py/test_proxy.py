@@ -22,7 +22,7 @@ from builders import chat_history, conversation
 from checks import anthropic_problems, responses_problems
 from fake_openai import FakeOpenAI, serve
 from mcp_calls import call, ok, run
-from proxy_helpers import MODULE, proxy
+from proxy_helpers import MODULE, proxy, started
 from starlette.responses import JSONResponse
 from tiny_llama import free_port
 from upstreams import SUMMARY, Recorder
@@ -740,3 +740,112 @@ def test_an_agent_whose_fixed_part_cannot_fit_is_told_so_in_plain_words(tmp_path
     assert "action=forwarded unchanged" in header and "the agent's system prompt and tools need" in header
     assert "the window is 4,096 tokens" in header
     assert "the agent's system prompt and tools need" in (tmp_path / "log").read_text()
+
+
+@pytest.mark.parametrize("behaviour", ["copy", "empty", "cut", "tool_call", "500"])
+def test_a_failing_summariser_is_asked_once_per_back_off_and_counted(behaviour: str, tmp_path: Path) -> None:
+    """A summariser answering degenerate or short replies was asked again on every request (seconds each),
+    and ``summariser_calls`` stayed 0. Now any failure backs it off: the later requests are trimmed without
+    asking it, the header says so, and the stats count every call and failure."""
+    upstream_fake, summariser = FakeOpenAI(window=6000), FakeOpenAI(window=100_000)
+    summariser.default = behaviour
+    with serve(upstream_fake) as upstream, serve(summariser) as summary_url:
+        flags = ("--window", "6000", "--summary-url", summary_url, "--no-archive")
+        with proxy(upstream, *flags, log=tmp_path / "log") as url:
+            headers, asked = [], []
+            for turns in range(14, 20):
+                body = {"model": "m", "messages": chat_history(turns, size=200), "max_tokens": 200}
+                reply = chat(url, body)
+                assert reply.status_code == 200, reply.text
+                headers.append(reply.headers["x-context-shrink"])
+                asked.append(len(summariser.requests))
+            stats = httpx2.get(url.removesuffix("/v1") + "/context-shrink/stats").json()
+    assert asked[0] >= 1 and asked[-1] == asked[0], (asked, headers)  # asked on the first request only
+    assert all("action=trim" in h and "summary failed" in h for h in headers), headers
+    assert all("not asked again" in h for h in headers[1:]), headers
+    calls = asked[-1] // (1 + cs.MAX_RETRIES) if behaviour == "500" else asked[-1]  # a retried 500 is one call
+    assert stats["totals"]["summariser_calls"] == calls, stats["totals"]
+    (health,) = stats["summarisers"].values()
+    assert health["calls"] == calls and health["failures"] == 1 and 100 < health["backoff_left_s"] <= 120
+    assert health["last_error"] and health["seconds"] > 0
+    assert not upstream_fake.oversized
+
+
+@pytest.mark.parametrize("counting", [True, False])
+def test_the_header_says_whether_the_count_was_exact_and_what_counted(counting: bool, tmp_path: Path) -> None:
+    """The docs said the header tells an exact count from an estimate; it never did (the same request was
+    reported at 13,777 and 16,137 tokens on two runs with no word of which was the upstream's)."""
+    fake = FakeOpenAI(window=6000)
+    fake.counting = counting
+    with serve(fake) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
+        body = {"model": "m", "messages": chat_history(14, size=200), "max_tokens": 200}
+        header = chat(url, body).headers["x-context-shrink"]
+        small = chat(url, {**body, "messages": chat_history(1, size=20)}).headers["x-context-shrink"]
+        stats = httpx2.get(url.removesuffix("/v1") + "/context-shrink/stats").json()["totals"]
+    fields = dict(part.split("=", 1) for part in header.split("; "))
+    if counting:
+        assert fields["count"] == "exact" and fields["counted_by"] == "llama.cpp /v1/chat/completions/input_tokens"
+        assert int(fields["tokens_before"]) == fake.count_prompt(body["messages"]), fields
+    else:
+        assert fields["count"] == "estimated" and fields["counted_by"].startswith("tiktoken"), fields
+    assert "count=estimated" in small  # far under the window: never worth the upstream's count
+    assert stats["exact_counts"] == counting and stats["estimated_counts"] == 2 - counting, stats
+
+
+def test_log_levels_show_the_decisions_not_the_wire(tmp_path: Path) -> None:
+    """There was no --log-level; at DEBUG a user got the HTTP client's wire chatter and no line of the proxy's
+    own decisions, and a 413 was not logged. Now DEBUG shows the counts and the plan, TRACE adds the
+    libraries' lines, INFO logs every request (a 413 too), and a wrong level names the flag."""
+    fake = FakeOpenAI(window=6000)
+    body = {"model": "m", "messages": chat_history(14, size=200), "max_tokens": 200}
+    logs = {}
+    for level in ("debug", "trace", "info"):
+        log = tmp_path / f"{level}.log"
+        flags = ("--window", "6000", "--no-archive", "--log-level", level, "--max-body-bytes", "60000")
+        with serve(fake) as upstream, proxy(upstream, *flags, log=log) as url:
+            assert chat(url, body).status_code == 200
+            assert chat(url, {**body, "messages": chat_history(60, size=400)}).status_code == 413
+        logs[level] = log.read_text()
+    assert "budget 5800 of the window 6000" in logs["debug"] and "messages by compact" in logs["debug"], logs["debug"]
+    assert "HTTP Request:" not in logs["debug"] and "HTTP Request:" in logs["trace"]
+    assert "budget" not in logs["info"] and "action=compact" in logs["info"] and "HTTP Request:" not in logs["info"]
+    assert all("status=413: the request body is over 60000 bytes" in text for text in logs.values())
+    command = [sys.executable, str(MODULE), "proxy", "--log-level", "loud"]
+    wrong = subprocess.run(command, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "--log-level" in wrong.stderr and "'LOUD'" in wrong.stderr
+
+
+def test_doctor_checks_the_install_and_a_running_proxy(tmp_path: Path) -> None:
+    """doctor probed the upstream only, misread a URL without http://, and its lines drowned in the HTTP
+    client's. Now it checks the install, the upstream and a running proxy (its stats, its summariser's
+    health), each problem with a fix, accepts host:port saying what it assumed, and keeps library lines out."""
+    upstream_fake, summariser = FakeOpenAI(window=6000), FakeOpenAI(window=100_000)
+    summariser.default = "copy"
+    env = {**os.environ, "CONTEXT_SHRINK_TOKENIZER": "tiktoken"}
+
+    def doctor(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(MODULE), "doctor", *flags], capture_output=True, text=True,
+                              timeout=120, env=env)  # fmt: skip
+
+    with serve(upstream_fake) as upstream, serve(summariser) as summary_url:
+        flags = ("--window", "6000", "--summary-url", summary_url, "--no-archive")
+        with proxy(upstream, *flags, log=tmp_path / "log") as url:
+            chat(url, {"model": "m", "messages": chat_history(14, size=200), "max_tokens": 200})
+            hostport = url.removeprefix("http://").removesuffix("/v1")
+            human = doctor("--proxy", hostport, "--upstream", upstream.removeprefix("http://"))
+            report = json.loads(doctor("--proxy", hostport, "--json").stdout)
+        token = "doctor-token-0123456789"
+        with started("serve", "--token", token, "--upstream", upstream, log=tmp_path / "serve.log") as base:
+            locked = json.loads(doctor("--proxy", base, "--json").stdout)
+            opened = json.loads(doctor("--proxy", base, "--token", token, "--json").stdout)
+    assert human.returncode == 0, human.stdout + human.stderr
+    out = human.stdout
+    assert f"read '{hostport}' as http://{hostport}" in out and "counter    tiktoken" in out
+    assert "1 requests, 1 shrunk" in out and "fix: the summariser" in out and "backed off" in out
+    assert "upstream     http://" in out and "HTTP Request" not in out + human.stderr  # no wire chatter
+    assert [c["name"] for c in report["install"]][:2] == ["counter", "tiktoken"]
+    assert report["proxy"]["stats"]["totals"]["requests"] == 1 and report["proxy"]["fixes"]
+    assert "token" in locked["proxy"]["state"] and "--token" in locked["proxy"]["fixes"][0]
+    assert opened["proxy"]["state"] == "up" and opened["proxy"]["stats"]["totals"]["requests"] == 0
+    bad = doctor("--proxy", "http://a b")
+    assert bad.returncode == 2 and "--proxy" in bad.stderr and "Traceback" not in bad.stderr
