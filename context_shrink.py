@@ -165,6 +165,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "parse_overflow",
     "parse_tokenizer_spec",
     "plan_trim",
+    "prefix_prints",
     "proxy_config",
     "prune_messages",
     "pseudo_tool",
@@ -177,6 +178,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "redact",
     "render_jsonl",
     "render_message",
+    "repeated_share",
     "request_budget",
     "resolve_path",
     "resolve_tokenizer",
@@ -867,29 +869,52 @@ def heuristic_tokens(text: str) -> int:
 HEURISTIC = Tokenizer("heuristic", heuristic_tokens)
 
 
+COUNT_CACHE_CHARS = 64_000_000  # cached text the count cache keeps at least
+COUNT_CACHE_CEILING = 1 << 30  # characters it never exceeds (twice the largest input file)
+COUNT_CACHE_PASSES = 4096  # passes (every count of a history or of a part) the largest history is held for
+
+
 class _Counts(dict[str, int]):
     """A bounded cache of text -> tokens around a counter: agents resend the same history every turn.
 
     A hit is a plain dict lookup (no Python frame: :func:`cached_count` hands out ``__getitem__``); a miss
-    counts, stores and evicts the oldest entries while the cached texts exceed ``max_chars``. Dict operations
-    are atomic under the GIL, so tool calls in threads can share it.
+    counts and stores, and the oldest entries go while the cached text is over the bound. The bound follows
+    the histories counted: twice the largest one counted in the last :data:`COUNT_CACHE_PASSES` passes
+    (:meth:`begin`, called by :func:`count_messages` with the history's size), at least ``max_chars``, at most
+    :data:`COUNT_CACHE_CEILING`; and what a pass stores is never evicted during it. (A fixed bound smaller
+    than a history made the history evict its own start while it was counted, so every later pass missed on
+    every text: 30,000 messages warm took longer than cold.) A pass over a history counted before misses
+    only what is new; a history no longer counted leaves the bound after that many passes of others. Dict
+    operations are atomic under the GIL, so tool calls in threads can share it (a pass begun by another only
+    makes more entries evictable).
     """
 
     def __init__(self, count: Callable[[str], int], max_chars: int) -> None:
         super().__init__()
-        self._count, self._chars, self._max_chars = count, 0, max_chars
+        self._count, self._chars, self._max_chars, self._bound = count, 0, max_chars, max_chars
+        self._fresh = 0  # entries stored since the pass began
+        self._largest = self._since = 0  # the largest history counted lately, and the passes since
+
+    def begin(self, chars: int) -> None:
+        """A new pass, over a history of about ``chars`` characters of text."""
+        self._since += 1
+        if chars >= self._largest or self._since > COUNT_CACHE_PASSES:
+            self._largest, self._since = chars, 0
+        self._bound = min(max(self._max_chars, 2 * self._largest), COUNT_CACHE_CEILING)
+        self._fresh = 0
 
     def __missing__(self, text: str) -> int:
         tokens = self[text] = self._count(text)
         self._chars += len(text)
-        while self._chars > self._max_chars and self:
+        self._fresh += 1
+        while self._chars > COUNT_CACHE_CEILING or (self._chars > self._bound and len(self) > self._fresh):
             with contextlib.suppress(StopIteration, KeyError, RuntimeError):
                 self._chars -= len(old := next(iter(self)))
                 del self[old]
         return tokens
 
 
-def cached_count(count: Callable[[str], int], max_chars: int = 64_000_000) -> Callable[[str], int]:
+def cached_count(count: Callable[[str], int], max_chars: int = COUNT_CACHE_CHARS) -> Callable[[str], int]:
     """``count`` behind a bounded cache keyed by the text (see :class:`_Counts`)."""
     return _Counts(count, max_chars).__getitem__
 
@@ -1234,9 +1259,24 @@ def count_message(
     return total
 
 
+def _text_size(message: Mapping[str, Any]) -> int:
+    """About how many characters of text ``message`` holds (its content and tool-call arguments)."""
+    content, size = message.get("content"), 0
+    if isinstance(content, str):
+        size = len(content)
+    elif isinstance(content, list):
+        size = sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for call in message.get("tool_calls") or ():
+        arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+        size += len(arguments) if isinstance(arguments, str) else 0
+    return size
+
+
 def count_messages(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> tuple[list[int], int]:
     """Per-message token counts and the total for a request (reply priming included); one pass."""
     count, form = tokenizer.count, tokenizer.format
+    if isinstance(cache := getattr(count, "__self__", None), _Counts):
+        cache.begin(sum(map(_text_size, messages)))
     counts = [count_message(m, count, form) for m in messages]
     if tokenizer.scale != 1.0:
         counts = [math.ceil(c * tokenizer.scale) for c in counts]
@@ -8948,15 +8988,17 @@ class ProxyStats:
         default_factory=lambda: collections.deque(maxlen=STATS_RECENT)
     )
     prints: dict[str, list[tuple[bytes, int]]] = dataclasses.field(default_factory=dict)  # conversation -> last sent
+    held: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # around prints: worker threads
 
     def repeated(self, conversation: str, sent: Sequence[Mapping[str, Any]]) -> float | None:
         """The share of ``sent`` that repeats the start of this conversation's previous request (run off the
-        event loop: it reads every message)."""
+        event loop for a large request: it reads every message)."""
         prints = prefix_prints(sent)
-        share = repeated_share(self.prints.pop(conversation, None), prints)
-        self.prints[conversation] = prints
-        while len(self.prints) > STATS_PREFIXES:
-            self.prints.pop(next(iter(self.prints)))
+        with self.held:
+            share = repeated_share(self.prints.pop(conversation, None), prints)
+            self.prints[conversation] = prints
+            while len(self.prints) > STATS_PREFIXES:
+                self.prints.pop(next(iter(self.prints)))
         return share
 
     def record(self, model: str | None, conversation: str | None, report: ProxyReport, status: int) -> None:

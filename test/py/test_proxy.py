@@ -849,3 +849,17 @@ def test_doctor_checks_the_install_and_a_running_proxy(tmp_path: Path) -> None:
     assert opened["proxy"]["state"] == "up" and opened["proxy"]["stats"]["totals"]["requests"] == 0
     bad = doctor("--proxy", "http://a b")
     assert bad.returncode == 2 and "--proxy" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_repeated_share_is_what_a_prompt_cache_keeps() -> None:
+    """The live page's prefix reuse: the share (by characters) of a request that repeats the start of the
+    previous one. An appended turn keeps the whole previous request; a changed first message keeps nothing."""
+    first = chat_history(4, size=30)
+    grown = [*first, {"role": "user", "content": "and now the tests"}]
+    before, after = cs.prefix_prints(first), cs.prefix_prints(grown)
+    assert cs.repeated_share(before, after) == round(before[-1][1] / after[-1][1], 4) < 1
+    assert cs.repeated_share(before, before) == 1.0 and cs.repeated_share(None, before) is None
+    changed = [{**first[0], "content": "another system prompt"}, *first[1:]]
+    assert cs.repeated_share(before, cs.prefix_prints(changed)) == 0.0
+    cut = [first[0], *first[3:]]  # a cut after the system prompt: only the system prompt is kept
+    assert cs.repeated_share(before, cs.prefix_prints(cut)) == round(before[0][1] / cs.prefix_prints(cut)[-1][1], 4)

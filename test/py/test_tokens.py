@@ -137,9 +137,45 @@ def test_cache_counts_each_text_once() -> None:
     cached = cs.cached_count(lambda t: calls.append(t) or len(t), max_chars=100)
     assert [cached("x" * 40), cached("x" * 40), cached("y" * 40)] == [40, 40, 40]
     assert len(calls) == 2
+    cached.__self__.begin(40)  # type: ignore[attr-defined]  # a new pass: what the last one stored may go
     cached("z" * 40)  # 120 chars > 100: the oldest entry goes
     cached("x" * 40)
     assert len(calls) == 4
+
+
+def history_texts(n: int, start: int = 0) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"message {k} " + "word " * 40} for k in range(start, start + n)]
+
+
+@pytest.mark.parametrize("cap", [2_000, 20_000])
+def test_a_history_larger_than_the_cache_is_not_counted_again(cap: int) -> None:
+    """A bound smaller than one history made the history evict its own start while it was counted: every
+    warm pass missed on every text (30,000 messages warm took longer than cold, #30). Now a pass over a
+    history counted before misses only what is new, at any size against the bound."""
+    misses: list[str] = []
+    tok = cs.Tokenizer("counting", cs.cached_count(lambda t: misses.append(t) or len(t) // 4, max_chars=cap))
+    history = history_texts(400)  # ~90,000 characters: far over either bound
+    cs.count_messages(history, tok)
+    first = len(misses)
+    cs.count_messages([dict(m) for m in history], tok)  # the same texts, as fresh objects
+    assert len(misses) == first  # warm: nothing counted again
+    for turn in range(20):  # the history grows every turn; each pass costs what changed, not the history
+        history += history_texts(5, start=400 + 5 * turn)
+        before = len(misses)
+        cs.count_messages(history, tok)
+        assert len(misses) - before <= 2 * 5 + 1, (turn, len(misses) - before)  # the new, and as many evicted
+
+
+def test_the_count_cache_stays_bounded_over_many_histories() -> None:
+    """Many distinct conversations, each counted a few times: the cache keeps about the bound, not all."""
+    count = cs.cached_count(lambda t: len(t) // 4, max_chars=50_000)
+    tok, cache = cs.Tokenizer("counting", count), count.__self__  # type: ignore[attr-defined]
+    for other in range(200):
+        history = [{"role": "user", "content": f"{other} {k} " + "word " * 40} for k in range(20)]
+        for _ in range(3):
+            cs.count_messages(history, tok)
+    held = sum(map(len, cache))
+    assert held <= 50_000 + sum(len(m["content"]) for m in history) + 1000, held
 
 
 # --------------------------------------------------------------------------- what counts
@@ -624,3 +660,21 @@ def test_a_request_the_server_rejects_is_not_remembered_as_unsupported() -> None
         with pytest.raises(cs.ContextShrinkError, match="Cannot continue an assistant message"):
             anyio.run(lambda: backend(handler, caches).count_tokens([user("hi")]))
     assert seen.count("/v1/chat/completions/input_tokens") == 2  # asked again: it may be this request only
+
+
+def test_a_warm_trim_of_a_history_larger_than_the_cache_counts_only_what_is_new() -> None:
+    """A trim counts the whole history and many parts of it (spans, candidates): the parts must not push the
+    history out of the cache (a bound following only the latest passes did, 30,000 messages warm: 1.5 s).
+    With a bound far below the history, repeated trims count exactly what an unbounded cache counts."""
+
+    def misses_with(cap: int) -> list[int]:
+        misses: list[str] = []
+        tok = cs.Tokenizer("counting", cs.cached_count(lambda t: misses.append(t) or len(t) // 4, max_chars=cap))
+        history, counted = conversation(60, size=300), []
+        for turn in range(6):
+            history += [user(f"turn {60 + turn}: and now file_{turn}.txt " + "word " * 300)]
+            cs.trim_messages([dict(m) for m in history], tok, 4000, target_ratio=0.6 if turn % 2 else 1.0)
+            counted.append(len(misses))
+        return counted
+
+    assert misses_with(2_000) == misses_with(10**9)
