@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py"), str(ROOT / "bench")]
 
 import httpx2  # noqa: E402
 from fake_openai import FakeOpenAI, serve  # noqa: E402
+from plots import bars  # noqa: E402
 from proxy_helpers import proxy  # noqa: E402
 from replay import sliding  # noqa: E402
 from tiny_llama import free_port, llama_server, write_tiny_gguf  # noqa: E402
@@ -91,6 +92,10 @@ def latency(direct: str, front: str, requests: int) -> None:
             f"| {name} | {p50[0]:.1f} | {p95[0]:.1f} | {p50[1]:.1f} | {p95[1]:.1f} | {p50[1] - p50[0]:.1f} "
             f"| {p95[1] - p95[0]:.1f} |"
         )
+    figure = {f"{who}, {q}": [1000 * percentile(times[who], share) for times in rows.values()]
+              for who in ("direct", "proxy") for q, share in (("p50", 0.5), ("p95", 0.95))}  # fmt: skip
+    bars("proxy_latency", f"a small request straight to llama.cpp and through the proxy ({requests} each)",
+         "milliseconds", list(rows), figure)  # fmt: skip
 
 
 def big_history(target: int) -> Messages:

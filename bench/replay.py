@@ -24,18 +24,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 
 from agent_shapes import agent_history  # noqa: E402
 from mcp.client.stdio import StdioServerParameters  # noqa: E402
+from plots import lines  # noqa: E402
 from prefill import (  # noqa: E402
     TOK,
     Messages,
@@ -127,18 +130,33 @@ def main() -> int:
         return report(args, strategies)
 
 
+def prefill_figure(name: str, budget: int, results: dict[str, dict[str, Any]]) -> None:
+    """The cumulative prefill of each strategy, request by request, over one history, beside the floor."""
+    series = {}
+    for strategy, result in results.items():
+        steps = result["per_request"]
+        series[strategy] = (list(range(1, len(steps) + 1)), list(itertools.accumulate(p for p, _ in steps)))
+    steps = next(iter(results.values()))["per_request"]
+    series["floor (what is new)"] = (list(range(1, len(steps) + 1)), list(itertools.accumulate(f for _, f in steps)))
+    lines("prefill", f"what the server must prefill, request by request ({name[:24]}…, {budget // 1024}k)",
+          "request (one before every assistant message)", "cumulative prefill, cl100k tokens", series)  # fmt: skip
+
+
 def report(args: argparse.Namespace, strategies: dict[str, Shrink]) -> int:
     print("| history | budget | strategy | requests | prefill | floor | excess ÷ sliding's | budget use: mean "
           "| min | prefix changed | backward moves |")  # fmt: skip
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary: dict[tuple[str, int], list[float]] = {}
     worst: dict[tuple[str, int], float] = {}
+    longest: tuple[int, str, int, dict[str, Any]] = (0, "", 0, {})  # the figure's history: the most requests
     for budget in args.budgets:
         for name, messages in histories(budget).items():
             requests = len(request_points(messages))
             if cs.count_messages(messages, TOK)[1] <= budget:
                 continue  # never needs shrinking at this budget
             results = {s: replay(messages, budget, fn) for s, fn in strategies.items()}
+            if budget == max(args.budgets) and requests > longest[0]:
+                longest = (requests, name, budget, results)
             base = results["sliding window"]["prefill"] - results["sliding window"]["floor"]
             for s, r in results.items():
                 excess = (r["prefill"] - r["floor"]) / base if base > 0 else 0.0
@@ -156,6 +174,8 @@ def report(args: argparse.Namespace, strategies: dict[str, Shrink]) -> int:
     for s in strategies:
         cells = [(summary.get((s, b)), worst.get((s, b))) for b in args.budgets]
         print(f"| {s} | " + " | ".join(f"{statistics.median(c):.2f} ({w:.2f})" if c else "—" for c, w in cells) + " |")
+    if longest[3]:
+        prefill_figure(*longest[1:])
     if args.no_server:
         return 0
     name = "openhands_llama-4-maverick_ponyc-45"

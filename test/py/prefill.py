@@ -110,6 +110,7 @@ def replay(messages: Messages, budget: int, shrink: Shrink) -> dict[str, Any]:
     """Prefill, floor, prefix changes, backward moves and budget use of ``shrink`` over the history's turns."""
     prefill = floor = changes = backward = 0
     uses: list[float] = []
+    per_request: list[tuple[int, int]] = []  # (prefill, floor) of each request
     previous: list[int] = []
     previous_full = 0
     dropped: set[int] = set()
@@ -128,7 +129,9 @@ def replay(messages: Messages, budget: int, shrink: Shrink) -> dict[str, Any]:
             changes += 1
         prefill += len(ids) - common
         full = len(request_token_ids(history))
-        floor += min(len(ids), full - previous_full) if previous_full else len(ids)
+        new = min(len(ids), full - previous_full) if previous_full else len(ids)
+        floor += new
+        per_request.append((len(ids) - common, new))
         previous_full = full
         if cs.count_messages(history, TOK)[1] > budget:
             uses.append(cs.count_messages(request, TOK)[1] / budget)
@@ -140,6 +143,7 @@ def replay(messages: Messages, budget: int, shrink: Shrink) -> dict[str, Any]:
         "backward": backward,
         "use": statistics.mean(uses) if uses else None,
         "min_use": min(uses) if uses else None,
+        "per_request": per_request,
     }
 
 
