@@ -124,6 +124,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "calibrated",
     "canonical_json",
     "chat_content",
+    "check_opened",
     "check_text",
     "clean_summary",
     "cleared_result",
@@ -5747,16 +5748,38 @@ def resolve_path(root: Path, path: str) -> Path:
     return target
 
 
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def _stat_below(base: Path, target: Path) -> os.stat_result:
+    """``target``'s status, walked down from ``base`` folder by folder with no symlink followed (OSError if one
+    is met, or anything on the way is missing)."""
+    parts = target.relative_to(base).parts
+    folder = os.open(base, os.O_RDONLY | O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW, dir_fd=folder)
+            os.close(folder)
+            folder = inner
+        return os.stat(parts[-1], dir_fd=folder, follow_symlinks=False) if parts else os.fstat(folder)
+    finally:
+        os.close(folder)
+
+
 def check_opened(fd: int, root: Path, path: Path) -> None:
     """Refuse the open descriptor ``fd`` unless it is the file or folder ``path`` names inside ``root`` now.
 
     ``path`` was checked (:func:`resolve_path`) before it was opened; a folder on its way swapped for a symlink
     in between led the open out of the root, and the file opened then is not the one the path names inside
-    it. Checked on the descriptor, after the open: no window is left between the check and the use."""
+    it. Checked on the descriptor, after the open: no window is left between the check and the use. What it is
+    compared with is reached from the root one folder at a time, none of them followed if it is a symlink
+    (a path resolved while a folder was missing, then looked up by name, would follow the link put there
+    meanwhile)."""
     info = os.fstat(fd)
     try:
-        now: os.stat_result | None = os.stat(resolve_path(root, str(path)))
-    except (ContextShrinkError, OSError):
+        now: os.stat_result | None = _stat_below(root.resolve(), resolve_path(root, str(path)))
+    except (ContextShrinkError, OSError, ValueError):
         now = None
     if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
         raise ContextShrinkError(f"{path} moved while it was opened (a folder on its way was replaced, perhaps by "
@@ -5890,8 +5913,6 @@ def render_jsonl(
 TEMP_MARK = ".context-shrink-"  # this module's temporary files: .<file>.context-shrink-XXXX.tmp beside it
 STALE_TEMP_SECONDS = 60.0  # one of them older than this was left by a process killed mid-write
 DISK_MARGIN = 1 << 20  # free space kept beyond what a backup and a new file need
-O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def ensure_room(folder: Path, need: int, what: str) -> None:
@@ -8828,9 +8849,9 @@ h2 { font-size: 13px; text-transform: uppercase; letter-spacing: .06em; color: v
      font-weight: 600; }
 .dim { color: var(--dim); }
 main { padding: 8px 28px 28px; display: grid; gap: 16px;
-       grid-template-columns: repeat(auto-fit, minmax(320px, 1fr)); }
+       grid-template-columns: repeat(auto-fit, minmax(440px, 1fr)); }
 section { background: var(--card); border: 1px solid var(--line); border-radius: 10px; padding: 14px 16px;
-          min-width: 0; }
+          min-width: 0; overflow-x: auto; }
 .wide { grid-column: 1 / -1; }
 .cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(130px, 1fr)); gap: 10px; }
 .card b { display: block; font-size: 24px; font-weight: 650; font-variant-numeric: tabular-nums; }
@@ -8860,8 +8881,8 @@ code { font-size: 12px; }
       <div class="card"><b id="requests">&ndash;</b><span>chat requests</span></div>
       <div class="card"><b id="shrunk">&ndash;</b><span>shrunk to fit</span></div>
       <div class="card"><b id="tokens_saved">&ndash;</b><span>tokens saved</span></div>
-      <div class="card"><b id="refusals_avoided">&ndash;</b><span>refusals avoided (over the window, sent
-        within it)</span></div>
+      <div class="card" title="requests over the window, sent within it"><b id="refusals_avoided">&ndash;</b>
+        <span>refusals avoided</span></div>
       <div class="card"><b id="refusals">&ndash;</b><span>refusals by the upstream</span></div>
       <div class="card"><b id="exact_counts">&ndash;</b><span>exact counts (upstream)</span></div>
       <div class="card"><b id="estimated_counts">&ndash;</b><span>estimated counts</span></div>
@@ -8884,13 +8905,15 @@ code { font-size: 12px; }
   </section>
   <section>
     <h2>Models</h2>
-    <table><thead><tr><th>model</th><th class="num">requests</th><th class="num">shrunk</th><th class="num">saved</th>
-      <th class="num">refusals</th></tr></thead><tbody id="models"></tbody></table>
+    <table><thead><tr><th>model</th><th class="num">requests</th><th class="num">shrunk</th>
+      <th class="num">avoided</th><th class="num">saved</th><th class="num">refusals</th></tr></thead>
+      <tbody id="models"></tbody></table>
   </section>
   <section>
     <h2>Conversations</h2>
-    <table><thead><tr><th>conversation</th><th class="num">requests</th><th class="num">saved</th>
-      <th class="num">repeated</th></tr></thead><tbody id="conversations"></tbody></table>
+    <table><thead><tr><th>conversation</th><th class="num">requests</th><th class="num">shrunk</th>
+      <th class="num">avoided</th><th class="num">saved</th><th class="num">repeated</th></tr></thead>
+      <tbody id="conversations"></tbody></table>
   </section>
   <section class="wide">
     <h2>Summarisers</h2>
@@ -8957,10 +8980,10 @@ function render(stats) {
     [r.count + (r.counted_by ? " · " + r.counted_by : ""), "reason"], [r.reason || "", "reason"]]);
   const models = Object.entries(stats.models || {});
   fill("models", models, ([name, m]) => [[name], [number(m.requests), "num"], [number(m.shrunk), "num"],
-    [number(m.tokens_saved), "num"], [number(m.refusals), "num"]]);
+    [number(m.refusals_avoided), "num"], [number(m.tokens_saved), "num"], [number(m.refusals), "num"]]);
   const conversations = models.flatMap(([, m]) => Object.entries(m.conversations || {})).reverse().slice(0, 20);
-  fill("conversations", conversations, ([id, c]) => [[id], [number(c.requests), "num"],
-    [number(c.tokens_saved), "num"], [repeated(c), "num"]]);
+  fill("conversations", conversations, ([id, c]) => [[id], [number(c.requests), "num"], [number(c.shrunk), "num"],
+    [number(c.refusals_avoided), "num"], [number(c.tokens_saved), "num"], [repeated(c), "num"]]);
   fill("summarisers", Object.entries(stats.summarisers || {}), ([name, s]) => [[name], [number(s.calls), "num"],
     [number(s.failures), "num" + (s.failures ? " bad" : "")], [s.seconds.toFixed(1), "num"],
     s.backoff_left_s ? [`backed off ${s.backoff_left_s} s: ${s.last_error}`, "reason bad"] : ["answering", "reason"]]);

@@ -73,6 +73,14 @@ def assert_shows(dom: str, stats: dict[str, Any]) -> None:
     assert decisions and decisions.group(1).count("<tr>") == len(recent)
     for row in recent:
         assert f"{row['tokens_before']:,}" in decisions.group(1) and row["action"] in decisions.group(1)
+    for table, rows in (("models", stats["models"]), ("conversations", next(iter(stats["models"].values()))
+                                                      ["conversations"])):  # fmt: skip
+        body = re.search(rf'<tbody id="{table}">(.*?)</tbody>', dom, re.S)
+        cells = [re.findall(r"<td[^>]*>([^<]*)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", body.group(1))]
+        for name, row in rows.items():
+            shown = next(c for c in cells if c[0] == name)
+            wanted = [row["requests"], row["shrunk"], row["refusals_avoided"], row["tokens_saved"]]
+            assert shown[1:5] == [f"{n:,}" for n in wanted], (table, shown, row)
 
 
 def test_the_live_page_shows_what_the_stats_report(tmp_path: Path) -> None:
