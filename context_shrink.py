@@ -4385,9 +4385,8 @@ async def _summarise_fresh(
     a refusal, a degenerate or too short reply) backs the summariser off: it is not asked again for
     :data:`SUMMARY_BACKOFF` seconds, and what it was asked and how long it took is counted in its
     :class:`Health`."""
-    if cache.failing(summariser.name) is not None:
-        left = math.ceil(cache.backoff_left(summariser.name))
-        raise ContextShrinkError(f"{cache.failing(summariser.name)} (not asked again for {left} s)")
+    if (why := cache.failing(summariser.name)) is not None:
+        raise ContextShrinkError(f"{why} (not asked again for {math.ceil(cache.backoff_left(summariser.name))} s)")
     known = cache.replies.setdefault(summariser.name, {})
     known.update(replies or {})
     health = cache.of(summariser.name)
