@@ -134,7 +134,10 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "count_message",
     "count_messages",
     "count_tools",
+    "dedupe_lines",
     "diet_marker",
+    "diet_results",
+    "dieted_text",
     "elided_result",
     "encoding_for_model",
     "estimate_messages",
@@ -855,24 +858,25 @@ COUNT_CACHE_CEILING = 1 << 30  # characters it never exceeds (twice the largest 
 COUNT_CACHE_PASSES = 4096  # passes (every count of a history or of a part) the largest history is held for
 
 
-class _Counts(dict[str, int]):
-    """A bounded cache of text -> tokens around a counter: agents resend the same history every turn.
+class _TextMemo(dict[str, Any]):
+    """A bounded cache of text -> ``function(text)`` (tokens, a dieted text): agents resend the same history
+    every turn.
 
     A hit is a plain dict lookup (no Python frame: :func:`cached_count` hands out ``__getitem__``); a miss
-    counts and stores, and the oldest entries go while the cached text is over the bound. The bound follows
-    the histories counted: twice the largest one counted in the last :data:`COUNT_CACHE_PASSES` passes
+    computes and stores, and the oldest entries go while the cached text is over the bound. The bound follows
+    the histories looked up: twice the largest one of the last :data:`COUNT_CACHE_PASSES` passes
     (:meth:`begin`, called by :func:`count_messages` with the history's size), at least ``max_chars``, at most
     :data:`COUNT_CACHE_CEILING`; and what a pass stores is never evicted during it. (A fixed bound smaller
     than a history made the history evict its own start while it was counted, so every later pass missed on
-    every text: 30,000 messages warm took longer than cold.) A pass over a history counted before misses
-    only what is new; a history no longer counted leaves the bound after that many passes of others. Dict
+    every text: 30,000 messages warm took longer than cold.) A pass over a history seen before misses
+    only what is new; a history no longer seen leaves the bound after that many passes of others. Dict
     operations are atomic under the GIL, so tool calls in threads can share it (a pass begun by another only
     makes more entries evictable).
     """
 
-    def __init__(self, count: Callable[[str], int], max_chars: int) -> None:
+    def __init__(self, function: Callable[[str], Any], max_chars: int) -> None:
         super().__init__()
-        self._count, self._chars, self._max_chars, self._bound = count, 0, max_chars, max_chars
+        self._function, self._chars, self._max_chars, self._bound = function, 0, max_chars, max_chars
         self._fresh = 0  # entries stored since the pass began
         self._largest = self._since = 0  # the largest history counted lately, and the passes since
 
@@ -884,20 +888,20 @@ class _Counts(dict[str, int]):
         self._bound = min(max(self._max_chars, 2 * self._largest), COUNT_CACHE_CEILING)
         self._fresh = 0
 
-    def __missing__(self, text: str) -> int:
-        tokens = self[text] = self._count(text)
+    def __missing__(self, text: str) -> Any:
+        value = self[text] = self._function(text)
         self._chars += len(text)
         self._fresh += 1
         while self._chars > COUNT_CACHE_CEILING or (self._chars > self._bound and len(self) > self._fresh):
             with contextlib.suppress(StopIteration, KeyError, RuntimeError):
                 self._chars -= len(old := next(iter(self)))
                 del self[old]
-        return tokens
+        return value
 
 
 def cached_count(count: Callable[[str], int], max_chars: int = COUNT_CACHE_CHARS) -> Callable[[str], int]:
-    """``count`` behind a bounded cache keyed by the text (see :class:`_Counts`)."""
-    return _Counts(count, max_chars).__getitem__
+    """``count`` behind a bounded cache keyed by the text (see :class:`_TextMemo`)."""
+    return _TextMemo(count, max_chars).__getitem__
 
 
 _O200K_MODELS = re.compile(r"(^|/)(gpt-4o|chatgpt-4o|gpt-4\.1|gpt-4\.5|gpt-5|o\d)([-.:_]|$)", re.IGNORECASE)
@@ -1256,7 +1260,7 @@ def _text_size(message: Mapping[str, Any]) -> int:
 def count_messages(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> tuple[list[int], int]:
     """Per-message token counts and the total for a request (reply priming included); one pass."""
     count, form = tokenizer.count, tokenizer.format
-    if isinstance(cache := getattr(count, "__self__", None), _Counts):
+    if isinstance(cache := getattr(count, "__self__", None), _TextMemo):
         cache.begin(sum(map(_text_size, messages)))
     counts = [count_message(m, count, form) for m in messages]
     if tokenizer.scale != 1.0:
@@ -2165,17 +2169,25 @@ def check_text(
     }
 
 
+def dieted_text(text: str) -> str | None:
+    """``text`` with its repeated and near-repeated lines removed (verbatim), or None if that saves nothing."""
+    lines = text.split("\n")
+    kept, _ = dedupe_lines(lines, list(range(len(lines))), HEURISTIC.count)
+    return None if len(kept) == len(lines) else "\n".join(render_kept(lines, kept))
+
+
+DIETED = _TextMemo(dieted_text, COUNT_CACHE_CHARS)  # the same result is resent every turn: dieted once
+
+
 def diet_message(message: Mapping[str, Any], min_chars: int = 2000) -> dict[str, Any] | None:
     """A large tool result with its repeated and near-repeated lines removed (verbatim), or None if that
-    saves nothing. Depends only on the message, so the same result gives the same bytes every turn."""
+    saves nothing. Depends only on the message, so the same result gives the same bytes every turn (and is
+    worked out once: :data:`DIETED`)."""
     text = message.get("content")
     if message["role"] not in RESULT_ROLES or not isinstance(text, str) or len(text) < min_chars:
         return None
-    lines = text.split("\n")
-    kept, _ = dedupe_lines(lines, list(range(len(lines))), HEURISTIC.count)
-    if len(kept) == len(lines):
-        return None
-    return {**message, "content": "\n".join(render_kept(lines, kept))}
+    lighter = DIETED[text]
+    return None if lighter is None else {**message, "content": lighter}
 
 
 def diet_results(
@@ -2183,6 +2195,7 @@ def diet_results(
 ) -> tuple[list[dict[str, Any]], dict[str, int] | None]:
     """Every large tool result dieted (:func:`diet_message`); the report says how many and what it saved."""
     out, changed, saved = [], 0, 0
+    DIETED.begin(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
     for m in messages:
         lighter = diet_message(m)
         if lighter is None:
