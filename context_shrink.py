@@ -29,7 +29,7 @@ the agents' stores are read and written in sections 12 and 13. Both front doors 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = [  # the public API: what the tests, the benchmarks and the examples use
+__all__ = [
     "AGENT_STORES",
     "ANCHOR_HEADING",
     "CALIBRATION_LIMITS",
@@ -55,6 +55,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "REASONING_KEYS",
     "RECALL_ROUNDS",
     "RECALL_TOOL",
+    "REPLAYS",
     "RESULT_ROLES",
     "SDK_NAMES",
     "SESSION_QUIET_SECONDS",
@@ -99,6 +100,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "ProxyReport",
     "ProxyState",
     "PruneOptions",
+    "ReplayMemo",  # the public API: what the tests, the benchmarks and the examples use
     "Reply",
     "Rungs",
     "SessionChanges",
@@ -146,6 +148,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "find_hf_tokenizer",
     "fingerprint",
     "folded_away",
+    "forget",
     "group_units",
     "guard_summary",
     "heuristic_features",
@@ -887,6 +890,10 @@ class _TextMemo(dict[str, Any]):
             self._largest, self._since = chars, 0
         self._bound = min(max(self._max_chars, 2 * self._largest), COUNT_CACHE_CEILING)
         self._fresh = 0
+
+    def clear(self) -> None:
+        super().clear()
+        self._chars = self._fresh = 0
 
     def __missing__(self, text: str) -> Any:
         value = self[text] = self._function(text)
@@ -1633,15 +1640,18 @@ VALUE_WORD = 80  # a longer word (a base64 blob, a minified line) holds no value
 VALUE_SCAN = (16_000, 8_000)  # characters of a long text looked at for values: its head, its tail
 
 
-@functools.lru_cache(maxsize=4096)
 def text_values(text: str) -> tuple[str, ...]:
     """The words of ``text`` that hold a value (:data:`_VALUE_SHAPES`), whole and in order, once each: what an
     agent needs verbatim to act again (``snap-0b7c4e91d2f5``, ``lic-03.internal.example:27009``). One scan of
-    the text, of a long one its head and tail (:data:`VALUE_SCAN`: bounded time on a megabyte of log); cached (a
-    history's old results are asked again every turn)."""
+    the text, of a long one its head and tail (:data:`VALUE_SCAN`: bounded time on a megabyte of log); cached
+    (:data:`VALUES`: a history's old results are asked again every turn)."""
+    return VALUES[text]
+
+
+def _scan_values(text: str) -> tuple[str, ...]:
     head, tail = VALUE_SCAN
     if len(text) > head + tail:
-        return tuple(dict.fromkeys([*text_values(text[:head]), *text_values(text[-tail:])]))
+        return tuple(dict.fromkeys([*_scan_values(text[:head]), *_scan_values(text[-tail:])]))
     found: dict[str, None] = {}
     end = 0
     for match in _VALUE_SHAPES.finditer(text):
@@ -1658,6 +1668,9 @@ def text_values(text: str) -> tuple[str, ...]:
     return tuple(found)
 
 
+VALUES = _TextMemo(_scan_values, COUNT_CACHE_CHARS)  # bounded by the histories seen, like the count cache
+
+
 def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
     """A tool result with its content replaced by a placeholder naming the tool, what was cleared and the
     values it held (:func:`text_values`, up to :data:`VALUE_CHARS`), so a fact read in an old result is still
@@ -1670,10 +1683,13 @@ def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
     return {**message, "content": f"[tool result cleared: {tool}, {_lines_and_tokens(text)}{held_note(text)}]"}
 
 
-@functools.lru_cache(maxsize=4096)
 def held_note(text: str) -> str:
     """The part of a cleared result's placeholder that names the values ``text`` held (up to
-    :data:`VALUE_CHARS`), or ``""``."""
+    :data:`VALUE_CHARS`), or ``""``; cached (:data:`HELD`)."""
+    return HELD[text]
+
+
+def _held_note(text: str) -> str:
     values, used = [], 0
     for value in text_values(text):
         if used + len(value) + 2 > VALUE_CHARS:
@@ -1681,6 +1697,16 @@ def held_note(text: str) -> str:
         values.append(value)
         used += len(value) + 2
     return f"; it held: {', '.join(values)}" if values else ""
+
+
+HELD = _TextMemo(_held_note, COUNT_CACHE_CHARS)  # an old result is cleared again on every turn
+
+
+def begin_pass(messages: Sequence[Mapping[str, Any]]) -> None:
+    """A new pass over a history: the bounds of the caches of what its texts hold follow its size."""
+    chars = sum(map(_text_size, messages))
+    VALUES.begin(chars)
+    HELD.begin(chars)
 
 
 # Characters kept at the head and tail of an elided text, from gentle to strong; an old text's least form.
@@ -2358,6 +2384,7 @@ class Sizes:
         full: Sequence[int] | None = None,
     ) -> None:
         self.messages, self.tokenizer, self.shape, self.reduce = messages, tokenizer, shape, reduce
+        begin_pass(messages)
         self.full = list(full) if full is not None else count_messages(messages, tokenizer)[0]
         self.prefix = list(itertools.accumulate(self.full, initial=0))
         self.n = len(self.full)
@@ -2688,13 +2715,113 @@ def give_back(sizes: Sizes, forms: dict[int, tuple[dict[str, Any], int]], room: 
             forms[i], room = (longer, size), room - size + reduced
 
 
+REPLAY_MEMO_TOKENS = 16_000_000  # tokens of the histories the remembered replays hold (the newest always kept)
+
+
+@dataclasses.dataclass
+class ReplayPoint:
+    """Where a stable replay was at prefix ``k`` of a history: its state, and what it read of the history there
+    (the messages by value, the shape of their part, the held cut it replayed with when that was before ``k``),
+    so that a replay of a longer history whose first ``k`` messages read the same can go on from here."""
+
+    k: int
+    held: int | None  # the planner's keep_from when it was before k (the replay depended on it), else None
+    messages: list[dict[str, Any]]  # shallow copies of the first k messages: compared by value
+    candidates: list[int]
+    turn_of: tuple[int, ...]
+    opening_end: dict[int, int]
+    state: tuple[Any, ...]  # cut, old, skipped, reduced, total: copies
+    tokens: int  # the size of the messages held
+
+    def fits(self, planner: CutPlanner) -> bool:
+        """Whether a replay on ``planner`` read the same up to ``k``: the same held cut, or none before ``k``."""
+        held, shape = planner.keep_from, planner.shape
+        if self.k > planner.n or (held != self.held if self.held is not None else held is not None and held < self.k):
+            return False
+        k = self.k
+        return (shape.turn_of[:k] == self.turn_of and [c for c in planner.candidates if c < k] == self.candidates
+                and {t: e for t, e in shape.opening_end.items() if t < k} == self.opening_end
+                and planner.sizes.messages[:k] == self.messages)  # fmt: skip
+
+
+class ReplayMemo:
+    """The stable replays of the histories planned lately, by their opening and the plan's settings: an agent
+    resends its history every turn with a few messages more, and the replay of the request sent for each
+    earlier prefix (:class:`StableReplay`) is the same every time, so it is kept and resumed where it stopped.
+    Exact by construction: the replay is a function of the settings (the key) and of what it read at each
+    prefix up to ``k``, and a point is resumed only when a new history reads the same there
+    (:meth:`ReplayPoint.fits`). Two points per history: at its end, and where its held cut (the turn in
+    progress, ``keep_from``) starts, which still holds once the next turn moves the held cut on. Bounded by
+    :data:`REPLAY_MEMO_TOKENS` of the histories held, the least recently used dropped first; shared by threads."""
+
+    def __init__(self, max_tokens: int = REPLAY_MEMO_TOKENS) -> None:
+        self._points: collections.OrderedDict[tuple[Any, ...], dict[bool, ReplayPoint]] = collections.OrderedDict()
+        self._tokens, self._max_tokens, self._lock = 0, max_tokens, threading.Lock()
+
+    @staticmethod
+    def key(replay: StableReplay) -> tuple[Any, ...]:
+        """The settings a replay is a function of, and the history's opening (which conversation it is)."""
+        pl, tok = replay.planner, replay.planner.sizes.tokenizer
+        opening = tuple(_plain_content(m.get("content")) for m in pl.sizes.messages[: pl.shape.lead + 1])
+        return (tok.count, tok.name, tok.scale, tok.format.name, pl.sizes.reduce, pl.shape.start_on_user,
+                pl.budget, pl.fixed, pl.keep_last, replay.target, replay.floor, opening)  # fmt: skip
+
+    def resume(self, replay: StableReplay) -> int:
+        """Put ``replay`` where a remembered replay of the same history stopped; the prefix it now covers."""
+        with self._lock:
+            points = self._points.get(key := self.key(replay))
+            if points is not None:
+                self._points.move_to_end(key)
+        found = [p for p in sorted((points or {}).values(), key=lambda p: -p.k) if p.fits(replay.planner)]
+        if not found:
+            return replay.cut
+        replay.restore(found[0].state)
+        return found[0].k
+
+    def point(self, replay: StableReplay, k: int, copies: list[dict[str, Any]]) -> ReplayPoint:
+        """The replay's point at prefix ``k`` (it has just replayed it); ``copies``: of the messages, at least k."""
+        pl = replay.planner
+        held = pl.keep_from if pl.keep_from is not None and pl.keep_from < k else None
+        return ReplayPoint(k, held, copies[:k], [c for c in pl.candidates if c < k], pl.shape.turn_of[:k],
+                           {t: e for t, e in pl.shape.opening_end.items() if t < k}, replay.saved(),
+                           pl.sizes.prefix[k])  # fmt: skip
+
+    def store(self, replay: StableReplay, points: Sequence[ReplayPoint]) -> None:
+        """Remember ``points`` of a replay (each replaces the history's point of its kind: held or not)."""
+        with self._lock:
+            kept = self._points.pop(key := self.key(replay), {})
+            for point in points:
+                old = kept.get(held := point.held is not None)
+                self._tokens += point.tokens - (old.tokens if old else 0)
+                kept[held] = point
+            self._points[key] = kept
+            while self._tokens > self._max_tokens and len(self._points) > 1:
+                self._tokens -= sum(p.tokens for p in self._points.popitem(last=False)[1].values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._points.clear()
+            self._tokens = 0
+
+
+REPLAYS = ReplayMemo()
+
+
+def forget() -> None:
+    """Forget what the module remembers between calls: the dieted results, the values results held and the
+    stable replays (a counter's cache belongs to its :class:`Tokenizer`). For benchmarks of a first call."""
+    for memo in (DIETED, VALUES, HELD, REPLAYS):
+        memo.clear()
+
+
 class StableReplay:
     """Stable mode (``target_ratio`` < 1): the request sent for the previous prefix of the history, grown by the
     new messages, is kept as it is while it fits; when it no longer does, it is planned again by the same
     ladder down to ``target`` tokens, so the next steps of growth fit again and the bytes of a request change
-    about once per ``budget - target`` tokens of growth. Nothing is stored between calls: the earlier requests
-    are replayed from the history itself, on size estimates that never understate a reduced form (building
-    every reduced form of a long history costs more than all the rest); only the final request is built and
+    about once per ``budget - target`` tokens of growth. The earlier requests are replayed from the history
+    itself, on size estimates that never understate a reduced form (building every reduced form of a long
+    history costs more than all the rest), and the replay is remembered (:data:`REPLAYS`): the next call on
+    the history grown by a turn goes on from where this one stopped. Only the final request is built and
     counted exactly. The cut and the reduced part only move forward between replans.
     """
 
@@ -2721,12 +2848,31 @@ class StableReplay:
             self.reduced[i] = (how, smaller)
 
     def run(self) -> CutPlan:
-        """Replay the request of every prefix of the history; the last one is the answer, built exactly."""
-        for k in range(self.cut + 1, self.planner.n + 1):
+        """Replay the request of every prefix of the history (from where a remembered replay of it stopped);
+        the last one is the answer, built exactly. The points remembered: the end, and where a held cut starts
+        (past it the replay depends on where the cut is held)."""
+        n, held = self.planner.n, self.planner.keep_from
+        marks, points, copies = {n, n if held is None else held}, [], None
+        start = REPLAYS.resume(self)
+        for k in range(start + 1, n + 1):
             self.total += self.full[k - 1]
             if self.total > self.planner.budget:
                 self.replan(k)
+            if k in marks:
+                copies = copies or list(map(dict, self.sizes.messages))
+                points.append(REPLAYS.point(self, k, copies))
+        REPLAYS.store(self, points)
         return self.final()
+
+    def saved(self) -> tuple[Any, ...]:
+        """A copy of the replay's state."""
+        skipped = {light: set(found) for light, found in self.skipped.items()}
+        return self.cut, dict(self.old), skipped, dict(self.reduced), self.total
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        cut, old, skipped, reduced, self.total = state
+        self.cut, self.old, self.reduced = cut, dict(old), dict(reduced)
+        self.skipped = {light: set(found) for light, found in skipped.items()}
 
     def replan(self, k: int) -> None:
         """Plan the request at prefix ``k`` again, down to the target: old messages reduced oldest first (an

