@@ -1,6 +1,7 @@
 """The proxy: added latency, time to shrink a 100k-token history, summariser calls and prefill over a replay.
 
     python bench/proxy.py [--requests 200] [--transcript openhands_llama-4-maverick_ponyc-458] [--only-latency]
+    python bench/proxy.py --only-repeat --requests 30 [--guardian /path/to/context-guardian]
 
 Everything runs against the test suite's real llama.cpp server (xllamacpp, tiny generated model, n_ctx
 32768, one slot; its byte-level tokenizer needs about 3.4 tokens per cl100k token, so that is a window of
@@ -20,15 +21,23 @@ the suite's scriptable fake server (instant, deterministic) so the numbers are a
 4. One agent-shaped session per wire API (OpenCode on chat completions, Codex CLI on Responses, Claude
    Code on Anthropic Messages), grown turn by turn against a second llama.cpp server (n_ctx 8192),
    directly and through the proxy: refusals either way, requests shrunk, window use, the proxy's time.
+5. A must-shrink request of about 100k and 200k tokens repeated (the turn after one already shrunk), against
+   the suite's instant fake upstream: the client's wall time straight to it, through context-shrink and
+   through context-guardian (when its command is found: `pip install context-guardian` in a venv of its own,
+   then --guardian PATH), alternating in the same run; a bar figure, docs/img/proxy_repeat.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +120,17 @@ def big_history(target: int) -> Messages:
         for path in transcript_paths():
             messages += [m for m in load(path) if m["role"] not in cs.SYSTEM_ROLES]
     return messages
+
+
+def sized_history(target: int) -> Messages:
+    """The shortest generated coding session (in steps of 25 messages) of at least ``target`` cl100k tokens."""
+    for n in range(25, 3201, 25):
+        messages = generated(n, end="user")
+        if messages is None:
+            return big_history(target)
+        if cs.count_messages(messages, TOK)[1] >= target:
+            return [cs.without_images(m)[0] for m in messages]
+    return big_history(target)
 
 
 def shrink_big(front: str, front_down: str) -> None:
@@ -219,12 +239,92 @@ def agent_replays(direct: str, front: str) -> None:
         print(f"| {name} | 20 | {refused['direct']} | {refused['proxy']} | {len(uses)} | {use} | {p50} |")
 
 
+@contextlib.contextmanager
+def guardian(upstream: str, window: int, folder: Path, command: str) -> Iterator[str]:
+    """context-guardian (installed apart, e.g. ``pip install context-guardian`` in its own venv) in front of
+    ``upstream`` with ``window`` tokens; yields its base URL. Its data and log go to ``folder``."""
+    port = free_port()
+    env = {**os.environ, "GUARDIAN_UPSTREAM_URL": upstream, "GUARDIAN_NUM_CTX": str(window),
+           "GUARDIAN_PORT": str(port), "GUARDIAN_HOST": "127.0.0.1", "GUARDIAN_DATA_DIR": str(folder),
+           "GUARDIAN_VERBOSE": "0"}  # fmt: skip
+    with (folder / "guardian.log").open("ab") as err:
+        process = subprocess.Popen([command], stdout=err, stderr=err, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx2.HTTPError):
+                if httpx2.get(f"http://127.0.0.1:{port}/guardian/stats", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+REPEAT_WINDOW = 32768  # both proxies told this window (the fake upstream itself takes anything)
+
+
+def repeated(folder: Path, requests: int, command: str | None) -> None:
+    """A must-shrink request sent again and again (the turn after one the proxy already shrank): the client's
+    wall time p50 and p95 straight to the upstream (which takes it: its window is large), through
+    context-shrink and, when installed, through context-guardian, alternating, in the same run."""
+    fake = FakeOpenAI(window=100_000_000)
+    names = ["direct (no shrink)", "context-shrink"] + (["context-guardian 0.12"] if command else [])
+    print(f"\n5. A repeated must-shrink request (window {REPEAT_WINDOW:,} told to each proxy; the summariser is the"
+          f" instant fake upstream; {requests} requests each, alternating, after 3 to warm):\n")  # fmt: skip
+    print("| history | " + " | ".join(f"{n} p50 / p95 ms (tokens sent)" for n in names)
+          + " | context-shrink ms (header) |")  # fmt: skip
+    print("|---|" + "---:|" * (len(names) + 1))
+    figure: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        up = stack.enter_context(serve(fake))
+        fronts = [up, stack.enter_context(proxy(up, "--window", str(REPEAT_WINDOW), "--no-archive",
+                                                log=folder / "repeat.log"))]  # fmt: skip
+        if command:
+            fronts.append(stack.enter_context(guardian(up, REPEAT_WINDOW, folder, command)))
+        for target in (100_000, 200_000):
+            messages = sized_history(target)
+            body = {"model": "m", "messages": messages, "max_tokens": 1000}
+            times: dict[str, list[float]] = {n: [] for n in names}
+            header: list[float] = []
+            sent: dict[str, int] = {}
+            with contextlib.ExitStack() as clients:
+                kept = [clients.enter_context(httpx2.Client(timeout=600)) for _ in fronts]
+                for _ in range(3):  # warm: the first request of each is summarised and counted
+                    for client, url in zip(kept, fronts, strict=True):
+                        client.post(url + "/chat/completions", json=body)
+                for _ in range(requests):
+                    for name, client, url in zip(names, kept, fronts, strict=True):
+                        started = time.perf_counter()
+                        reply = client.post(url + "/chat/completions", json=body)
+                        times[name].append(1000 * (time.perf_counter() - started))
+                        sent[name] = fake.requests[-1]["tokens"] - 1000  # what reached the upstream, max_tokens out
+                        if name == "context-shrink":
+                            got = reply.headers.get("x-context-shrink", "")
+                            header.append(float(next(p[3:] for p in got.split("; ") if p.startswith("ms=")) or 0))
+            tokens = cs.count_messages(messages, TOK)[1]
+            cells = [f"{percentile(t, 0.5):.1f} / {percentile(t, 0.95):.1f} ({sent[n]:,})" for n, t in times.items()]
+            print(f"| {len(messages)} messages, {tokens:,} tokens | " + " | ".join(cells)
+                  + f" | {percentile(header, 0.5):.0f} |")  # fmt: skip
+            figure[f"{tokens // 1000}k tokens"] = [percentile(t, 0.5) for t in times.values()]
+    bars("proxy_repeat", f"a repeated must-shrink request, p50 of {requests} (window {REPEAT_WINDOW:,})",
+         "milliseconds", list(figure), {n: [figure[k][i] for k in figure] for i, n in enumerate(names)})  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--transcript", default="openhands_llama-4-maverick_ponyc-458")
     parser.add_argument("--only-latency", action="store_true", help="section 1 only")
+    parser.add_argument("--only-repeat", action="store_true", help="section 5 only")
+    parser.add_argument("--guardian", default=shutil.which("context-guardian"),
+                        help="context-guardian's command, for section 5 (default: on PATH, else left out)")  # fmt: skip
     args = parser.parse_args()
+    if args.only_repeat:
+        with tempfile.TemporaryDirectory() as folder:
+            repeated(Path(folder), args.requests, args.guardian)
+        return 0
     chosen = next((p for p in transcript_paths() if p.stem.startswith(args.transcript)), transcript_paths()[0])
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "proxy.log"
@@ -245,6 +345,7 @@ def main() -> int:
             shrink_big(front, front_down)
             replay(direct, front, fake, load(chosen), chosen.stem)
             agent_replays(small, front_small)
+        repeated(Path(folder), min(args.requests, 30), args.guardian)
     return 0
 
 
