@@ -2738,7 +2738,7 @@ class ReplayPoint:
     messages: list[dict[str, Any]]  # shallow copies of the first k messages: compared by value
     candidates: list[int]
     turn_of: tuple[int, ...]
-    opening_end: dict[int, int]
+    opening_end: list[tuple[int, int]]
     state: tuple[Any, ...]  # cut, old, skipped, reduced, total: copies
     tokens: int  # the size of the messages held
 
@@ -2748,9 +2748,19 @@ class ReplayPoint:
         if self.k > planner.n or (held != self.held if self.held is not None else held is not None and held < self.k):
             return False
         k = self.k
-        return (shape.turn_of[:k] == self.turn_of and [c for c in planner.candidates if c < k] == self.candidates
-                and {t: e for t, e in shape.opening_end.items() if t < k} == self.opening_end
+        return (shape.turn_of[:k] == self.turn_of and candidates_before(planner, k) == self.candidates
+                and turns_before(shape, k) == self.opening_end
                 and planner.sizes.messages[:k] == self.messages)  # fmt: skip
+
+
+def candidates_before(planner: CutPlanner, k: int) -> list[int]:
+    """The planner's cut candidates before ``k`` (they are sorted)."""
+    return planner.candidates[: bisect.bisect_left(planner.candidates, k)]
+
+
+def turns_before(shape: Shape, k: int) -> list[tuple[int, int]]:
+    """The turns that start before ``k``, with where their opening runs end (turns are in order)."""
+    return list(itertools.islice(shape.opening_end.items(), bisect.bisect_left(list(shape.opening_end), k)))
 
 
 class ReplayMemo:
@@ -2775,25 +2785,23 @@ class ReplayMemo:
         return (tok.count, tok.name, tok.scale, tok.format.name, pl.sizes.reduce, pl.shape.start_on_user,
                 pl.budget, pl.fixed, pl.keep_last, replay.target, replay.floor, opening)  # fmt: skip
 
-    def resume(self, replay: StableReplay) -> int:
-        """Put ``replay`` where a remembered replay of the same history stopped; the prefix it now covers."""
+    def resume(self, replay: StableReplay) -> ReplayPoint | None:
+        """Put ``replay`` where a remembered replay of the same history stopped; the point, if one fits."""
         with self._lock:
             points = self._points.get(key := self.key(replay))
             if points is not None:
                 self._points.move_to_end(key)
         found = [p for p in sorted((points or {}).values(), key=lambda p: -p.k) if p.fits(replay.planner)]
-        if not found:
-            return replay.cut
-        replay.restore(found[0].state)
-        return found[0].k
+        if found:
+            replay.restore(found[0].state)
+        return found[0] if found else None
 
     def point(self, replay: StableReplay, k: int, copies: list[dict[str, Any]]) -> ReplayPoint:
         """The replay's point at prefix ``k`` (it has just replayed it); ``copies``: of the messages, at least k."""
         pl = replay.planner
         held = pl.keep_from if pl.keep_from is not None and pl.keep_from < k else None
-        return ReplayPoint(k, held, copies[:k], [c for c in pl.candidates if c < k], pl.shape.turn_of[:k],
-                           {t: e for t, e in pl.shape.opening_end.items() if t < k}, replay.saved(),
-                           pl.sizes.prefix[k])  # fmt: skip
+        return ReplayPoint(k, held, copies[:k], candidates_before(pl, k), pl.shape.turn_of[:k],
+                           turns_before(pl.shape, k), replay.saved(), pl.sizes.prefix[k])  # fmt: skip
 
     def store(self, replay: StableReplay, points: Sequence[ReplayPoint]) -> None:
         """Remember ``points`` of a replay (each replaces the history's point of its kind: held or not)."""
@@ -2863,13 +2871,15 @@ class StableReplay:
         (past it the replay depends on where the cut is held)."""
         n, held = self.planner.n, self.planner.keep_from
         marks, points, copies = {n, n if held is None else held}, [], None
-        start = REPLAYS.resume(self)
+        resumed = REPLAYS.resume(self)
+        start = self.cut if resumed is None else resumed.k
         for k in range(start + 1, n + 1):
             self.total += self.full[k - 1]
             if self.total > self.planner.budget:
                 self.replan(k)
-            if k in marks:
-                copies = copies or list(map(dict, self.sizes.messages))
+            if k in marks:  # the copies of the messages the resumed point holds are reused
+                kept = resumed.messages if resumed else []
+                copies = copies or [*kept, *map(dict, self.sizes.messages[len(kept) :])]
                 points.append(REPLAYS.point(self, k, copies))
         REPLAYS.store(self, points)
         return self.final()
@@ -3130,8 +3140,9 @@ def trim_messages(
     Leading system messages are kept, and so are the opening user message(s) of the turn the cut falls in.
     The newest ``keep_last`` messages are reduced last and give way when they alone do not fit.
     ``strategy="drop"`` only drops units. With ``target_ratio`` below 1 the result is cache-friendly: the
-    previous request (replayed from the history) is kept and grown while it fits, and planned again to
-    ``target_ratio`` of the budget when it does not. Kept messages are the input's own objects unless reduced
+    previous request (replayed from the history; the replay is remembered for the next turn) is kept and
+    grown while it fits, and planned again to ``target_ratio`` of the budget when it does not. Kept
+    messages are the input's own objects unless reduced
     (``changes`` lists every reduced index and how); ``fits`` is re-counted; the work is linear in the history.
     ``options`` (or ``fields`` by name) are a :class:`TrimOptions`.
     """
