@@ -457,6 +457,7 @@ IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
 BODY_TIMEOUT = 30.0  # seconds a request's body may take, plus one per BODY_MIN_RATE bytes it has sent
 BODY_MIN_RATE = 64 * 1024  # bytes a second a slow body must keep up beyond BODY_TIMEOUT
 OFF_LOOP_BYTES = 1 << 20  # a request body this large is parsed and counted in a worker thread
+MESSAGE_BYTES = 4096  # about what a message of an agent's history takes, to size a request before reading it
 DEFAULT_KEEP_LAST = 8
 DEFAULT_THRESHOLD = 0.8
 DEFAULT_MAX_SUMMARY_TOKENS = 1024
@@ -9650,6 +9651,13 @@ def _scaled(counts: Sequence[int], factor: float, priming: int) -> tuple[list[in
     return scaled, sum(scaled) + priming
 
 
+async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
+    """``work()``, in a worker thread when ``size`` (the bytes it works on) is large, so that small requests are
+    not held up behind it; a small one is done at once (a thread would cost more than the work: on a small request the
+    hops to a worker thread were most of the proxy's added latency)."""
+    return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
+
+
 async def measure(
     state: ProxyState, request: ChatRequest, budget: int, window: int, authorization: str | None
 ) -> Measured:
@@ -9657,7 +9665,8 @@ async def measure(
     and the tools apart: a template may drop the tools), and that count decides and calibrates; a first long
     request of a model calibrates it."""
     tok, model = state.tokenizer, request.model
-    counts = await anyio.to_thread.run_sync(lambda: [count_message(m, tok.count, tok.format) for m in request.messages])
+    counts = await off_loop(sum(map(_text_size, request.messages)),
+                            lambda: [count_message(m, tok.count, tok.format) for m in request.messages])  # fmt: skip
     raw = sum(counts) + tok.format.priming
     tools_key = (model, fingerprint(request.tools))
     tools_cost = state.tool_costs.get(tools_key) if request.tools else 0  # the upstream's count, once it said
@@ -9685,7 +9694,9 @@ async def shrink_request(
     model (:func:`shrink_counted`). Raises :class:`ContextShrinkError` for a body it does not understand (the
     caller forwards it as is)."""
     started = time.perf_counter()
-    request = await anyio.to_thread.run_sync(ChatRequest.read, body)
+    listed = body.get("messages")
+    request = await off_loop(len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0,
+                             lambda: ChatRequest.read(body))  # fmt: skip
     report = ProxyReport(window=window or await proxy_window(state, request.model, authorization))
     if report.window is None:
         report.reason = "window unknown"
@@ -10313,12 +10324,6 @@ def cut_response() -> type[Any]:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     return CutResponse
-
-
-async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
-    """``work()``, in a worker thread when ``size`` (the bytes it works on) is large, so that small requests are
-    not held up behind it; a small one is done at once (a thread would cost more than the work)."""
-    return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
 
 
 async def parsed(raw: bytes) -> Any:
