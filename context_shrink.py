@@ -29,7 +29,7 @@ the agents' stores are read and written in sections 12 and 13. Both front doors 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = [
+__all__ = [  # the public API: what the tests, the benchmarks and the examples use
     "AGENT_STORES",
     "ANCHOR_HEADING",
     "CALIBRATION_LIMITS",
@@ -102,7 +102,7 @@ __all__ = [
     "ProxyReport",
     "ProxyState",
     "PruneOptions",
-    "ReplayMemo",  # the public API: what the tests, the benchmarks and the examples use
+    "ReplayMemo",
     "Reply",
     "Rungs",
     "SessionChanges",
@@ -3142,9 +3142,9 @@ def trim_messages(
     The newest ``keep_last`` messages are reduced last and give way when they alone do not fit.
     ``strategy="drop"`` only drops units. With ``target_ratio`` below 1 the result is cache-friendly: the
     previous request (replayed from the history; the replay is remembered for the next turn) is kept and
-    grown while it fits, and planned again to ``target_ratio`` of the budget when it does not. Kept
-    messages are the input's own objects unless reduced
-    (``changes`` lists every reduced index and how); ``fits`` is re-counted; the work is linear in the history.
+    grown while it fits, and planned again to ``target_ratio`` of the budget when it does not. Kept messages
+    are the input's own objects unless reduced (``changes`` lists every reduced index and how); ``fits`` is
+    re-counted; the work is linear in the history.
     ``options`` (or ``fields`` by name) are a :class:`TrimOptions`.
     """
     o = options_of(TrimOptions, options, fields)
@@ -7821,7 +7821,7 @@ def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run
 # 14. Front door one: the MCP tools (thin wrappers over the core)
 # =============================================================================
 
-# --- the SDK, imported when an MCP door opens: the text subcommands and the proxy never pay its half second -----
+# --- the SDK and the HTTP stack, imported when a door opens: the text subcommands never pay for them -----------
 
 
 @functools.cache
@@ -9653,8 +9653,8 @@ def _scaled(counts: Sequence[int], factor: float, priming: int) -> tuple[list[in
 
 async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
     """``work()``, in a worker thread when ``size`` (the bytes it works on) is large, so that small requests are
-    not held up behind it; a small one is done at once (a thread would cost more than the work: on a small request the
-    hops to a worker thread were most of the proxy's added latency)."""
+    not held up behind it; a small one is done at once (a thread would cost more than the work: on a small
+    request the hops to a worker thread were most of the proxy's added latency)."""
     return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
 
 
