@@ -2771,7 +2771,9 @@ class ReplayMemo:
     Exact by construction: the replay is a function of the settings (the key) and of what it read at each
     prefix up to ``k``, and a point is resumed only when a new history reads the same there
     (:meth:`ReplayPoint.fits`). Two points per history: at its end, and where its held cut (the turn in
-    progress, ``keep_from``) starts, which still holds once the next turn moves the held cut on. Bounded by
+    progress, ``keep_from``) starts, which still holds once the next turn moves the held cut on. A point holds
+    shallow copies of the messages it read (a caller that changes a message's nested lists in place after a
+    call would change them too; every door parses a fresh history per call). Bounded by
     :data:`REPLAY_MEMO_TOKENS` of the histories held, the least recently used dropped first; shared by threads."""
 
     def __init__(self, max_tokens: int = REPLAY_MEMO_TOKENS) -> None:
