@@ -33,9 +33,11 @@ import argparse
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -79,32 +81,69 @@ def streamed(client: httpx2.Client, url: str, body: dict[str, Any]) -> float:
     return time.perf_counter() - started
 
 
+@contextlib.contextmanager
+def bare_forwarder(upstream: str) -> Iterator[str]:
+    """The floor of any Python proxy on this stack, measured in the same run: starlette and httpx2 on the
+    proxy's own uvicorn settings (``cs.serve_http``), relaying the body both ways and nothing else. It runs in a
+    thread until the script ends; yields its base URL."""
+    cs.load_web()
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    client = httpx2.AsyncClient(timeout=600)
+
+    async def relay(request: Any) -> Any:
+        sent = client.build_request("POST", upstream + "/chat/completions", content=await request.body(),
+                                    headers={"content-type": "application/json"})  # fmt: skip
+        reply = await client.send(sent, stream=True)
+        kind = {"content-type": reply.headers.get("content-type", "application/json")}
+        return StreamingResponse(reply.aiter_raw(), reply.status_code, headers=kind,
+                                 background=BackgroundTask(reply.aclose))  # fmt: skip
+
+    app = Starlette(routes=[Route("/v1/chat/completions", relay, methods=["POST"])])
+    port = free_port()
+    threading.Thread(target=cs.serve_http, args=(app, "127.0.0.1", port, (10.0, 5.0), "floor on {}"),
+                     daemon=True).start()  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+
+
 def latency(direct: str, front: str, requests: int) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there " * 40}], "max_tokens": 1}
-    for _ in range(5):  # warm both paths
-        post(direct, body), post(front, body)
-    with httpx2.Client(timeout=600) as near, httpx2.Client(timeout=600) as far:
+    with bare_forwarder(direct) as floor:
+        paths = {"direct": direct, "bare forwarder": floor, "proxy": front}
+        for _ in range(5):  # warm every path
+            for url in paths.values():
+                post(url, body)
         names = ("new connection, whole reply", "kept-alive connection, streamed")
-        rows: dict[str, dict[str, list[float]]] = {name: {"direct": [], "proxy": []} for name in names}
-        for _ in range(requests):
-            rows["new connection, whole reply"]["direct"].append(post(direct, body)[1])
-            rows["new connection, whole reply"]["proxy"].append(post(front, body)[1])
-            rows["kept-alive connection, streamed"]["direct"].append(streamed(near, direct, body))
-            rows["kept-alive connection, streamed"]["proxy"].append(streamed(far, front, body))
-    print(f"\n1. Added latency, nothing to shrink ({requests} requests each, alternating):\n")
-    print("| request | direct p50 ms | direct p95 ms | proxy p50 ms | proxy p95 ms | added p50 | added p95 |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+        rows: dict[str, dict[str, list[float]]] = {name: {who: [] for who in paths} for name in names}
+        with contextlib.ExitStack() as stack:
+            kept = {who: stack.enter_context(httpx2.Client(timeout=600)) for who in paths}
+            for _ in range(requests):
+                for who, url in paths.items():
+                    rows["new connection, whole reply"][who].append(post(url, body)[1])
+                    rows["kept-alive connection, streamed"][who].append(streamed(kept[who], url, body))
+    print(f"\n1. Added latency, nothing to shrink ({requests} requests each, alternating; the bare forwarder is"
+          " starlette + httpx2 on the same uvicorn settings, relaying and nothing else):\n")  # fmt: skip
+    print("| request | direct p50 / p95 ms | bare forwarder p50 / p95 ms | proxy p50 / p95 ms | added p50 (p95) "
+          "| added over the bare forwarder p50 |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
     for name, times in rows.items():
-        p50 = [1000 * percentile(times[k], 0.5) for k in ("direct", "proxy")]
-        p95 = [1000 * percentile(times[k], 0.95) for k in ("direct", "proxy")]
-        print(
-            f"| {name} | {p50[0]:.1f} | {p95[0]:.1f} | {p50[1]:.1f} | {p95[1]:.1f} | {p50[1] - p50[0]:.1f} "
-            f"| {p95[1] - p95[0]:.1f} |"
-        )
+        p50 = {who: 1000 * percentile(t, 0.5) for who, t in times.items()}
+        p95 = {who: 1000 * percentile(t, 0.95) for who, t in times.items()}
+        cells = " | ".join(f"{p50[who]:.1f} / {p95[who]:.1f}" for who in paths)
+        added = f"{p50['proxy'] - p50['direct']:.1f} ({p95['proxy'] - p95['direct']:.1f})"
+        print(f"| {name} | {cells} | {added} | {p50['proxy'] - p50['bare forwarder']:.1f} |")
     figure = {f"{who}, {q}": [1000 * percentile(times[who], share) for times in rows.values()]
-              for who in ("direct", "proxy") for q, share in (("p50", 0.5), ("p95", 0.95))}  # fmt: skip
-    bars("proxy_latency", f"a small request straight to llama.cpp and through the proxy ({requests} each)",
-         "milliseconds", list(rows), figure)  # fmt: skip
+              for who in paths for q, share in (("p50", 0.5), ("p95", 0.95))}  # fmt: skip
+    bars("proxy_latency", f"a small request straight to llama.cpp, through a bare forwarder and through the proxy "
+         f"({requests} each)", "milliseconds", list(rows), figure)  # fmt: skip
 
 
 def big_history(target: int) -> Messages:
