@@ -199,6 +199,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "search_archive",
     "secret_forms",
     "serve_config",
+    "serve_http",
     "shrink",
     "shrink_counted",
     "shrink_header",
