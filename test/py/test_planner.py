@@ -2,7 +2,8 @@
 (test/py/agent_shapes.py) x budgets 1k-128k x keep_last 0-20 x both modes, 1,000 examples each, seeded
 (``derandomize``) so that a failure reproduces with the same example on every machine.
 
-P1 fits when it can · P2 uses the room · P3 monotone · P4 stable · P5 honest · P6 valid (and pure).
+P1 fits when it can · P2 uses the room · P3 monotone · P4 stable · P5 honest · P6 valid (and pure) ·
+P7 a remembered replay is the replay.
 P4 counts the changes between consecutive requests that both fit (one that cannot fit is refused whatever its
 bytes). Linear time is measured in bench/speed.py, not asserted here.
 """
