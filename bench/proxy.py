@@ -8,9 +8,10 @@ Everything runs against the test suite's real llama.cpp server (xllamacpp, tiny 
 about 9.7k cl100k tokens) with `context-shrink proxy` started as a subprocess in front of it; summaries come from
 the suite's scriptable fake server (instant, deterministic) so the numbers are about the proxy, not a model.
 
-1. Added latency when nothing needs shrinking: the same small request sent directly and through the
-   proxy, alternating, p50/p95, in the same run: on a new connection each (the whole reply), and streamed on
-   a kept-alive connection (as agents send them).
+1. Added latency when nothing needs shrinking: the same small request sent directly, through a bare
+   forwarder (starlette + httpx2 on the proxy's uvicorn settings: the floor of any Python proxy) and through
+   the proxy, alternating, p50/p95, in the same run: on a new connection each (the whole reply), and
+   streamed on a kept-alive connection (as agents send them).
 2. Time to shrink and forward a history of about 100k cl100k tokens: the proxy's own time (the `ms` of
    its x-context-shrink header) and the client's wall time, cold (summaries written), warm (the same
    span: the summary is reused) and with the summariser down (trimmed).
