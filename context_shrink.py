@@ -274,7 +274,7 @@ from collections.abc import (
     Sequence,
 )
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
+from typing import Annotated, Any, ClassVar, Literal, Protocol, TypeVar, cast
 
 try:  # POSIX: the session writers' lock
     import fcntl
@@ -884,11 +884,16 @@ class _TextMemo(dict[str, Any]):
     every text: 30,000 messages warm took longer than cold.) A pass over a history seen before misses
     only what is new; a history no longer seen leaves the bound after that many passes of others. Dict
     operations are atomic under the GIL, so tool calls in threads can share it (a pass begun by another only
-    makes more entries evictable).
+    makes more entries evictable). A memo made with ``follows`` (what depends on a message's text alone:
+    :data:`VALUES`, :data:`HELD`, :data:`CLEARED`) begins with every pass of every counter.
     """
 
-    def __init__(self, function: Callable[[str], Any], max_chars: int) -> None:
+    following: ClassVar[list[_TextMemo]] = []  # the memos that begin with every pass of :func:`count_messages`
+
+    def __init__(self, function: Callable[[str], Any], max_chars: int, follows: bool = False) -> None:
         super().__init__()
+        if follows:
+            _TextMemo.following.append(self)
         self._function, self._chars, self._max_chars, self._bound = function, 0, max_chars, max_chars
         self._fresh = 0  # entries stored since the pass began
         self._largest = self._since = 0  # the largest history counted lately, and the passes since
@@ -1277,8 +1282,10 @@ def _text_size(message: Mapping[str, Any]) -> int:
 def count_messages(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> tuple[list[int], int]:
     """Per-message token counts and the total for a request (reply priming included); one pass."""
     count, form = tokenizer.count, tokenizer.format
-    if isinstance(cache := getattr(count, "__self__", None), _TextMemo):
-        cache.begin(sum(map(_text_size, messages)))
+    cache = getattr(count, "__self__", None)
+    chars = sum(map(_text_size, messages))  # the pass's size, for the caches' bounds
+    for memo in [cache, *_TextMemo.following] if isinstance(cache, _TextMemo) else _TextMemo.following:
+        memo.begin(chars)
     counts = [count_message(m, count, form) for m in messages]
     if tokenizer.scale != 1.0:
         counts = [math.ceil(c * tokenizer.scale) for c in counts]
@@ -1678,7 +1685,7 @@ def _scan_values(text: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-VALUES = _TextMemo(_scan_values, COUNT_CACHE_CHARS)  # bounded by the histories seen, like the count cache
+VALUES = _TextMemo(_scan_values, COUNT_CACHE_CHARS, follows=True)  # bounded like the count cache
 
 
 def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
@@ -1709,15 +1716,8 @@ def _held_note(text: str) -> str:
     return f"; it held: {', '.join(values)}" if values else ""
 
 
-HELD = _TextMemo(_held_note, COUNT_CACHE_CHARS)  # an old result is cleared again on every turn
-CLEARED = _TextMemo(lambda text: f"{_lines_and_tokens(text)}{held_note(text)}", COUNT_CACHE_CHARS)  # its note
-
-
-def begin_pass(messages: Sequence[Mapping[str, Any]]) -> None:
-    """A new pass over a history: the bounds of the caches of what its texts hold follow its size."""
-    chars = sum(map(_text_size, messages))
-    for memo in (VALUES, HELD, CLEARED):
-        memo.begin(chars)
+HELD = _TextMemo(_held_note, COUNT_CACHE_CHARS, follows=True)  # an old result is cleared again on every turn
+CLEARED = _TextMemo(lambda text: f"{_lines_and_tokens(text)}{held_note(text)}", COUNT_CACHE_CHARS, follows=True)
 
 
 # Characters kept at the head and tail of an elided text, from gentle to strong; an old text's least form.
@@ -2395,7 +2395,6 @@ class Sizes:
         full: Sequence[int] | None = None,
     ) -> None:
         self.messages, self.tokenizer, self.shape, self.reduce = messages, tokenizer, shape, reduce
-        begin_pass(messages)
         self.full = list(full) if full is not None else count_messages(messages, tokenizer)[0]
         self.prefix = list(itertools.accumulate(self.full, initial=0))
         self.n = len(self.full)
@@ -2746,10 +2745,10 @@ class ReplayPoint:
 
     def fits(self, planner: CutPlanner) -> bool:
         """Whether a replay on ``planner`` read the same up to ``k``: the same held cut, or none before ``k``."""
-        held, shape = planner.keep_from, planner.shape
-        if self.k > planner.n or (held != self.held if self.held is not None else held is not None and held < self.k):
+        held, shape, k = planner.keep_from, planner.shape, self.k
+        same_hold = held == self.held if self.held is not None else held is None or held >= k
+        if k > planner.n or not same_hold:
             return False
-        k = self.k
         return (shape.turn_of[:k] == self.turn_of and candidates_before(planner, k) == self.candidates
                 and turns_before(shape, k) == self.opening_end
                 and planner.sizes.messages[:k] == self.messages)  # fmt: skip
@@ -2876,13 +2875,12 @@ class StableReplay:
         n, held = self.planner.n, self.planner.keep_from
         marks, points, copies = {n, n if held is None else held}, [], None
         resumed = REPLAYS.resume(self)
-        start = self.cut if resumed is None else resumed.k
+        start, kept = (self.cut, []) if resumed is None else (resumed.k, resumed.messages)
         for k in range(start + 1, n + 1):
             self.total += self.full[k - 1]
             if self.total > self.planner.budget:
                 self.replan(k)
             if k in marks:  # the copies of the messages the resumed point holds are reused
-                kept = resumed.messages if resumed else []
                 copies = copies or [*kept, *map(dict, self.sizes.messages[len(kept) :])]
                 points.append(REPLAYS.point(self, k, copies))
         REPLAYS.store(self, points)
