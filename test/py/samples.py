@@ -94,3 +94,32 @@ def samples() -> dict[str, list[str]]:
             line for line in (DATA / "samples" / "other-scripts.txt").read_text(encoding="utf-8").splitlines() if line
         ],
     }
+
+
+CORPUS = DATA / "corpus"  # see test/data/corpus/SOURCES.md: sources, licenses, and which half is held back
+PIECE_SIZES = (200, 500, 1000, 2000, 4000)  # characters: messages as agents send them, from a line to a file
+
+
+def corpus() -> list[dict[str, str]]:
+    """The manifest of the token-estimate corpus: every document's file, class, part (fit/held), source."""
+    return json.loads((CORPUS / "manifest.json").read_text(encoding="utf-8"))
+
+
+def corpus_pieces(part: str | None = None) -> list[tuple[str, str, str]]:
+    """(class, part, text) of every piece of every corpus document (of ``part`` only, when given): each document
+    cut at line ends into pieces of sizes drawn from :data:`PIECE_SIZES` (seeded by the file's name)."""
+    out = []
+    for entry in corpus():
+        if part is not None and entry["part"] != part:
+            continue
+        text = (CORPUS / entry["file"]).read_text(encoding="utf-8")
+        rng, start = random.Random(entry["file"]), 0
+        while start < len(text):
+            size = rng.choice(PIECE_SIZES)
+            end = min(len(text), start + size)
+            if end < len(text):
+                cut = text.rfind("\n", start + size // 2, end)
+                end = cut + 1 if cut > start else end
+            out.append((entry["class"], entry["part"], text[start:end]))
+            start = end
+    return out

@@ -13,7 +13,9 @@ import httpx2
 import pytest
 from builders import COOKBOOK, conversation, user
 from conftest import load_session, session_files
-from samples import samples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from samples import corpus, corpus_pieces, samples
 
 import context_shrink as cs
 
@@ -103,10 +105,12 @@ def cl100k() -> cs.Tokenizer:
 
 
 @pytest.mark.parametrize("name", list(samples()))
-def test_heuristic_within_12_percent_of_cl100k(cl100k: cs.Tokenizer, name: str) -> None:
+def test_heuristic_near_cl100k_on_the_hand_made_samples(cl100k: cs.Tokenizer, name: str) -> None:
+    """Samples the fit never sees (test/py/samples.py): never 5 % under; over by less than a fifth (the small
+    hand-written multi-script set is the worst: its Russian paragraph is counted high, which only trims early)."""
     texts = samples()[name]
     ratio = sum(cs.heuristic_tokens(t) for t in texts) / sum(cl100k.count(t) for t in texts)
-    assert 0.88 <= ratio <= 1.12, f"{name}: heuristic / cl100k = {ratio:.3f}"
+    assert 0.95 <= ratio <= 1.2, f"{name}: heuristic / cl100k = {ratio:.3f}"
 
 
 @pytest.mark.parametrize("path", session_files(), ids=lambda p: p.stem[:40])
@@ -126,10 +130,55 @@ def test_heuristic_beats_chars_over_four_where_it_matters(cl100k: cs.Tokenizer) 
 
 
 def test_heuristic_features_and_sum_agree() -> None:
-    text = "Привет, 世界! def f(x): return x*2  # 0xdeadbeef " * 200  # long: sampled
-    weights = cs.HEURISTIC_WEIGHTS + cs.HEURISTIC_NON_ASCII_WEIGHTS
-    raw = sum(w * f for w, f in zip(weights, cs.heuristic_features(text), strict=True))
-    assert abs(cs.heuristic_tokens(text) - cs.HEURISTIC_SAFETY * raw) <= 1
+    text = "Привет, 世界! def f(x): return x*2  # 0xdeadbeef नमस्ते 😀 " * 200  # long: sampled
+    kind, counts, scripts = cs.heuristic_features(text)
+    raw = sum(w * f for w, f in zip(cs.HEURISTIC_WEIGHTS[kind], counts, strict=True))
+    weights = cs.HEURISTIC_SCRIPT_WEIGHTS | {name: (w,) for name, w in cs.HEURISTIC_MARKER_WEIGHTS.items()}
+    raw += sum(w * c for name, values in scripts.items() for w, c in zip(weights[name], values, strict=True))
+    assert abs(cs.heuristic_tokens(text) - raw) <= 1
+    assert {"Cyrillic (U+0400-U+043F)", "Han", "Devanagari", "emoji (U+1E000-U+1FFFF)"} <= set(scripts)
+
+
+@pytest.mark.parametrize("klass", sorted({e["class"] for e in corpus()}))
+def test_the_estimate_is_right_by_class_on_the_held_back_corpus(cl100k: cs.Tokenizer, klass: str) -> None:
+    """The fitted heuristic on the half of the corpus its fit never saw (test/data/corpus): every class within
+    +10 % of cl100k and none more than 5 % under (an underestimate is refused by the server)."""
+    texts = [text for c, _, text in corpus_pieces("held") if c == klass]
+    ratio = sum(map(cs.heuristic_tokens, texts)) / sum(map(cl100k.count, texts))
+    assert 0.95 <= ratio <= 1.10, f"{klass}: heuristic / cl100k = {ratio:.3f} on {len(texts)} held-back pieces"
+
+
+def test_every_script_weight_is_named_and_every_unknown_block_counts_its_bytes() -> None:
+    assert set(cs.HEURISTIC_SCRIPT_WEIGHTS) == set(cs.HEURISTIC_SCRIPTS)
+    assert set(cs.HEURISTIC_MARKER_WEIGHTS) == set(cs.HEURISTIC_MARKERS)
+    assert set(cs.HEURISTIC_WEIGHTS) == set(cs.HEURISTIC_KINDS)
+    assert all(len(w) == len(cs.HEURISTIC_FEATURES) for w in cs.HEURISTIC_WEIGHTS.values())
+    rest = [name for name in cs.HEURISTIC_SCRIPTS if name.startswith("other ")]
+    assert all(cs.HEURISTIC_SCRIPT_WEIGHTS[name][0] >= (4 if "4-byte" in name else 3) for name in rest)
+
+
+UNLISTED = st.sampled_from([(0x1800, 0x18A8), (0x2C00, 0x2C5E), (0x2D30, 0x2D67), (0xA980, 0xA9CD), (0x0800, 0x082D),
+                            (0x1D400, 0x1D4FF), (0x10330, 0x1034A), (0x13000, 0x1342E)])  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.lists(UNLISTED, min_size=1, max_size=3), data=st.data())
+def test_a_block_the_corpus_lacks_is_never_under_cl100k(
+    cl100k: cs.Tokenizer, blocks: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    """Mongolian, Glagolitic, Tifinagh, Javanese, Samaritan, math letters, Gothic, hieroglyphs: weighed at their
+    UTF-8 length per character, the most tokens a byte-level BPE can make of one."""
+    alphabet = st.one_of([st.characters(min_codepoint=lo, max_codepoint=hi) for lo, hi in blocks] + [st.just(" ")])
+    text = data.draw(st.text(alphabet, min_size=1, max_size=400))
+    assert cs.heuristic_tokens(text) >= cl100k.count(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(codec=None, exclude_categories=()), max_size=3000))
+def test_the_estimate_takes_any_text(text: str) -> None:
+    """Any string, lone surrogates (JSON can carry one) and control characters included: a count, never an error."""
+    tokens = cs.heuristic_tokens(text)
+    assert tokens >= (1 if text else 0)
 
 
 def test_cache_counts_each_text_once() -> None:
