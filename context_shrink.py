@@ -244,6 +244,7 @@ import datetime
 import difflib
 import functools
 import hashlib
+import heapq
 import hmac
 import importlib.metadata
 import importlib.util
@@ -1040,6 +1041,23 @@ def heuristic_tokens(text: str) -> int:
         extra = sum(sum(map(operator.mul, _SCRIPT_AND_MARKER_WEIGHTS[k], v)) for k, v in scripts.items())
     weights = HEURISTIC_WEIGHTS[_heuristic_kind(raw, counts, scripts)]
     return max(1, math.ceil((sum(map(operator.mul, weights, counts)) + extra) * scale))
+
+
+TEXT_CLASS_TEXTS = 4  # the longest texts of a request that decide its class
+TEXT_CLASS_SCRIPT = 0.3  # the share of a text's characters a script needs to name its class
+
+
+def text_class(texts: Iterable[str]) -> str:
+    """The class of a request's text as the heuristic tells classes apart, by its longest texts: the script of
+    most of their characters when it has a good share of them (``Han``, ``Cyrillic (U+0400-U+043F)``...), else
+    their kind (``ascii``, ``code``, ``json``, ``latin``, ``plain``). Calibrations are learnt per class."""
+    shares: collections.Counter[str] = collections.Counter()
+    for text in heapq.nlargest(TEXT_CLASS_TEXTS, texts, key=len):
+        kind, _, scripts = heuristic_features(text)
+        chars = {name: v[0] for name, v in scripts.items() if name in HEURISTIC_SCRIPTS}
+        top = max(chars, key=chars.__getitem__, default=None)
+        shares[top if top and chars[top] >= TEXT_CLASS_SCRIPT * len(text) else kind] += len(text)
+    return shares.most_common(1)[0][0] if shares else "ascii"
 
 
 HEURISTIC = Tokenizer("heuristic", heuristic_tokens)
@@ -9486,7 +9504,10 @@ class ProxyReport:
     window: int | None = None
     reserve: int | None = None  # the reply's reserve, when the one asked was capped
     count: str = "estimated"  # exact: the upstream counted the request
-    counted_by: str | None = None  # the upstream's endpoint that counted, or the local tokenizer
+    counted_by: str | None = (
+        None  # the upstream's endpoint that counted, or the local tokenizer [text class] x calibration
+    )
+    estimated_as: str | None = None  # the class of the request's text, whose calibration a reply's usage teaches
     tools_tokens: int | None = None  # in the upstream's tokens, once it counted them (None: as the messages are)
     reason: str | None = None
     ms: int | None = None
@@ -9709,6 +9730,13 @@ class ChatRequest:
     tools: list[dict[str, Any]]
     model: str | None
 
+    @functools.cached_property
+    def calibration(self) -> tuple[str | None, str]:
+        """The key its count is calibrated by: the model, and the class of its text (:func:`text_class`)."""
+        texts = (m["content"] if isinstance(m.get("content"), str) else _plain_content(m.get("content"))
+                 for m in self.messages)  # fmt: skip
+        return self.model, text_class(texts)
+
     @classmethod
     def read(cls, body: dict[str, Any]) -> ChatRequest:
         """Raises :class:`ContextShrinkError` for a body whose messages or tools do not read as chat."""
@@ -9732,7 +9760,8 @@ class Measured:
     tools_cost: int | None
     exact: bool
     local_tools: int = 0
-    source: str = ""  # what counted: the upstream's endpoint, or the local tokenizer and its calibration
+    source: str = ""  # what counted: the upstream's endpoint, or the local tokenizer, the text's class, the calibration
+    key: tuple[str | None, str] = (None, "ascii")  # the calibration it was counted at: the model and the text's class
 
 
 @dataclasses.dataclass
@@ -9856,18 +9885,27 @@ class ProxyState:
     windows: dict[str | None, int | None] = dataclasses.field(default_factory=dict)  # model -> learnt window
     doubts: dict[str | None, int] = dataclasses.field(default_factory=dict)  # model -> a window said once
     answered: dict[str | None, int] = dataclasses.field(default_factory=dict)  # model -> largest prompt answered
-    factors: dict[str | None, float] = dataclasses.field(default_factory=dict)  # model -> calibration
+    factors: dict[Any, float] = dataclasses.field(default_factory=dict)  # (model, text class) and model -> calibration
     archived: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # conversation -> hashes
     stats: ProxyStats = dataclasses.field(default_factory=ProxyStats)
     counts: dict[Any, tuple[int, int, str]] = dataclasses.field(default_factory=dict)  # prefix -> upstream count
     tool_costs: dict[Any, int] = dataclasses.field(default_factory=dict)  # (model, tools) -> upstream tokens
     lock: Any = dataclasses.field(default=None)  # an anyio.Lock around archive writes
 
-    def remember(self, table: dict[str | None, Any], model: str | None, value: Any) -> None:
+    def remember(self, table: dict[Any, Any], model: Any, value: Any) -> None:
         table.pop(model, None)
         table[model] = value
         while len(table) > CALIBRATION_MODELS:
             table.pop(next(iter(table)))
+
+    def factor(self, key: tuple[str | None, str]) -> float:
+        """The calibration of a model's count on text of one class (:attr:`ChatRequest.calibration`); until that
+        class has one, the model's last from any class."""
+        return self.factors.get(key, self.factors.get(key[0], 1.0))
+
+    def learn_factor(self, key: tuple[str | None, str], factor: float) -> None:
+        self.remember(self.factors, key, factor)
+        self.remember(self.factors, key[0], factor)
 
     def backend(self, url: str, authorization: str | None) -> Backend:
         key, headers = self.config.api_key, {}
@@ -9904,8 +9942,8 @@ class ProxyState:
             return None, refused
         if self.believed(model, limit, [w for w in known if w]):
             if claimed and report.tokens_after:
-                sent = round(report.tokens_after / self.factors.get(model, 1.0))
-                self.remember(self.factors, model, calibrated(None, sent, claimed))
+                key = (model, report.estimated_as or "ascii")
+                self.learn_factor(key, calibrated(None, round(report.tokens_after / self.factor(key)), claimed))
             self.remember(self.windows, model, limit)
         return limit, refused
 
@@ -9928,10 +9966,12 @@ class ProxyState:
         return True
 
     def learn_usage(
-        self, model: str | None, estimate: int | None, prompt_tokens: int | None, tools_tokens: int | None = None
-    ) -> str | None:
-        """Calibrate the messages' count on a reply's ``usage.prompt_tokens`` (less ``tools_tokens``, what the
-        upstream said the tools cost, when it said); a warning when the upstream dropped part of it."""
+        self, model: str | None, estimate: int | None, prompt_tokens: int | None, tools_tokens: int | None = None,
+        text: str = "ascii",
+    ) -> str | None:  # fmt: skip
+        """Calibrate the messages' count of text of a class (``text``) on a reply's ``usage.prompt_tokens`` (less
+        ``tools_tokens``, what the upstream said the tools cost, when it said); a warning when the upstream dropped
+        part of it."""
         if prompt_tokens is None or not estimate:
             return None
         if silently_truncated(estimate, prompt_tokens):
@@ -9947,9 +9987,9 @@ class ProxyState:
             log.info("proxy: %s answered a prompt of %s tokens, over the window %s a refusal taught: forgotten",
                      model, prompt_tokens, learnt)  # fmt: skip
             self.windows.pop(model, None)
-        fixed = tools_tokens or 0
-        raw = round((estimate - fixed) / self.factors.get(model, 1.0))
-        self.remember(self.factors, model, calibrated(self.factors.get(model), raw, max(1, prompt_tokens - fixed)))
+        fixed, key = tools_tokens or 0, (model, text)
+        raw = round((estimate - fixed) / self.factor(key))
+        self.learn_factor(key, calibrated(self.factors.get(key), raw, max(1, prompt_tokens - fixed)))
         return None
 
     async def archive(self, original: list[dict[str, Any]], sent: list[dict[str, Any]], action: str) -> str | None:
@@ -10037,7 +10077,7 @@ async def calibrate(state: ProxyState, request: ChatRequest, raw: int, window: i
         exact = (await backend.count_tokens(request.messages, request.tools, request.model))[0]
     except ContextShrinkError:
         return False
-    state.remember(state.factors, request.model, calibrated(None, raw, exact))
+    state.learn_factor(request.calibration, calibrated(None, raw, exact))
     return True
 
 
@@ -10106,27 +10146,28 @@ async def measure(
 ) -> Measured:
     """Count the request once: locally per message; near the limit the upstream counts it itself (the messages
     and the tools apart: a template may drop the tools), and that count decides and calibrates; a first long
-    request of a model calibrates it."""
-    tok, model = state.tokenizer, request.model
+    request of a model and text class calibrates it. ``source`` says what counted: the upstream's endpoint, or the
+    local tokenizer with the text's class and the calibration it was scaled by."""
+    tok, model, key = state.tokenizer, request.model, request.calibration
     counts = await off_loop(sum(map(_text_size, request.messages)),
                             lambda: [count_message(m, tok.count, tok.format) for m in request.messages])  # fmt: skip
     raw = sum(counts) + tok.format.priming
     tools_key = (model, fingerprint(request.tools))
     tools_cost = state.tool_costs.get(tools_key) if request.tools else 0  # the upstream's count, once it said
     local_tools = count_tools(request.tools, tok) if tools_cost is None else 0
-    factor = state.factors.get(model, 1.0)
+    factor = state.factor(key)
     scaled, total = _scaled(counts, factor, tok.format.priming)
     tools = math.ceil(local_tools * factor) if tools_cost is None else tools_cost
     trigger = state.policy.trigger * budget
     if EXACT_ZONE[0] * trigger <= total + tools <= EXACT_ZONE[1] * budget:
         if found := await upstream_count(state, request.messages, request.tools, model, authorization, scaled):
-            state.remember(state.factors, model, calibrated(None, raw, found[0]))
+            state.learn_factor(key, calibrated(None, raw, found[0]))
             state.remember(state.tool_costs, tools_key, found[1])
-            return Measured(counts, raw, found[0] + found[1], found[1], True, source=found[2])
-    elif model not in state.factors:  # first sight of a long request: the upstream counts it, if it can
+            return Measured(counts, raw, found[0] + found[1], found[1], True, source=found[2], key=key)
+    elif key not in state.factors:  # first sight of a long request of this class: the upstream counts it, if it can
         await calibrate(state, request, raw + local_tools, window, authorization)
-    source = tok.name if factor == 1.0 else f"{tok.name} x{factor:.3g} (calibrated on the upstream)"
-    return Measured(counts, raw, total + tools, tools_cost, False, local_tools, source)
+    source = f"{tok.name} [{key[1]}]" + ("" if factor == 1.0 else f" x{factor:.3g} (calibrated on the upstream)")
+    return Measured(counts, raw, total + tools, tools_cost, False, local_tools, source, key)
 
 
 async def shrink_request(
@@ -10148,6 +10189,7 @@ async def shrink_request(
     measured = await measure(state, request, budget, report.window, authorization)
     report.tokens_before = report.tokens_after = measured.tokens
     report.count, report.counted_by = "exact" if measured.exact else "estimated", measured.source
+    report.estimated_as = measured.key[1]
     report.tools_tokens = measured.tools_cost
     log.debug("proxy: %s: %s messages, %s tokens (%s by %s); budget %s of the window %s, shrunk over %s",
               request.model, len(request.messages), measured.tokens, report.count, measured.source, budget,
@@ -10179,7 +10221,7 @@ async def shrink_request(
 
 def fixed_part(state: ProxyState, request: ChatRequest, measured: Measured) -> int:
     """What no rung can shrink, in the upstream's tokens: the agent's leading system messages and its tools."""
-    factor = state.factors.get(request.model, 1.0)
+    factor = state.factor(measured.key)
     local = sum(measured.counts[: _leading_system(request.messages)]) + state.tokenizer.format.priming
     return math.ceil((local + measured.local_tools) * factor) + (measured.tools_cost or 0)
 
@@ -10200,8 +10242,8 @@ async def shrink_counted(
     what is left), or when summarising taught the model's tokens per local token (its summariser is the
     upstream's model) and the model had no calibration yet; summaries are cached, so the second plan costs no
     model call. ``summary_calls`` is every call made to the summariser, those that failed included."""
-    model, tools = request.model, request.tools
-    uncalibrated, spent = model not in state.factors, collections.Counter[str]()
+    model, tools, key = request.model, request.tools, measured.key
+    uncalibrated, spent = key not in state.factors, collections.Counter[str]()
 
     async def planned(factor: float) -> dict[str, Any]:
         tokenizer = dataclasses.replace(state.tokenizer, scale=factor)
@@ -10219,11 +10261,11 @@ async def shrink_counted(
             "tokens_after": result["tokens_after"] + cost,
         }
 
-    result = await planned(state.factors.get(model, 1.0))
+    result = await planned(state.factor(key))
     factor = None
     if result["tokens_after"] >= EXACT_RECHECK * budget and result["messages"] != request.messages:
         kept, raw = count_messages(result["messages"], state.tokenizer)
-        scaled = _scaled(kept, state.factors.get(model, 1.0), 0)[0]
+        scaled = _scaled(kept, state.factor(key), 0)[0]
         found = await upstream_count(state, result["messages"], tools, model, authorization, scaled)
         if found and found[0] + found[1] > budget:
             factor = calibrated(None, raw, found[0])
@@ -10232,7 +10274,7 @@ async def shrink_counted(
     if factor is None and same and uncalibrated and learnt and abs(learnt - 1) > 0.1:
         factor = learnt  # the summariser's tokens are the model's
     if factor is not None:
-        state.remember(state.factors, model, factor)
+        state.learn_factor(key, factor)
         result = await planned(factor)
     return {**result, "summary_calls": spent["calls"]}
 
@@ -10619,7 +10661,8 @@ class ProxyFront:
             return Response(error, upstream.status_code, headers=headers)
         estimate, tools = report.tokens_after, report.tools_tokens
         if body.get("stream") is True:
-            learn = lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail), tools)  # noqa: E731
+            text = report.estimated_as or "ascii"
+            learn = lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail), tools, text)  # noqa: E731
             return self.relay(upstream, extra, learn)
         head, rest = await self.read_head(upstream)
         if rest is not None:  # too large to hold in memory: streamed through, not read
@@ -10627,7 +10670,8 @@ class ProxyFront:
         reply = b"".join(head)
         if upstream.headers.get("content-encoding", "identity") == "identity":
             with contextlib.suppress(ValueError, AttributeError, TypeError):
-                if note := st.learn_usage(model, estimate, prompt_tokens_in(json.loads(reply)), tools):
+                if note := st.learn_usage(model, estimate, prompt_tokens_in(json.loads(reply)), tools,
+                                          report.estimated_as or "ascii"):  # fmt: skip
                     extra["x-context-shrink-warning"] = note
         return Response(reply, upstream.status_code, headers={**self.reply_headers(upstream), **extra})
 

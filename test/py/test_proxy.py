@@ -305,6 +305,27 @@ def test_usage_calibrates_the_estimate_and_a_silent_cut_is_flagged(tmp_path: Pat
     assert "may have dropped part of the history" in (tmp_path / "log").read_text()
 
 
+def test_usage_calibrates_each_class_of_text_apart(tmp_path: Path) -> None:
+    """One model, two agents: Chinese conversations cost the server 1.5x the local count, English ones 1.0x. Each
+    class keeps its own calibration (one factor per model would swing between them), and the header names the
+    class and the factor that sized the request."""
+    fake = FakeOpenAI(window=1_000_000)
+    chinese = [{"role": "user", "content": "上下文窗口是模型一次能够处理的最大令牌数量。" * 40},
+               {"role": "assistant", "content": "好的，我会先读取文件，然后运行测试。" * 20},
+               {"role": "user", "content": "请继续。"}]  # fmt: skip
+    english = conversation(3, size=60)
+    sent = []
+    with serve(fake) as upstream, proxy(upstream, "--window", "100000", log=tmp_path / "log") as url:
+        for messages, ratio in ((chinese, 1.5), (english, 1.0), (chinese, 1.5), (english, 1.0)):
+            fake.usage_ratio = ratio
+            sent.append(chat(url, {"model": "m", "messages": messages, "max_tokens": 10}).headers["x-context-shrink"])
+    fields = [dict(part.split("=", 1) for part in header.split("; ") if "=" in part) for header in sent]
+    exact = [fake.count_prompt(chinese), fake.count_prompt(english)]
+    assert int(fields[2]["tokens_before"]) == pytest.approx(1.5 * exact[0], rel=0.01)  # its own class's 1.5
+    assert int(fields[3]["tokens_before"]) == pytest.approx(exact[1], rel=0.01)  # and English its own 1.0
+    assert "[Han] x1.5" in fields[2]["counted_by"] and "[Han]" not in fields[3]["counted_by"], fields
+
+
 def test_unreachable_upstream_is_a_clear_502(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with proxy(dead, "--window", "4096", "--no-archive", log=tmp_path / "log") as url:
