@@ -311,7 +311,7 @@ def test_usage_calibrates_each_class_of_text_apart(tmp_path: Path) -> None:
     class and the factor that sized the request."""
     fake = FakeOpenAI(window=1_000_000)
     chinese = [{"role": "user", "content": "上下文窗口是模型一次能够处理的最大令牌数量。" * 40},
-               {"role": "assistant", "content": "好的，我会先读取文件，然后运行测试。" * 20},
+               {"role": "assistant", "content": "好的我会先读取文件然后运行测试。" * 20},
                {"role": "user", "content": "请继续。"}]  # fmt: skip
     english = conversation(3, size=60)
     sent = []
