@@ -801,8 +801,9 @@ class Tokenizer:
 # Right by class, not on average. Each text (sampled in four windows when it is long, so the cost per message
 # is bounded) is mapped byte by byte to a character class with one ``bytes.translate``: ASCII letters, digits,
 # spaces, newlines, tabs and punctuation, and for every other character the Unicode block its UTF-8 lead byte
-# (after an E0, E1 or EA lead, also its second byte) names: Latin with diacritics, Greek, Cyrillic, Armenian,
-# Hebrew, Arabic, each Indic script, Thai, Lao, Myanmar, Georgian, Ethiopic, Khmer, kana, Han, Hangul, emoji...
+# (after an E0, E1, E2, EA or F0 lead, also its second byte) names: Latin with diacritics, Greek, Cyrillic,
+# Armenian, Hebrew, Arabic, each Indic script, Thai, Lao, Myanmar, Georgian, Ethiopic, Khmer, kana, Han, Hangul,
+# emoji...
 # The text's *kind* is read off the same counts (JSON; Latin-script prose in a language other than English,
 # with diacritics or without; lines dense with punctuation, i.e. code; else the default), and the estimate is
 # the kind's weights on the ASCII class counts and pairs plus every script's own rate per character (and per
@@ -827,7 +828,7 @@ def _byte_classes() -> bytes:
                 table[b] = ord("A") if c.isupper() else ord("a")
             else:
                 table[b] = ord("0") if c.isdigit() else ord({" ": " ", "\t": "t", "\n": "\n", "\r": "\n"}.get(c, "."))
-        elif b < 0xC0:  # a continuation byte: which pair of second bytes (128 code points after an E0/E1 lead)
+        elif b < 0xC0:  # a continuation byte: which pair of values (after a 3-byte lead, a block of 128 code points)
             table[b] = 0x80 + (b - 0x80) // 2
         else:
             table[b] = ord(leads.get(b) or next((k for (lo, hi), k in spans if lo <= b <= hi), "E"))
@@ -3385,7 +3386,7 @@ class StableReplay:
             self.reduce(i, level)
         while self.total > goal and feasible and self.cut < pl.last(k):
             cut = pl.candidates[bisect.bisect_right(pl.candidates, self.cut)]
-            if self.total <= pl.budget and self.total - self.dropping(cut, k) < self.floor:
+            if self.total - self.dropping(cut, k) < self.floor and self.fits_exactly(k):
                 break  # it fits; dropping one more unit would leave less than the floor (half the budget) used
             self.drop_to(cut, k)
         for lv in range(ZONE_LEVELS):  # the newest last, at the gentlest level that reaches the goal
@@ -3395,6 +3396,23 @@ class StableReplay:
             self.give_back(self.target - self.total, k)
         if feasible and self.total < self.floor:  # using half the budget comes before leaving slack
             self.give_back(pl.budget - self.total, k)
+
+    def fits_exactly(self, k: int) -> bool:
+        """Whether the request at prefix ``k`` fits the budget: by the estimate, or, when the estimate (which never
+        understates a reduced form) is over, counted exactly (kept, a last unit can be worth more than the cost)."""
+        pl, sizes = self.planner, self.sizes
+        if self.total <= pl.budget:
+            return True
+        total = pl.fixed
+        for i in [*pl.pins(self.cut, k), *range(self.cut, k)]:
+            how = self.reduced[i][0] if i in self.reduced else None
+            if how is None:
+                total += self.full[i]
+            elif isinstance(how, tuple):
+                total += how[1]
+            else:
+                total += sizes.least(i, how == "light")[1] if how in ("least", "light") else sizes.zone(i, how)[1]
+        return total <= pl.budget
 
     def leaving(self, cut: int, k: int) -> list[int]:
         """The messages that go when the cut moves to ``cut``: the units before it, except its pins."""

@@ -56,6 +56,13 @@ def check_honest(messages: list[dict[str, Any]], result: dict[str, Any]) -> None
     checks.check_honest(messages, result, TOK)
 
 
+def room_for_the_unit_before(messages: list[dict[str, Any]], result: dict[str, Any], budget: int) -> bool:
+    """Whether the unit just before the cut, in its least honest form, would still fit beside what was kept
+    (P2 asks for the room to be used only as far as whole units allow)."""
+    before = [(a, b) for a, b in cs.group_units(messages) if b == result["kept_from_index"]]
+    return bool(before) and result["tokens_after"] + checks.least_unit(messages, *before[0], TOK) <= budget
+
+
 def trim(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: float) -> dict[str, Any]:
     return cs.trim_messages(messages, TOK, budget, keep_last=keep_last, target_ratio=ratio)
 
@@ -75,11 +82,11 @@ def test_p1_p2_p5_p6_fits_uses_the_room_honestly(case: Case, keep_last: int, rat
         assert result["fits"], f"P1: the core ({floor}) fits {budget} but the result is {result['tokens_after']}"
         if total > budget:
             need = 0.85 if ratio == 1.0 else 0.5
-            assert result["tokens_after"] >= need * budget, (
+            assert result["tokens_after"] >= need * budget or not room_for_the_unit_before(messages, result, budget), (
                 f"P2: {result['tokens_after']} of {budget} ({result['tokens_after'] / budget:.2f})"
             )
-    else:
-        assert result["warnings"], "a result that cannot fit says why"
+    else:  # the floor is the core's least honest form as checks.core models it; the planner may find smaller
+        assert result["fits"] or result["warnings"], "a result that cannot fit says why"
 
 
 def replay(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: float) -> list[dict[str, Any]]:
