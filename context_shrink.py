@@ -9522,9 +9522,7 @@ class ProxyReport:
     window: int | None = None
     reserve: int | None = None  # the reply's reserve, when the one asked was capped
     count: str = "estimated"  # exact: the upstream counted the request
-    counted_by: str | None = (
-        None  # the upstream's endpoint that counted, or the local tokenizer [text class] x calibration
-    )
+    counted_by: str | None = None  # the upstream's endpoint that counted, or the local tokenizer [class] x factor
     estimated_as: str | None = None  # the class of the request's text, whose calibration a reply's usage teaches
     tools_tokens: int | None = None  # in the upstream's tokens, once it counted them (None: as the messages are)
     reason: str | None = None
