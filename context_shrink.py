@@ -1008,57 +1008,33 @@ def _heuristic_kind(raw: bytes, ascii_counts: Sequence[int], scripts: Mapping[st
     return "ascii"
 
 
-def _classes(sample: str) -> tuple[bytes, bytes, bytes]:
-    """A sample's UTF-8, its class bytes, and those with one byte per character (continuation bytes dropped)."""
+def _measured(text: str) -> tuple[float, str, list[int], dict[str, list[int]]]:
+    """What the heuristic reads off ``text``: the factor that scales its sample back up, its kind, its ASCII class
+    and pair counts, and each script's counts (the sample's)."""
+    sample, scale = _sample(text)
     raw = sample.encode("utf-8", "surrogatepass")  # a lone surrogate (JSON can carry one) counts as 3 bytes
     classes = raw.translate(_BYTE_CLASSES)
-    return raw, classes, classes if sample.isascii() else classes.translate(None, _CONTINUATIONS)
+    compact = classes if sample.isascii() else classes.translate(None, _CONTINUATIONS)  # one byte per character
+    counts = list(map(compact.count, HEURISTIC_FEATURES))
+    scripts = {} if classes is compact else _script_counts(classes, compact)
+    return scale, _heuristic_kind(raw, counts, scripts), counts, scripts
 
 
 def heuristic_features(text: str) -> tuple[str, list[float], dict[str, list[float]]]:
     """The kind of ``text``, its ASCII class and pair counts, and each script's counts (all scaled up from the
     sample of a long text): what :func:`heuristic_tokens` weighs."""
-    sample, scale = _sample(text)
-    raw, classes, compact = _classes(sample)
-    counts = [compact.count(f) for f in HEURISTIC_FEATURES]
-    scripts = {} if classes is compact else _script_counts(classes, compact)
-    kind = _heuristic_kind(raw, counts, scripts)
+    scale, kind, counts, scripts = _measured(text)
     return kind, [c * scale for c in counts], {k: [c * scale for c in v] for k, v in scripts.items()}
 
 
 def heuristic_tokens(text: str) -> int:
-    """Estimate the cl100k token count of ``text`` without a tokenizer (fitted by class, errs on the high side).
-
-    Same arithmetic as weighing :func:`heuristic_features`, without building the vectors."""
+    """Estimate the cl100k token count of ``text`` without a tokenizer (fitted by class, errs on the high side):
+    :func:`heuristic_features` weighed."""
     if not text:
         return 0
-    sample, scale = _sample(text)
-    raw, classes, compact = _classes(sample)
-    counts = list(map(compact.count, HEURISTIC_FEATURES))
-    if classes is compact:
-        scripts, extra = {}, 0.0
-    else:
-        scripts = _script_counts(classes, compact)
-        extra = sum(sum(map(operator.mul, _SCRIPT_AND_MARKER_WEIGHTS[k], v)) for k, v in scripts.items())
-    weights = HEURISTIC_WEIGHTS[_heuristic_kind(raw, counts, scripts)]
-    return max(1, math.ceil((sum(map(operator.mul, weights, counts)) + extra) * scale))
-
-
-TEXT_CLASS_TEXTS = 4  # the longest texts of a request that decide its class
-TEXT_CLASS_SCRIPT = 0.3  # the share of a text's characters a script needs to name its class
-
-
-def text_class(texts: Iterable[str]) -> str:
-    """The class of a request's text as the heuristic tells classes apart, by its longest texts: the script of
-    most of their characters when it has a good share of them (``Han``, ``Cyrillic (U+0400-U+043F)``...), else
-    their kind (``ascii``, ``code``, ``json``, ``latin``, ``plain``). Calibrations are learnt per class."""
-    shares: collections.Counter[str] = collections.Counter()
-    for text in heapq.nlargest(TEXT_CLASS_TEXTS, texts, key=len):
-        kind, _, scripts = heuristic_features(text)
-        chars = {name: v[0] for name, v in scripts.items() if name in HEURISTIC_SCRIPTS}
-        top = max(chars, key=chars.__getitem__, default=None)
-        shares[top if top and chars[top] >= TEXT_CLASS_SCRIPT * len(text) else kind] += len(text)
-    return shares.most_common(1)[0][0] if shares else "ascii"
+    scale, kind, counts, scripts = _measured(text)
+    extra = sum(sum(map(operator.mul, _SCRIPT_AND_MARKER_WEIGHTS[k], v)) for k, v in scripts.items())
+    return max(1, math.ceil((sum(map(operator.mul, HEURISTIC_WEIGHTS[kind], counts)) + extra) * scale))
 
 
 HEURISTIC = Tokenizer("heuristic", heuristic_tokens)
@@ -1122,6 +1098,31 @@ class _TextMemo(dict[str, Any]):
 def cached_count(count: Callable[[str], int], max_chars: int = COUNT_CACHE_CHARS) -> Callable[[str], int]:
     """``count`` behind a bounded cache keyed by the text (see :class:`_TextMemo`)."""
     return _TextMemo(count, max_chars).__getitem__
+
+
+TEXT_CLASS_TEXTS = 4  # the longest texts of a request that decide its class
+TEXT_CLASS_SCRIPT = 0.3  # the share of a text's characters a script needs to name its class
+
+
+def _text_label(text: str) -> str:
+    """One text's class: the script of most of its characters when it has a good share of them, else its kind."""
+    kind, _, scripts = heuristic_features(text)
+    chars = {name: v[0] for name, v in scripts.items() if name in HEURISTIC_SCRIPTS}
+    top = max(chars, key=chars.__getitem__, default=None)
+    return top if top and chars[top] >= TEXT_CLASS_SCRIPT * len(text) else kind
+
+
+TEXT_LABELS = _TextMemo(_text_label, COUNT_CACHE_CHARS)  # agents resend the same texts: each is read once
+
+
+def text_class(texts: Iterable[str]) -> str:
+    """The class of a request's text as the heuristic tells classes apart, by its longest texts: the script of
+    most of their characters when it has a good share of them (``Han``, ``Cyrillic (U+0400-U+043F)``...), else
+    their kind (``ascii``, ``code``, ``json``, ``latin``, ``plain``). Calibrations are learnt per class."""
+    shares: collections.Counter[str] = collections.Counter()
+    for text in heapq.nlargest(TEXT_CLASS_TEXTS, texts, key=len):
+        shares[TEXT_LABELS[text]] += len(text)
+    return shares.most_common(1)[0][0] if shares else "ascii"
 
 
 _O200K_MODELS = re.compile(r"(^|/)(gpt-4o|chatgpt-4o|gpt-4\.1|gpt-4\.5|gpt-5|o\d)([-.:_]|$)", re.IGNORECASE)
@@ -3290,9 +3291,9 @@ REPLAYS = ReplayMemo()
 
 def forget() -> None:
     """Forget what the module remembers between calls: the dieted results, what cleared results say and the
-    values they held, and the stable replays (a counter's cache belongs to its :class:`Tokenizer`). For
-    benchmarks of a first call."""
-    for memo in (DIETED, VALUES, HELD, CLEARED, REPLAYS):
+    values they held, the texts' classes, and the stable replays (a counter's cache belongs to its
+    :class:`Tokenizer`). For benchmarks of a first call."""
+    for memo in (DIETED, VALUES, HELD, CLEARED, TEXT_LABELS, REPLAYS):
         memo.clear()
 
 
@@ -9523,7 +9524,7 @@ class ProxyReport:
     reserve: int | None = None  # the reply's reserve, when the one asked was capped
     count: str = "estimated"  # exact: the upstream counted the request
     counted_by: str | None = None  # the upstream's endpoint that counted, or the local tokenizer [class] x factor
-    estimated_as: str | None = None  # the class of the request's text, whose calibration a reply's usage teaches
+    estimated_as: str = "ascii"  # the class of the request's text, whose calibration a reply's usage teaches
     tools_tokens: int | None = None  # in the upstream's tokens, once it counted them (None: as the messages are)
     reason: str | None = None
     ms: int | None = None
@@ -9749,9 +9750,7 @@ class ChatRequest:
     @functools.cached_property
     def calibration(self) -> tuple[str | None, str]:
         """The key its count is calibrated by: the model, and the class of its text (:func:`text_class`)."""
-        texts = (m["content"] if isinstance(m.get("content"), str) else _plain_content(m.get("content"))
-                 for m in self.messages)  # fmt: skip
-        return self.model, text_class(texts)
+        return self.model, text_class(_plain_content(m.get("content")) for m in self.messages)
 
     @classmethod
     def read(cls, body: dict[str, Any]) -> ChatRequest:
@@ -9958,7 +9957,7 @@ class ProxyState:
             return None, refused
         if self.believed(model, limit, [w for w in known if w]):
             if claimed and report.tokens_after:
-                key = (model, report.estimated_as or "ascii")
+                key = (model, report.estimated_as)
                 self.learn_factor(key, calibrated(None, round(report.tokens_after / self.factor(key)), claimed))
             self.remember(self.windows, model, limit)
         return limit, refused
@@ -10677,7 +10676,7 @@ class ProxyFront:
             return Response(error, upstream.status_code, headers=headers)
         estimate, tools = report.tokens_after, report.tools_tokens
         if body.get("stream") is True:
-            text = report.estimated_as or "ascii"
+            text = report.estimated_as
             learn = lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail), tools, text)  # noqa: E731
             return self.relay(upstream, extra, learn)
         head, rest = await self.read_head(upstream)
@@ -10686,8 +10685,8 @@ class ProxyFront:
         reply = b"".join(head)
         if upstream.headers.get("content-encoding", "identity") == "identity":
             with contextlib.suppress(ValueError, AttributeError, TypeError):
-                if note := st.learn_usage(model, estimate, prompt_tokens_in(json.loads(reply)), tools,
-                                          report.estimated_as or "ascii"):  # fmt: skip
+                usage = prompt_tokens_in(json.loads(reply))
+                if note := st.learn_usage(model, estimate, usage, tools, report.estimated_as):
                     extra["x-context-shrink-warning"] = note
         return Response(reply, upstream.status_code, headers={**self.reply_headers(upstream), **extra})
 
