@@ -124,7 +124,6 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "anchored_in",
     "api_problems",
     "archive_files",
-    "archive_messages",
     "assistant_message",
     "bound_listener",
     "build_proxy",
@@ -201,7 +200,6 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "resolve_tokenizer",
     "responses_body",
     "responses_view",
-    "search_archive",
     "secret_forms",
     "serve_config",
     "serve_http",
@@ -266,6 +264,7 @@ import struct
 import sys
 import threading
 import time
+import unicodedata
 import urllib.parse
 import uuid as uuid_module
 import warnings
@@ -278,6 +277,7 @@ from collections.abc import (
     Iterable,
     Iterator,
     Mapping,
+    MutableMapping,
     Sequence,
 )
 from pathlib import Path
@@ -555,6 +555,12 @@ BOOLEAN_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": Fals
                  "off": False}  # fmt: skip
 
 
+def redis_name(url: str) -> str:
+    """A Redis URL as logs and pages show it: scheme, host, port and database, never a password."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
+
+
 class Settings:
     """The one reader of settings, for the MCP server and the proxy alike: a command-line flag, else the first
     environment variable set among the prefixes, else the default (None here). One policy for a value that
@@ -632,6 +638,28 @@ class Settings:
         if value.lower() in BOOLEAN_WORDS:
             return BOOLEAN_WORDS[value.lower()]
         raise ConfigError(f"{source}={value!r}: expected true or false", variable=source)
+
+    def state(self, flag: str | None = None) -> str | None:
+        """Where what the proxy learns is kept, read the same way by the proxy and by ``recall_context``:
+        ``--state``, else ``CONTEXT_SHRINK_STATE``: ``memory``, ``sqlite:PATH`` or ``redis[s]://HOST:PORT/DB``;
+        None means SQLite in the default place (:func:`default_state_path`)."""
+        if (found := self.find("STATE", flag, ("CONTEXT_SHRINK_",))) is None:
+            return None
+        source, value = found
+        if value == "memory" or re.fullmatch(r"sqlite:.+|rediss?://[^/\s]+(/\d{1,2})?", value):
+            return value if not value.startswith("sqlite:") else f"sqlite:{Path(value[7:]).expanduser()}"
+        raise ConfigError(f"{source}={redis_name(value) if '@' in value else value!r}: expected memory, sqlite:PATH "
+                          "or redis://HOST:PORT/DB (rediss:// for TLS)", variable=source)  # fmt: skip
+
+    def namespace(self, flag: str | None = None) -> str | None:
+        """The deployment's name, which every key of the store is kept under (``--namespace``, else
+        ``CONTEXT_SHRINK_NAMESPACE``): letters, digits, ``.``, ``_`` and ``-``, at most 64."""
+        if (found := self.find("NAMESPACE", flag, ("CONTEXT_SHRINK_",))) is None:
+            return None
+        if re.fullmatch(r"[A-Za-z0-9._-]{1,64}", found[1]):
+            return found[1]
+        raise ConfigError(f"{found[0]}={found[1]!r}: expected up to 64 letters, digits, '.', '_' or '-'",
+                          variable=found[0])  # fmt: skip
 
     def archive_dir(self, flag: str | None = None) -> Path | None:
         """Where the proxy's archive lives, read the same way by the proxy and by ``recall_context``:
@@ -715,7 +743,9 @@ class Config:
     extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     log_level: str = "INFO"
     root: Path = dataclasses.field(default_factory=Path.cwd)
-    archive_dir: Path | None = None  # the proxy's archive, read by recall_context; None: the default place
+    archive_dir: Path | None = None  # an earlier version's JSONL archive, searched by recall_context too
+    state: str | None = None  # the proxy's store, whose archive recall_context searches; None: the default place
+    namespace: str = "default"  # the deployment's name in that store
     session_stores: tuple[str, ...] = ()  # the agents whose own session stores the tools may read
 
     @classmethod
@@ -741,6 +771,8 @@ class Config:
             "tools": _tools_setting(read),
             "log_level": read.choice("LOG_LEVEL", LOG_LEVELS),
             "archive_dir": read.archive_dir(),
+            "state": read.state(),
+            "namespace": read.namespace(),
             "session_stores": _stores_setting(read),
         }
         if base_url := read.text("BASE_URL"):
@@ -4718,6 +4750,281 @@ def compact_messages(
     }
 
 
+# --- what is learnt, kept in a store: the protocol, its tables, the memory store, the archive's query ----------
+# The proxy's learning (summaries by span, windows and calibration by model, exact counts by prefix, tool costs,
+# stats) and its archive live in one :class:`Store`: ``memory`` here; SQLite (the default, a file that survives
+# a restart) and Redis (shared by replicas) in section 12. Every table is bounded by entries, bytes and age;
+# every key is namespaced by the deployment. What the core reads and writes is a :class:`StoredTable`, a
+# mapping over one table, so that the code that learns is the same whichever store holds what it learnt.
+
+STATE_TABLES: dict[str, tuple[int, int]] = {  # table -> (the most entries, the most bytes); all: STATE_MAX_DAYS
+    "spans": (512, 16_000_000),  # (summariser settings, span hash) -> summary
+    "ratios": (256, 1 << 20),  # summariser | tokenizer -> its tokens per local token
+    "windows": (64, 1 << 20),  # model -> the window a refusal taught
+    "doubts": (64, 1 << 20),  # model -> a window a refusal said once
+    "answered": (64, 1 << 20),  # model -> the largest prompt it answered
+    "factors": (256, 1 << 20),  # model, or (model, text class) -> calibration
+    "counts": (4096, 16 << 20),  # (model, tools, prefix hash) -> the upstream's count
+    "tool_costs": (256, 1 << 20),  # (model, tools) -> the upstream's count of the tools
+    "stats": (1024, 16 << 20),  # (model, conversation) -> counters
+    "recent": (200, 4 << 20),  # the latest requests, one by one
+    "prints": (64, 16 << 20),  # conversation -> the prints of its last request
+    "meta": (64, 1 << 20),  # the deployment's start, the JSONL archives imported
+}
+STATE_MAX_DAYS = 30  # an entry not written for this long goes
+LEASE_SECONDS = 120.0  # how long a replica's claim to write a span's summary holds before another may
+LEASE_POLL = 0.05  # how often a replica waiting for another's summary looks for it
+
+
+def state_key(key: Any) -> str:
+    """A table key as text: JSON of the key (a tuple as a list)."""
+    return json.dumps(key, ensure_ascii=False, separators=(",", ":"))
+
+
+def _thawed(value: Any) -> Any:
+    return tuple(_thawed(v) for v in value) if isinstance(value, list) else value
+
+
+class Store(Protocol):
+    """Where what is learnt is kept. ``name`` says which (never a password); ``errors`` are what its failures
+    raise (the proxy falls back to memory on them). Tables (:data:`STATE_TABLES`) hold JSON values by text key,
+    oldest written first; ``add`` adds counters to a value atomically; ``claim``/``release`` hold a lease;
+    ``archive``/``search`` keep and find folded-away messages (:func:`archive_terms`)."""
+
+    name: str
+    errors: tuple[type[BaseException], ...]
+    down: str | None  # why the store configured is not answering (its stand-in is), else None
+
+    def get(self, table: str, key: str) -> Any: ...
+    def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]: ...
+    def put(self, table: str, key: str, value: Any) -> None: ...
+    def delete(self, table: str, key: str) -> None: ...
+    def items(self, table: str) -> list[tuple[str, Any]]: ...
+    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None: ...
+    def claim(self, key: str, seconds: float) -> bool: ...
+    def release(self, key: str) -> None: ...
+    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int: ...
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]: ...
+    def close(self) -> None: ...
+
+
+class StoredTable(MutableMapping[Any, Any]):
+    """One table of a store seen as a mapping: keys of any JSON shape (tuples come back as tuples), values as
+    JSON keeps them (a tuple comes back as a list). Every read goes to the store: a replica sees what another
+    learnt. ``first`` finds the first of several keys present in one read."""
+
+    def __init__(self, store: Store, table: str) -> None:
+        self.store, self.table = store, table
+
+    def __getitem__(self, key: Any) -> Any:
+        value = self.store.get(self.table, state_key(key))
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        value = self.store.get(self.table, state_key(key))
+        return default if value is None else value
+
+    def __contains__(self, key: object) -> bool:
+        return self.store.get(self.table, state_key(key)) is not None
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.store.put(self.table, state_key(key), value)
+
+    def __delitem__(self, key: Any) -> None:
+        if key not in self:
+            raise KeyError(key)
+        self.store.delete(self.table, state_key(key))
+
+    def pop(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
+        value = self.get(key)
+        if value is not None:
+            self.store.delete(self.table, state_key(key))
+        return default if value is None else value
+
+    def __iter__(self) -> Iterator[Any]:
+        return (_thawed(json.loads(k)) for k, _ in self.store.items(self.table))
+
+    def __len__(self) -> int:
+        return len(self.store.items(self.table))
+
+    def first(self, keys: Sequence[Any]) -> tuple[int, Any]:
+        """The index in ``keys`` of the first one present and its value; ``(-1, None)`` when none is."""
+        return self.store.first(self.table, [state_key(k) for k in keys])
+
+
+# The archive's query, the same on every store: words (every one must be there), "a phrase" (its words in a
+# row), word* (a prefix); matched on the text's words (letters and digits, case and Latin diacritics folded),
+# ranked by BM25 as SQLite's FTS5 ranks (k1 1.2, b 0.75, over the whole archive), then newest first; an entry
+# id (or the start of one, six hex digits or more) finds that entry.
+BM25_K1, BM25_B = 1.2, 0.75
+
+
+def archive_words(text: str) -> list[str]:
+    """A text's words as the archive indexes them: letters and digits, case folded, Latin diacritics dropped."""
+    folded = unicodedata.normalize("NFKD", text.casefold())
+    return re.findall(r"[^\W_]+", "".join(c for c in folded if not unicodedata.combining(c)))
+
+
+def archive_terms(query: str) -> list[tuple[tuple[str, ...], bool]]:
+    """A query's terms: each a phrase (its words) and whether its last word is a prefix. A clear error when
+    it holds no word."""
+    terms = []
+    for quoted, star, bare in re.findall(r'"([^"]*)"(\*?)|(\S+)', query):
+        if words := tuple(archive_words(quoted or bare)):
+            terms.append((words, bool(star) if quoted else bare.endswith("*")))
+    if not terms:
+        raise ContextShrinkError("query must hold a word, a phrase or an id from the archive")
+    return terms
+
+
+def archive_text(message: Mapping[str, Any]) -> str:
+    """What the archive indexes of a message: its role, text, and tool calls' names and arguments."""
+    calls = [f"{(c.get('function') or {}).get('name')} {(c.get('function') or {}).get('arguments')}"
+             for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]  # fmt: skip
+    return "\n".join([str(message.get("role")), _plain_content(message.get("content")), *calls])
+
+
+def term_frequency(words: Sequence[str], term: tuple[tuple[str, ...], bool]) -> int:
+    """How often the phrase ``term`` occurs in ``words``."""
+    phrase, prefix = term
+    n, last = len(phrase), len(phrase) - 1
+    return sum(
+        1 for i in range(len(words) - n + 1)
+        if words[i : i + last] == list(phrase[:last])
+        and (words[i + last].startswith(phrase[last]) if prefix else words[i + last] == phrase[last])
+    )  # fmt: skip
+
+
+def bm25_ranked(
+    docs: Sequence[tuple[Mapping[str, Any], list[str]]], terms: Sequence[tuple[tuple[str, ...], bool]]
+) -> list[tuple[float, Mapping[str, Any]]]:
+    """The entries (with their words) holding every term, by FTS5's BM25 over all of ``docs`` (lower is better)."""
+    rows, total = len(docs), sum(len(w) for _, w in docs)
+    avgdl = total / rows if rows else 1.0
+    freqs = [[term_frequency(words, t) for t in terms] for _, words in docs]
+    hits = [sum(1 for f in freqs if f[k]) for k in range(len(terms))]
+    idf = [math.log((rows - h + 0.5) / (h + 0.5)) for h in hits]
+    idf = [x if x > 0.0 else 1e-6 for x in idf]  # as FTS5 does
+    ranked = []
+    for (entry, words), f in zip(docs, freqs, strict=True):
+        if all(f):
+            score, size = 0.0, float(len(words))
+            for k in range(len(terms)):  # FTS5's bm25(), term for term
+                score += idf[k] * (f[k] * (BM25_K1 + 1.0)) / (f[k] + BM25_K1 * (1 - BM25_B + BM25_B * size / avgdl))
+            ranked.append((-1.0 * score, entry))
+    return ranked
+
+
+def is_entry_id(query: str) -> bool:
+    return re.fullmatch(r"[0-9a-f]{6,64}", query.strip()) is not None
+
+
+class MemoryStore:
+    """The store in this process's memory: what ``--state memory`` keeps, and the stand-in while a store is
+    unreachable. Bounded like the others."""
+
+    errors: tuple[type[BaseException], ...] = ()
+    down: str | None = None
+
+    def __init__(self, name: str = "memory") -> None:
+        self.name = name
+        self.tables: dict[str, dict[str, tuple[str, float, int]]] = {t: {} for t in STATE_TABLES}  # JSON, when, size
+        self.sizes = dict.fromkeys(STATE_TABLES, 0)
+        self.leases: dict[str, float] = {}
+        self.entries: dict[tuple[str, str], dict[str, Any]] = {}  # (conversation, hash) -> entry, oldest first
+        self.held = threading.Lock()
+
+    def get(self, table: str, key: str) -> Any:
+        found = self.tables[table].get(key)
+        return None if found is None else json.loads(found[0])
+
+    def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        rows = self.tables[table]
+        return next(((k, json.loads(rows[key][0])) for k, key in enumerate(keys) if key in rows), (-1, None))
+
+    def put(self, table: str, key: str, value: Any) -> None:
+        with self.held:
+            rows, now = self.tables[table], time.time()
+            self.sizes[table] -= rows.pop(key, (None, 0, 0))[2]
+            text = json.dumps(value, ensure_ascii=False, default=str)  # kept as the other stores keep it: JSON
+            rows[key] = (text, now, len(text))
+            self.sizes[table] += rows[key][2]
+            most, size = STATE_TABLES[table]
+            while len(rows) > 1 and (len(rows) > most or self.sizes[table] > size
+                                     or next(iter(rows.values()))[1] < now - STATE_MAX_DAYS * 86400):  # fmt: skip
+                self.sizes[table] -= rows.pop(next(iter(rows)))[2]
+
+    def delete(self, table: str, key: str) -> None:
+        with self.held:
+            self.sizes[table] -= self.tables[table].pop(key, (None, 0, 0))[2]
+
+    def items(self, table: str) -> list[tuple[str, Any]]:
+        return [(k, json.loads(v[0])) for k, v in list(self.tables[table].items())]
+
+    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
+        with self.held:
+            value = dict(self.get(table, key) or {})
+        for name, n in counts.items():
+            value[name] = value.get(name, 0) + n
+        self.put(table, key, value)
+
+    def claim(self, key: str, seconds: float) -> bool:
+        with self.held:
+            if self.leases.get(key, -math.inf) > time.monotonic():
+                return False
+            self.leases[key] = time.monotonic() + seconds
+            return True
+
+    def release(self, key: str) -> None:
+        self.leases.pop(key, None)
+
+    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
+        with self.held:
+            new = [e for e in entries if (e["conversation"], e["hash"]) not in self.entries]
+            for entry in new:
+                self.entries[entry["conversation"], entry["hash"]] = {**entry, "words": archive_words(
+                    archive_text(entry["message"]))}  # fmt: skip
+            cutoff, size = time.time() - max_days * 86400, sum(e["size"] for e in self.entries.values())
+            for key, entry in list(self.entries.items()):
+                if entry["time"] < cutoff or size > max_bytes:
+                    size -= self.entries.pop(key)["size"]
+        return len(new)
+
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        entries = list(self.entries.values())
+        return searched(entries, query, conversation, limit)
+
+    def close(self) -> None:
+        pass
+
+
+def searched(
+    entries: Sequence[Mapping[str, Any]], query: str, conversation: str | None, limit: int
+) -> tuple[int, list[dict[str, Any]]]:
+    """The archive's query (see :func:`archive_terms`) over ``entries`` (oldest first, each with its ``words``):
+    how many were searched, and the best ``limit``, without their words."""
+    mine = [e for e in entries if conversation is None or e["conversation"] == conversation]
+    if is_entry_id(query):
+        hits = [e for e in reversed(mine) if str(e.get("id", "")).startswith(query.strip())]
+        if hits:
+            return len(mine), [_entry_out(e) for e in hits[:limit]]
+    terms = archive_terms(query)
+    order = {id(e): k for k, e in enumerate(entries)}
+    ranked = bm25_ranked([(e, e["words"]) for e in entries], terms)
+    ranked = [(s, e) for s, e in ranked if conversation is None or e["conversation"] == conversation]
+    ranked.sort(key=lambda r: (r[0], -r[1]["time"], -order[id(r[1])]))
+    return len(mine), [_entry_out(e) for _, e in ranked[:limit]]
+
+
+ARCHIVE_FIELDS = ("id", "conversation", "index", "action", "time", "message")
+
+
+def _entry_out(entry: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: entry.get(k) for k in ARCHIVE_FIELDS}
+
+
 # --- one summary of a span, for every front door: cache, fold, count in the summariser's tokens, anchor --------
 
 SUMMARY_BACKOFF = 120.0  # seconds before a summariser that failed is asked again
@@ -4758,34 +5065,54 @@ class Health:
 
 @dataclasses.dataclass
 class SummaryCache:
-    """What summarising taught this process, bounded: the summary of each span (by the span's chained hash,
-    so a longer span folds the summary of its start), every reply (by request), each summariser's health
-    (calls, failures, when it last failed) and its tokens per local token."""
+    """What summarising taught, bounded: the summary of each span (by the span's chained hash, so a longer span
+    folds the summary of its start) and each summariser's tokens per local token, kept in ``store`` (another
+    process on the same store reads them: a restart or a replica makes no call this one made); and, in this
+    process, every reply (by request) and each summariser's health (calls, failures, when it last failed)."""
 
-    spans: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)  # (filed, span hash) -> summary
+    store: Store = dataclasses.field(default_factory=MemoryStore)
     replies: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # summariser -> key -> reply
     health: dict[str, Health] = dataclasses.field(default_factory=dict)  # summariser -> how it fared
-    ratios: dict[str, float] = dataclasses.field(default_factory=dict)  # summariser | tokenizer -> ratio
     clock: Callable[[], float] = time.monotonic
+    spans: StoredTable = dataclasses.field(init=False)  # (filed, span hash) -> summary
+    ratios: StoredTable = dataclasses.field(init=False)  # summariser | tokenizer -> ratio
+
+    def __post_init__(self) -> None:
+        self.spans, self.ratios = StoredTable(self.store, "spans"), StoredTable(self.store, "ratios")
 
     def summarised_start(self, filed: str, span: Sequence[Mapping[str, Any]]) -> tuple[int, str | None, list[str]]:
         """How many of ``span``'s first messages were summarised before (under ``filed``), that summary,
         and the span's chained hashes."""
         chain = span_hashes(span)
-        done = next((k for k in range(len(span), 0, -1) if (filed, chain[k]) in self.spans), 0)
-        return done, self.spans.get((filed, chain[done])) if done else None, chain
+        k, text = self.spans.first([(filed, chain[k]) for k in range(len(span), 0, -1)])
+        return (len(span) - k, text, chain) if k >= 0 else (0, None, chain)
 
     def file(self, filed: str, chain: Sequence[str], text: str, also: int | None = None) -> None:
         """File ``text`` as the summary of the whole span (and of its first ``also`` messages)."""
         self.spans[filed, chain[-1]] = text
         if also:
             self.spans[filed, chain[also]] = text
-        self.bound()
+
+    @contextlib.asynccontextmanager
+    async def claimed(self, filed: str, chain: Sequence[str]) -> AsyncIterator[str | None]:
+        """Hold the store's lease on writing the summary of the span ``chain`` names, or wait for it: yields the
+        summary another process filed meanwhile (nothing held then), else None while this one holds the lease
+        (released after). A lease older than :data:`LEASE_SECONDS` is the mark of a maker gone: taken over."""
+        key, held = state_key(["summary", filed, chain[-1]]), False
+        deadline = self.clock() + LEASE_SECONDS
+        while not (held := self.store.claim(key, LEASE_SECONDS)) and self.clock() < deadline:
+            if (filed, chain[-1]) in self.spans:
+                break
+            await anyio.sleep(LEASE_POLL)
+        try:
+            yield self.spans.get((filed, chain[-1]))
+        finally:
+            if held:
+                self.store.release(key)
 
     def bound(self) -> None:
-        """Drop the oldest entries until the cache is within its limits."""
-        while len(self.spans) > SUMMARY_CACHE_SPANS or sum(map(len, self.spans.values())) > SUMMARY_CACHE_CHARS:
-            self.spans.pop(next(iter(self.spans)))
+        """Drop the oldest replies and health records until they are within their limits (the store bounds
+        the rest)."""
         size = sum(len(v) for replies in self.replies.values() for v in replies.values())
         for replies in self.replies.values():
             while replies and size > SUMMARY_CACHE_CHARS:
@@ -4988,28 +5315,31 @@ async def summarise_span(
                              "previous_summary_folded": bool(previous)}  # fmt: skip
     size = lambda s: math.ceil(tokenizer.count(s) * tokenizer.scale)  # noqa: E731
     little = done and rest and count_messages(rest, tokenizer)[1] < o.min_new_tokens  # not worth a call yet
-    if (previous and not rest) or little:
-        text = previous or ""
-        stats["summary_cached"] = True
-    else:
-        try:
-            text = await _summarise_fresh(rest, tokenizer, summariser, cache, filed, max_summary_tokens, stats,
-                                          previous=previous, concurrency=o.summary_concurrency, progress=progress,
-                                          replies=replies)  # fmt: skip
-        except InputNeeded:
-            raise
-        except ContextShrinkError as exc:
-            if o.fallback != "extract":
+    async with contextlib.AsyncExitStack() as held:  # a lease on the span, held until its summary is filed
+        if (previous and not rest) or little:
+            text = previous or ""
+            stats["summary_cached"] = True
+        elif (made := await held.enter_async_context(cache.claimed(filed, chain))) is not None:
+            text, stats["summary_cached"] = made, True  # another process wrote it meanwhile
+        else:
+            try:
+                text = await _summarise_fresh(rest, tokenizer, summariser, cache, filed, max_summary_tokens, stats,
+                                              previous=previous, concurrency=o.summary_concurrency, progress=progress,
+                                              replies=replies)  # fmt: skip
+            except InputNeeded:
                 raise
-            text, stats["fallback"], stats["error"] = extracted_notes(span, str(exc)), "extract", str(exc)
-    # What the summary dropped is appended, within its budget. A cached text was anchored when it was filed:
-    # it is sent as it was while it fits (anchored again at another calibration, it would change a prefix the
-    # server has cached).
-    if anchor and not (stats["summary_cached"] and size(text) <= max_summary_tokens):
-        text, stats["anchored"] = anchor_within(text, span, previous, size, max_summary_tokens)
-    if stats["fallback"] is None and not little:  # extracted notes (and a reused start) are not filed
-        pins = plan["pinned_indices"]  # a later span also holds the pinned message: filed by the part before it
-        cache.file(filed, chain, text, None if not pins else sum(1 for i, _ in items if i < pins[0]))
+            except ContextShrinkError as exc:
+                if o.fallback != "extract":
+                    raise
+                text, stats["fallback"], stats["error"] = extracted_notes(span, str(exc)), "extract", str(exc)
+        # What the summary dropped is appended, within its budget. A cached text was anchored when it was filed:
+        # it is sent as it was while it fits (anchored again at another calibration, it would change a prefix the
+        # server has cached).
+        if anchor and not (stats["summary_cached"] and size(text) <= max_summary_tokens):
+            text, stats["anchored"] = anchor_within(text, span, previous, size, max_summary_tokens)
+        if stats["fallback"] is None and not little:  # extracted notes (and a reused start) are not filed
+            pins = plan["pinned_indices"]  # a later span also holds the pinned message: filed by the part before it
+            cache.file(filed, chain, text, None if not pins else sum(1 for i, _ in items if i < pins[0]))
     return {"summary": text, **stats}
 
 
@@ -6822,13 +7152,16 @@ def load_text(text: str | None, path: Path | None, config: Config) -> str:
 
 
 # --- the archive: what a shrunk request no longer carries, kept verbatim for recall_context --------------
+# It lives in the state store (below); the folder of JSONL files an earlier version wrote is read once, to be
+# imported into it.
 
 ARCHIVE_HEAD_MESSAGES = 2  # a conversation is identified by a hash of its first non-system messages
 
 
 def default_archive_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """The archive's default place, ``$XDG_STATE_HOME/context-shrink/archive`` (``~/.local/state``);
-    ``CONTEXT_SHRINK_ARCHIVE_DIR`` and ``--archive-dir`` override it (:meth:`Settings.archive_dir`)."""
+    """Where an earlier version kept its JSONL archive, ``$XDG_STATE_HOME/context-shrink/archive``
+    (``~/.local/state``); ``CONTEXT_SHRINK_ARCHIVE_DIR`` and ``--archive-dir`` override it
+    (:meth:`Settings.archive_dir`)."""
     env = os.environ if environ is None else environ
     state = env.get("XDG_STATE_HOME", "").strip() or str(Path.home() / ".local" / "state")
     return Path(state) / "context-shrink" / "archive"
@@ -6854,9 +7187,9 @@ def folded_away(
     return [(i, m) for i, m in enumerate(original) if message_hash(m) not in kept]
 
 
-ARCHIVE_MAX_BYTES = 256 * 1024 * 1024  # the whole archive; the oldest files go first beyond it
-ARCHIVE_MAX_DAYS = 30  # files not written for this long are removed
-ARCHIVE_NAME = re.compile(r"([0-9a-f]{16})(?:\.(\d+))?\.jsonl")  # a conversation's live file, or a rotated one
+ARCHIVE_MAX_BYTES = 256 * 1024 * 1024  # the whole archive; the oldest messages go first beyond it
+ARCHIVE_MAX_DAYS = 30  # messages archived longer ago than this are removed
+ARCHIVE_NAME = re.compile(r"([0-9a-f]{16})(?:\.(\d+))?\.jsonl")  # an earlier version's file, live or rotated
 
 
 def archive_files(directory: Path, conversation: str | None = None) -> list[Path]:
@@ -6869,86 +7202,6 @@ def archive_files(directory: Path, conversation: str | None = None) -> list[Path
             if match and (conversation is None or match[1] == conversation) and entry.is_file(follow_symlinks=False):
                 found.append((match[1], int(match[2]) if match[2] else math.inf, Path(entry.path)))
     return [path for *_, path in sorted(found)]
-
-
-def archive_messages(
-    directory: Path,
-    conversation: str,
-    folded: Sequence[tuple[int, Mapping[str, Any]]],
-    seen: set[str],
-    action: str,
-    *,
-    max_bytes: int = ARCHIVE_MAX_BYTES,
-    max_days: float = ARCHIVE_MAX_DAYS,
-) -> int:
-    """Append what a request no longer carries to ``<directory>/<conversation>.jsonl`` (each message once);
-    returns how many entries were written. ``seen`` holds the hashes already archived and is updated. The
-    archive stays private (folder 0700, files 0600) and bounded: a live file that reaches an eighth of
-    ``max_bytes`` is rotated (renamed, never rewritten: no line is lost), and then files older than
-    ``max_days`` and, beyond ``max_bytes``, the oldest files are removed (:func:`prune_archive`)."""
-    path = directory / f"{conversation}.jsonl"
-    if not seen:
-        seen.update(e["hash"] for e in read_archive(directory, conversation) if isinstance(e.get("hash"), str))
-    lines = []
-    for index, message in folded:
-        digest = message_hash(message)
-        if digest not in seen:
-            seen.add(digest)
-            entry = {"id": digest[:12], "hash": digest, "index": index, "action": action, "time": int(time.time()),
-                     "message": message}  # fmt: skip
-            lines.append(json.dumps(entry, ensure_ascii=False, default=str))
-    if not lines:
-        return 0
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
-        os.chmod(directory, 0o700)
-    data = ("\n".join(lines) + "\n").encode()
-    with contextlib.suppress(FileNotFoundError):
-        if path.stat().st_size + len(data) > max(64 * 1024, max_bytes // 8):
-            _rotate(path)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    with os.fdopen(fd, "ab") as out:
-        os.fchmod(out.fileno(), 0o600)
-        out.write(data)
-    prune_archive(directory, max_bytes, max_days, keep=path)
-    return len(lines)
-
-
-def _rotate(path: Path) -> None:
-    """Rename a live archive file to ``<conversation>.<n>.jsonl``, ``n`` unused and above every earlier one."""
-    n = time.time_ns()
-    while True:
-        try:
-            os.link(path, path.with_suffix(f".{n}.jsonl"))  # fails if the name is taken: never overwritten
-        except FileExistsError:
-            n += 1
-            continue
-        path.unlink()
-        return
-
-
-def prune_archive(directory: Path, max_bytes: int, max_days: float, keep: Path | None = None) -> list[Path]:
-    """Remove archive files not written for ``max_days``, then the oldest until the archive is within
-    ``max_bytes``; ``keep`` (the file just written) stays. Returns what was removed."""
-    files = []
-    for path in archive_files(directory):
-        with contextlib.suppress(OSError):
-            info = path.stat()
-            files.append((info.st_mtime, info.st_size, path))
-    files.sort()
-    total = sum(size for _, size, _ in files)
-    cutoff = time.time() - max_days * 86400
-    removed = []
-    for mtime, size, path in files:
-        if path != keep and (mtime < cutoff or total > max_bytes):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            total -= size
-            removed.append(path)
-    if removed:
-        log.info("archive: removed %d old file(s) to stay within %d bytes and %g days", len(removed), max_bytes,
-                 max_days)  # fmt: skip
-    return removed
 
 
 def read_archive(directory: Path, conversation: str | None = None) -> list[dict[str, Any]]:
@@ -6967,24 +7220,447 @@ def read_archive(directory: Path, conversation: str | None = None) -> list[dict[
     return entries
 
 
-def search_archive(entries: Sequence[Mapping[str, Any]], query: str, limit: int) -> list[dict[str, Any]]:
-    """Archive entries matching ``query``: an entry id (or its prefix), else all query words; newest first."""
-    query = query.strip()
-    if re.fullmatch(r"[0-9a-f]{6,64}", query):
-        hits = [e for e in entries if str(e.get("id", "")).startswith(query)]
-        if hits:
-            return [dict(e) for e in hits[:limit]]
-    words = [w for w in re.findall(r"\w+", query.lower()) if w]
-    if not words:
-        raise ContextShrinkError("query must hold a word or an id from the archive")
-    found = []
-    for entry in reversed(entries):
-        text = json.dumps(entry.get("message"), ensure_ascii=False).lower()
-        if all(w in text for w in words):
-            found.append(dict(entry))
-            if len(found) >= limit:
+# --- the state store on disk and on Redis: what the proxy learnt, across restarts and replicas ----------------
+
+STATE_RETRY_SECONDS = 5.0  # how often an unreachable store is tried again
+ARCHIVE_SEARCH_WORDS = 200_000  # archived messages whose words a Redis store keeps read in this process
+
+
+def default_state_path(environ: Mapping[str, str] | None = None) -> Path:
+    """The default store, ``$XDG_STATE_HOME/context-shrink/state.sqlite3`` (``~/.local/state``)."""
+    env = os.environ if environ is None else environ
+    state = env.get("XDG_STATE_HOME", "").strip() or str(Path.home() / ".local" / "state")
+    return Path(state) / "context-shrink" / "state.sqlite3"
+
+
+def archive_entries(
+    original: Sequence[Mapping[str, Any]], sent: Sequence[Mapping[str, Any]], action: str
+) -> list[dict[str, Any]]:
+    """What ``sent`` no longer carries of ``original``, as archive entries (each message once, by its hash)."""
+    conversation, now, entries = conversation_id(original), int(time.time()), {}
+    for index, message in folded_away(original, sent):
+        digest = message_hash(message)
+        entries.setdefault(digest, {"id": digest[:12], "hash": digest, "conversation": conversation, "index": index,
+                                    "action": action, "time": now, "message": message,
+                                    "size": len(json.dumps(message, ensure_ascii=False, default=str))})  # fmt: skip
+    return list(entries.values())
+
+
+FTS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (ns TEXT NOT NULL, tbl TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL,
+  size INTEGER NOT NULL, at REAL NOT NULL, PRIMARY KEY (ns, tbl, key)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS kv_at ON kv (ns, tbl, at, size);
+CREATE TABLE IF NOT EXISTS lease (ns TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL, until REAL NOT NULL,
+  PRIMARY KEY (ns, key)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS archive (id INTEGER PRIMARY KEY, ns TEXT NOT NULL, conversation TEXT NOT NULL,
+  hash TEXT NOT NULL, time REAL NOT NULL, size INTEGER NOT NULL, entry TEXT NOT NULL, UNIQUE (ns, conversation, hash));
+CREATE INDEX IF NOT EXISTS archive_time ON archive (ns, time);
+"""
+
+
+class SqliteStore:
+    """The store in one SQLite file (``--state sqlite:PATH``, the default): private (a new folder 0700, the file
+    0600), WAL mode so several processes on one machine share it, every row namespaced. The archive is an
+    FTS5 index of each message's words (BM25, phrases, prefixes: :func:`archive_terms`)."""
+
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error, OSError)
+    down: str | None = None
+
+    def __init__(self, path: Path, namespace: str = "default") -> None:
+        self.name, self.ns, self.owner = f"sqlite:{path}", namespace, uuid_module.uuid4().hex
+        self.fts = "fts_" + hashlib.sha256(namespace.encode()).hexdigest()[:16]  # BM25 over this namespace only
+        if not path.parent.exists():
+            path.parent.mkdir(mode=0o700, parents=True)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # created private before SQLite opens it
+        self.held = threading.Lock()
+        self.db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(FTS_SCHEMA + f"CREATE VIRTUAL TABLE IF NOT EXISTS {self.fts} USING fts5(words, "
+                              "conversation UNINDEXED, tokenize='unicode61 remove_diacritics 0');")  # fmt: skip
+
+    def _one(self, sql: str, *args: Any) -> Any:
+        with self.held:
+            return self.db.execute(sql, args).fetchone()
+
+    def get(self, table: str, key: str) -> Any:
+        row = self._one("SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?", self.ns, table, key)
+        return None if row is None else json.loads(row[0])
+
+    def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        found: dict[str, str] = {}
+        with self.held:
+            for start in range(0, len(keys), 500):
+                part = keys[start : start + 500]
+                found.update(self.db.execute(f"SELECT key, value FROM kv WHERE ns = ? AND tbl = ? AND key IN "
+                                             f"({','.join('?' * len(part))})", (self.ns, table, *part)))  # fmt: skip
+        return next(((k, json.loads(found[key])) for k, key in enumerate(keys) if key in found), (-1, None))
+
+    def put(self, table: str, key: str, value: Any) -> None:
+        text, now = json.dumps(value, ensure_ascii=False, default=str), time.time()
+        with self.held:
+            self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)", (self.ns, table, key, text,
+                                                                                   len(text), now))  # fmt: skip
+            self._bound(table, now)
+
+    def _bound(self, table: str, now: float) -> None:
+        """The oldest rows of ``table`` removed while it holds too many, too many bytes, or any too old."""
+        most, size = STATE_TABLES[table]
+        where, scope = "ns = ? AND tbl = ?", (self.ns, table)
+        self.db.execute(f"DELETE FROM kv WHERE {where} AND at < ?", (*scope, now - STATE_MAX_DAYS * 86400))
+        rows, total = self.db.execute(f"SELECT count(*), total(size) FROM kv WHERE {where}", scope).fetchone()
+        if rows <= most and total <= size:
+            return
+        over = []
+        for key, length in self.db.execute(f"SELECT key, size FROM kv WHERE {where} ORDER BY at", scope).fetchall():
+            if rows <= 1 or (rows <= most and total <= size):
                 break
-    return found
+            over.append((*scope, key))
+            rows, total = rows - 1, total - length
+        self.db.executemany(f"DELETE FROM kv WHERE {where} AND key = ?", over)
+
+    def delete(self, table: str, key: str) -> None:
+        with self.held:
+            self.db.execute("DELETE FROM kv WHERE ns = ? AND tbl = ? AND key = ?", (self.ns, table, key))
+
+    def items(self, table: str) -> list[tuple[str, Any]]:
+        with self.held:
+            rows = self.db.execute("SELECT key, value FROM kv WHERE ns = ? AND tbl = ? ORDER BY at", (self.ns, table))
+            return [(k, json.loads(v)) for k, v in rows]
+
+    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
+        with self.held:
+            self.db.execute("BEGIN IMMEDIATE")  # one writer at a time, across processes
+            try:
+                row = self.db.execute("SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?",
+                                      (self.ns, table, key)).fetchone()  # fmt: skip
+                value = json.loads(row[0]) if row else {}
+                for name, n in counts.items():
+                    value[name] = value.get(name, 0) + n
+                text, now = json.dumps(value), time.time()
+                self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)",
+                                (self.ns, table, key, text, len(text), now))  # fmt: skip
+                self._bound(table, now)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
+    def claim(self, key: str, seconds: float) -> bool:
+        now = time.time()
+        with self.held:
+            cursor = self.db.execute(
+                "INSERT INTO lease VALUES (?, ?, ?, ?) ON CONFLICT (ns, key) DO UPDATE SET owner = excluded.owner, "
+                "until = excluded.until WHERE lease.until < ?",
+                (self.ns, key, self.owner, now + seconds, now),
+            )
+            return cursor.rowcount == 1
+
+    def release(self, key: str) -> None:
+        with self.held:
+            self.db.execute("DELETE FROM lease WHERE ns = ? AND key = ? AND owner = ?", (self.ns, key, self.owner))
+
+    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
+        written = 0
+        with self.held:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                for e in entries:
+                    cursor = self.db.execute(
+                        "INSERT OR IGNORE INTO archive (ns, conversation, hash, time, size, entry) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        (self.ns, e["conversation"], e["hash"], e["time"], e["size"],
+                         json.dumps(e, ensure_ascii=False, default=str)))  # fmt: skip
+                    if cursor.rowcount == 1:
+                        written += 1
+                        self.db.execute(f"INSERT INTO {self.fts} (rowid, words, conversation) VALUES (?, ?, ?)",
+                                        (cursor.lastrowid, " ".join(archive_words(archive_text(e["message"]))),
+                                         e["conversation"]))  # fmt: skip
+                self._prune(max_bytes, time.time() - max_days * 86400)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        return written
+
+    def _prune(self, max_bytes: int, cutoff: float) -> None:
+        old = [r[0] for r in self.db.execute("SELECT id FROM archive WHERE ns = ? AND time < ?", (self.ns, cutoff))]
+        (total,) = self.db.execute("SELECT total(size) FROM archive WHERE ns = ?", (self.ns,)).fetchone()
+        total -= sum(r[0] for r in self.db.execute(
+            f"SELECT size FROM archive WHERE id IN ({','.join('?' * len(old))})", old)) if old else 0  # fmt: skip
+        if total > max_bytes:
+            for row_id, size in self.db.execute("SELECT id, size FROM archive WHERE ns = ? AND time >= ? ORDER BY "
+                                                "time, id", (self.ns, cutoff)).fetchall():  # fmt: skip
+                if total <= max_bytes:
+                    break
+                old.append(row_id)
+                total -= size
+        for row_id in old:
+            self.db.execute("DELETE FROM archive WHERE id = ?", (row_id,))
+            self.db.execute(f"DELETE FROM {self.fts} WHERE rowid = ?", (row_id,))
+        if old:
+            log.info("archive: removed %d old message(s) to stay within %d bytes and its age", len(old), max_bytes)
+
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        mine = "" if conversation is None else " AND conversation = ?"
+        scope = (self.ns,) if conversation is None else (self.ns, conversation)
+        with self.held:
+            (searched,) = self.db.execute(f"SELECT count(*) FROM archive WHERE ns = ?{mine}", scope).fetchone()
+            if is_entry_id(query):
+                sql = (
+                    f"SELECT entry FROM archive WHERE ns = ?{mine} AND hash LIKE ? ORDER BY time DESC, id DESC LIMIT ?"
+                )
+                rows = self.db.execute(sql, (*scope, query.strip() + "%", limit)).fetchall()
+                if rows:
+                    return searched, [_entry_out(json.loads(r[0])) for r in rows]
+            match = " AND ".join('"' + " ".join(words) + '"' + ("*" if prefix else "") for words, prefix in
+                                 archive_terms(query))  # fmt: skip
+            rows = self.db.execute(
+                f"SELECT a.entry FROM {self.fts} f JOIN archive a ON a.id = f.rowid WHERE {self.fts} MATCH ?"
+                + ("" if conversation is None else " AND f.conversation = ?")
+                + " ORDER BY f.rank, a.time DESC, a.id DESC LIMIT ?",
+                (match, *scope[1:], limit),
+            ).fetchall()
+        return searched, [_entry_out(json.loads(r[0])) for r in rows]
+
+    def close(self) -> None:
+        with self.held:
+            self.db.close()
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a store's failure raises: SQLite's and the system's errors, and the redis client's once imported."""
+    redis = sys.modules.get("redis")
+    return (sqlite3.Error, OSError, *((redis.RedisError,) if redis is not None else ()))
+
+
+REDIS_WRITE = """
+local t, z, s = KEYS[1], KEYS[2], KEYS[3]
+local key, value, now, most, bytes, age, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]),
+  tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
+local was = tonumber(redis.call('HGET', s, key) or '0')
+if mode == 'new' and redis.call('HEXISTS', t, key) == 1 then return 0 end
+if mode == 'del' then
+  redis.call('HDEL', t, key); redis.call('HDEL', s, key); redis.call('ZREM', z, key)
+  redis.call('HINCRBY', s, '#', -was)
+  return 1
+end
+if mode == 'add' then
+  local old = redis.call('HGET', t, key)
+  local v = old and cjson.decode(old) or {}
+  for k, n in pairs(cjson.decode(value)) do v[k] = (v[k] or 0) + n end
+  value = cjson.encode(v)
+end
+redis.call('HSET', t, key, value); redis.call('HSET', s, key, string.len(value))
+redis.call('ZADD', z, tonumber(ARGV[8] or ARGV[3]), key)
+local total = redis.call('HINCRBY', s, '#', string.len(value) - was)
+while redis.call('ZCARD', z) > 1 do
+  local oldest = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
+  if not (redis.call('ZCARD', z) > most or total > bytes or tonumber(oldest[2]) < now - age) then break end
+  total = redis.call('HINCRBY', s, '#', -tonumber(redis.call('HGET', s, oldest[1]) or '0'))
+  redis.call('HDEL', t, oldest[1]); redis.call('HDEL', s, oldest[1]); redis.call('ZREM', z, oldest[1])
+end
+return 1
+"""
+REDIS_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class RedisStore:
+    """The store on a Redis server (``--state redis://HOST:PORT/DB``, ``rediss://`` for TLS), shared by replicas:
+    each table a hash with a sorted set of when each key was written, bounded by one server-side script per
+    write; every key under ``cs:<namespace>:``. The archive is a table too; its query is answered here, over
+    what the server keeps (:func:`searched`), each message's words read once per process. Needs the ``redis``
+    client (the ``redis`` extra)."""
+
+    down: str | None = None
+
+    def __init__(self, url: str, namespace: str = "default") -> None:
+        try:
+            import redis
+        except ImportError:
+            raise ContextShrinkError("--state redis://... needs the redis client: pip install "
+                                     "'context-shrink-mcp[redis]'") from None  # fmt: skip
+        self.name = redis_name(url)
+        self.errors = store_errors()
+        self.server = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
+        self.prefix, self.owner = f"cs:{namespace}:", uuid_module.uuid4().hex
+        self.write, self.free = self.server.register_script(REDIS_WRITE), self.server.register_script(REDIS_RELEASE)
+        self.words: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
+        self.server.ping()
+
+    def _keys(self, table: str) -> list[str]:
+        return [f"{self.prefix}{kind}:{table}" for kind in "tzs"]
+
+    def _write(
+        self, table: str, key: str, value: str, mode: str, bounds: tuple[int, int, float] | None = None,
+        at: float | None = None,
+    ) -> int:  # fmt: skip
+        """One write (``put``, ``add``, ``del``, or ``new``: unless the key is there) and the table bounded, in one
+        script on the server; ``at``: when the value dates from (now, unless given)."""
+        most, size, days = bounds or (*STATE_TABLES[table], STATE_MAX_DAYS)
+        now = time.time()
+        args = [key, value, now, most, size, days * 86400, mode, now if at is None else at]
+        return int(self.write(keys=self._keys(table), args=args))
+
+    def get(self, table: str, key: str) -> Any:
+        value = self.server.hget(self._keys(table)[0], key)
+        return None if value is None else json.loads(value)
+
+    def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        values = self.server.hmget(self._keys(table)[0], list(keys)) if keys else []
+        return next(((k, json.loads(v)) for k, v in enumerate(values) if v is not None), (-1, None))
+
+    def put(self, table: str, key: str, value: Any) -> None:
+        self._write(table, key, json.dumps(value, ensure_ascii=False, default=str), "put")
+
+    def delete(self, table: str, key: str) -> None:
+        self._write(table, key, "", "del")
+
+    def items(self, table: str) -> list[tuple[str, Any]]:
+        keys = self.server.zrange(self._keys(table)[1], 0, -1)
+        values = [v for start in range(0, len(keys), 1000)
+                  for v in self.server.hmget(self._keys(table)[0], keys[start : start + 1000])]  # fmt: skip
+        return [(k, json.loads(v)) for k, v in zip(keys, values, strict=True) if v is not None]
+
+    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
+        self._write(table, key, json.dumps(dict(counts)), "add")
+
+    def claim(self, key: str, seconds: float) -> bool:
+        return bool(self.server.set(f"{self.prefix}lease:{key}", self.owner, nx=True, px=int(seconds * 1000)))
+
+    def release(self, key: str) -> None:
+        self.free(keys=[f"{self.prefix}lease:{key}"], args=[self.owner])
+
+    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
+        bounds = (1 << 62, max_bytes, max_days)
+        return sum(self._write("archive", f"{e['conversation']}:{e['hash']}", json.dumps(e, ensure_ascii=False,
+                               default=str), "new", bounds, e["time"]) for e in entries)  # fmt: skip
+
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        entries = [e for _, e in self.items("archive")]
+        for entry in entries:
+            key = f"{entry['conversation']}:{entry['hash']}"
+            if (words := self.words.get(key)) is None:
+                words = self.words[key] = archive_words(archive_text(entry["message"]))
+                while len(self.words) > ARCHIVE_SEARCH_WORDS:
+                    self.words.popitem(last=False)
+            entry["words"] = words
+        return searched(entries, query, conversation, limit)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class FallbackStore:
+    """The store configured, kept serving from memory while it is unreachable: a failure is logged once, the
+    calls go to a :class:`MemoryStore` meanwhile (``down`` says why; the proxy's header and live page show it),
+    and the store is tried again every :data:`STATE_RETRY_SECONDS`."""
+
+    errors: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, name: str, opener: Callable[[], Store]) -> None:
+        self.name, self.opener, self.memory = name, opener, MemoryStore(f"memory (while {name} is unreachable)")
+        self.inner: Store | None = None
+        self.down: str | None = None
+        self.retry_at = -math.inf
+        self.held = threading.Lock()
+        self.current()
+
+    def current(self) -> Store:
+        """The store configured, when it answers; else the memory stand-in (tried again when it is time)."""
+        if self.inner is None and time.monotonic() >= self.retry_at:
+            with self.held:
+                if self.inner is None and time.monotonic() >= self.retry_at:
+                    try:
+                        self.inner = self.opener()
+                    except store_errors() as exc:
+                        self.lost(exc)
+                    else:
+                        if self.down is not None:
+                            log.info("state: %s answers again; what was learnt meanwhile stays in memory only",
+                                     self.name)  # fmt: skip
+                        self.down = None
+        return self.inner or self.memory
+
+    def lost(self, exc: BaseException) -> None:
+        if self.down is None:
+            log.warning("state: %s is unreachable (%s: %s): serving from memory, trying again every %g s", self.name,
+                        type(exc).__name__, exc, STATE_RETRY_SECONDS)  # fmt: skip
+        self.down, self.retry_at = f"{type(exc).__name__}: {exc}", time.monotonic() + STATE_RETRY_SECONDS
+        if self.inner is not None:
+            with contextlib.suppress(Exception):
+                self.inner.close()
+        self.inner = None
+
+    def _call(self, method: str, *args: Any) -> Any:
+        store = self.current()
+        try:
+            return getattr(store, method)(*args)
+        except store.errors as exc:
+            self.lost(exc)
+            return getattr(self.memory, method)(*args)
+
+    def get(self, table: str, key: str) -> Any:
+        return self._call("get", table, key)
+
+    def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        return self._call("first", table, keys)
+
+    def put(self, table: str, key: str, value: Any) -> None:
+        self._call("put", table, key, value)
+
+    def delete(self, table: str, key: str) -> None:
+        self._call("delete", table, key)
+
+    def items(self, table: str) -> list[tuple[str, Any]]:
+        return self._call("items", table)
+
+    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
+        self._call("add", table, key, counts)
+
+    def claim(self, key: str, seconds: float) -> bool:
+        return self._call("claim", key, seconds)
+
+    def release(self, key: str) -> None:
+        self._call("release", key)
+
+    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
+        return self._call("archive", entries, max_bytes, max_days)
+
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        return self._call("search", query, conversation, limit)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+def open_store(spec: str | None, namespace: str = "default", environ: Mapping[str, str] | None = None) -> Store:
+    """The store ``spec`` names (:func:`state_spec`; None: SQLite in the default place), kept serving from memory
+    while it is unreachable (:class:`FallbackStore`); ``memory`` is memory alone."""
+    spec = spec or f"sqlite:{default_state_path(environ)}"
+    if spec == "memory":
+        return MemoryStore()
+    if spec.startswith("sqlite:"):
+        path = Path(spec[len("sqlite:") :]).expanduser()
+        return FallbackStore(f"sqlite:{path}", lambda: SqliteStore(path, namespace))
+    if importlib.util.find_spec("redis") is None:
+        raise ContextShrinkError("--state redis://... needs the redis client: pip install 'context-shrink-mcp[redis]'")
+    return FallbackStore(redis_name(spec), lambda: RedisStore(spec, namespace))
+
+
+def import_jsonl_archive(store: Store, directory: Path, max_bytes: int, max_days: float) -> int:
+    """The JSONL archive an earlier version kept in ``directory``, written into ``store`` once (a meta entry
+    records it); how many messages it added."""
+    key = state_key(["imported", str(directory.resolve())])
+    if store.get("meta", key) is not None or not archive_files(directory):
+        return 0
+    entries = [{**e, "size": len(json.dumps(e["message"], ensure_ascii=False, default=str))}
+               for e in read_archive(directory) if isinstance(e.get("hash"), str)]  # fmt: skip
+    added = store.archive(entries, max_bytes, max_days)
+    store.put("meta", key, {"at": time.time(), "messages": added})
+    log.info("archive: imported %d message(s) from the JSONL archive in %s", added, directory)
+    return added
 
 
 # =============================================================================
@@ -8544,6 +9220,13 @@ class ServerState:
     http: httpx2.AsyncClient
     caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
     summaries: SummaryCache = dataclasses.field(default_factory=SummaryCache)
+    opened: Store | None = None  # the proxy's store, opened when recall_context first searches it
+
+    def store(self) -> Store:
+        """The store the proxy keeps its archive in (``CONTEXT_SHRINK_STATE``), opened once."""
+        if self.opened is None:
+            self.opened = open_store(self.config.state, self.config.namespace)
+        return self.opened
 
 
 @dataclasses.dataclass
@@ -9177,18 +9860,19 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
     default_reserve = config.reserve_tokens
 
     @tool("recall_context", read_only=True)
-    def recall_context(
-        query: Annotated[str, Field(description="Words, or an entry id.")],
+    async def recall_context(
+        ctx: Context,
+        query: Annotated[str, Field(description='Words (all), "a phrase", pre* or an entry id.')],
         conversation: Annotated[str | None, Field()] = None,
         limit: Annotated[int, Field(ge=1, le=100)] = 10,
     ) -> dict[str, Any]:
-        """Fetch back verbatim what the proxy summarised or dropped."""
-        directory = config.archive_dir or default_archive_dir()
-        entries = read_archive(directory, conversation)
-        found = search_archive(entries, query, limit)
-        keys = ("id", "conversation", "index", "action", "time", "message")
-        entries_out = [{k: e.get(k) for k in keys} for e in found]
-        return {"archive": str(directory), "searched": len(entries), "found": len(found), "entries": entries_out}
+        """Fetch back verbatim what the proxy summarised or dropped, best match first."""
+        if conversation is not None and not re.fullmatch(r"[0-9a-f]{16}", conversation):
+            raise ContextShrinkError(f"conversation must be a 16-character id from the archive, got {conversation!r}")
+        state = state_of(ctx)
+        store = await anyio.to_thread.run_sync(state.store)
+        searched, found = await anyio.to_thread.run_sync(store.search, query, conversation, limit)
+        return {"archive": store.name, "searched": searched, "found": len(found), "entries": found}
 
     @tool(read_only=False)
     async def compact_context(
@@ -9238,8 +9922,9 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
         )
 
 
-def build_server(config: Config | None = None) -> MCPServer:
-    """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`. Each tool loads its
+def build_server(config: Config | None = None, store: Store | None = None) -> MCPServer:
+    """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`; ``store``, the proxy's
+    when both are served at once (else opened from the config when first needed). Each tool loads its
     input, calls the core and delivers the result; the work is in the functions above."""
     load_sdk()
     config = config or Config.from_env()
@@ -9248,7 +9933,12 @@ def build_server(config: Config | None = None) -> MCPServer:
     async def lifespan(_: MCPServer) -> AsyncIterator[ServerState]:
         timeout = httpx2.Timeout(config.timeout, connect=min(10.0, config.timeout))
         async with httpx2.AsyncClient(timeout=timeout) as http:
-            yield ServerState(config, http)
+            state = ServerState(config, http, opened=store)
+            try:
+                yield state
+            finally:
+                if store is None and state.opened is not None:
+                    state.opened.close()
 
     registry: dict[str, Tool] = {}
     for add in (measure_tools, history_tools, text_tools, compaction_tools, session_tools):
@@ -9425,7 +10115,9 @@ class ProxyConfig:
     summary_url: str | None = None  # None: the upstream writes the summaries
     summary_model: str | None = None  # None: the request's own model
     api_key: str | None = dataclasses.field(default=None, repr=False)  # replaces the client's Authorization
-    archive_dir: Path | None = None  # None: no archive
+    archive_dir: Path | None = None  # None: no archive; else an earlier version's JSONL archive, imported once
+    state: str | None = None  # the store (--state); None: SQLite in the default place
+    namespace: str = "default"  # the deployment's name: every key in the store is kept under it
     origins: tuple[str, ...] = ()  # browser origins allowed beside this machine's (--allow-origin)
     archive_max_bytes: int = ARCHIVE_MAX_BYTES
     archive_max_days: int = ARCHIVE_MAX_DAYS
@@ -9705,7 +10397,11 @@ function render(stats) {
     [number(s.failures), "num" + (s.failures ? " bad" : "")], [s.seconds.toFixed(1), "num"],
     s.backoff_left_s ? [`backed off ${s.backoff_left_s} s: ${s.last_error}`, "reason bad"] : ["answering", "reason"]]);
   const when = new Date().toLocaleTimeString();
-  document.getElementById("status").textContent = `up ${number(stats.uptime_s)} s · updated ${when}`;
+  const store = stats.state || {};
+  const status = document.getElementById("status");
+  status.textContent = `up ${number(stats.uptime_s)} s · updated ${when} · state: ${store.store || "?"}` +
+    (store.degraded ? ` · ${store.degraded}` : "");
+  status.className = store.degraded ? "bad" : "dim";
 }
 async function refresh() {
   try {
@@ -9779,67 +10475,75 @@ class Measured:
     key: tuple[str | None, str] = (None, "ascii")  # the calibration it was counted at: the model and the text's class
 
 
-@dataclasses.dataclass
 class ProxyStats:
-    """What the proxy did since it started, per model and conversation: ``GET /context-shrink/stats`` serves
-    it as JSON and ``GET /metrics`` by model in Prometheus's format. Bounded: the least recently seen
-    conversations go first beyond :data:`STATS_CONVERSATIONS`."""
+    """What the proxy did, per model and conversation, kept in the store (every replica on it counts into the
+    same rows, so the live page and ``/metrics`` show the whole deployment): ``GET /context-shrink/stats`` serves
+    it as JSON and ``GET /metrics`` by model in Prometheus's format. Bounded by the store: the least recently
+    seen conversations go first beyond ``STATE_TABLES["stats"]``, the requests shown one by one beyond
+    ``STATE_TABLES["recent"]``."""
 
     COUNTERS = ("requests", "shrunk", "forwarded_unchanged", "tokens_before", "tokens_after", "tokens_saved",
                 "summariser_calls", "summaries_reused", "refusals", "retried", "errors", "exact_counts",
                 "estimated_counts", "refusals_avoided", "repeated_requests", "repeated_share_sum")  # fmt: skip
-    started: float = dataclasses.field(default_factory=time.time)
-    rows: dict[tuple[str, str], dict[str, Any]] = dataclasses.field(default_factory=dict)
-    recent: collections.deque[dict[str, Any]] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=STATS_RECENT)
-    )
-    prints: dict[str, list[tuple[bytes, int]]] = dataclasses.field(default_factory=dict)  # conversation -> last sent
-    held: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # around prints: worker threads
+
+    def __init__(self, store: Store | None = None) -> None:
+        self.store = MemoryStore() if store is None else store
+        self.started = self.store.get("meta", state_key("started"))
+        if self.started is None:  # the deployment's first process
+            self.started = time.time()
+            self.store.put("meta", state_key("started"), self.started)
+
+    @property
+    def rows(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """Each (model, conversation)'s counters, with its ``actions``; the least recently seen first."""
+        rows = {}
+        for key, flat in self.store.items("stats"):
+            row = {**dict.fromkeys(self.COUNTERS, 0), "actions": {}}
+            for name, n in flat.items():
+                if name.startswith("action:"):
+                    row["actions"][name.removeprefix("action:")] = n
+                else:
+                    row[name] = n
+            rows[_thawed(json.loads(key))] = row
+        return rows
+
+    @property
+    def recent(self) -> list[dict[str, Any]]:
+        return [entry for _, entry in self.store.items("recent")]
 
     def repeated(self, conversation: str, sent: Sequence[Mapping[str, Any]]) -> float | None:
         """The share of ``sent`` that repeats the start of this conversation's previous request (run off the
         event loop for a large request: it reads every message)."""
-        prints = prefix_prints(sent)
-        with self.held:
-            share = repeated_share(self.prints.pop(conversation, None), prints)
-            self.prints[conversation] = prints
-            while len(self.prints) > STATS_PREFIXES:
-                self.prints.pop(next(iter(self.prints)))
-        return share
+        prints = [[digest.hex(), size] for digest, size in prefix_prints(sent)]
+        before = self.store.get("prints", state_key(conversation))
+        self.store.put("prints", state_key(conversation), prints)
+        return repeated_share(before, prints)
 
     def record(self, model: str | None, conversation: str | None, report: ProxyReport, status: int) -> None:
         """Count one chat request: its report and the status the client got."""
-        self.recent.append({"at": round(time.time(), 3), "model": model, "conversation": conversation,
-                            "status": status, **{k: getattr(report, k) for k in RECENT_FIELDS}})  # fmt: skip
-        key = (model or "-", conversation or "-")
-        row = self.rows.pop(key, None) or {**dict.fromkeys(self.COUNTERS, 0), "actions": {}}
-        self.rows[key] = row  # the most recent last
+        self.store.put("recent", f"{time.time_ns():020d}-{os.urandom(4).hex()}", {
+            "at": round(time.time(), 3), "model": model, "conversation": conversation, "status": status,
+            **{k: getattr(report, k) for k in RECENT_FIELDS}})  # fmt: skip
         action = report.action or "none"
         before, after = report.tokens_before or 0, report.tokens_after or 0
-        row["actions"][action] = row["actions"].get(action, 0) + 1
-        row["requests"] += 1
-        row["shrunk"] += action != "none" and not action.startswith("forwarded unchanged")
-        row["forwarded_unchanged"] += action.startswith("forwarded unchanged")
-        row["tokens_before"] += before
-        row["tokens_after"] += after
-        row["tokens_saved"] += max(0, before - after)
-        row["refusals_avoided"] += bool(report.window and before > report.window >= after and status < 400)
-        row["summariser_calls"] += report.summary_calls
-        row["summaries_reused"] += bool(report.summary_cached)
-        row["refusals"] += report.refusals
-        row["retried"] += report.retried or 0
-        row["errors"] += status >= 400
-        row["exact_counts" if report.count == "exact" else "estimated_counts"] += 1
+        counts = {
+            "requests": 1, f"action:{action}": 1, "tokens_before": before, "tokens_after": after,
+            "shrunk": int(action != "none" and not action.startswith("forwarded unchanged")),
+            "forwarded_unchanged": int(action.startswith("forwarded unchanged")),
+            "tokens_saved": max(0, before - after),
+            "refusals_avoided": int(bool(report.window and before > report.window >= after and status < 400)),
+            "summariser_calls": report.summary_calls, "summaries_reused": int(bool(report.summary_cached)),
+            "refusals": report.refusals, "retried": report.retried or 0, "errors": int(status >= 400),
+            "exact_counts" if report.count == "exact" else "estimated_counts": 1,
+        }  # fmt: skip
         if report.repeated is not None:
-            row["repeated_requests"] += 1
-            row["repeated_share_sum"] += report.repeated
-        while len(self.rows) > STATS_CONVERSATIONS:
-            self.rows.pop(next(iter(self.rows)))
+            counts.update(repeated_requests=1, repeated_share_sum=report.repeated)
+        self.store.add("stats", state_key([model or "-", conversation or "-"]), counts)
 
-    def by_model(self) -> dict[str, dict[str, Any]]:
+    def by_model(self, rows: Mapping[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
         """The counters summed per model (actions too)."""
         models: dict[str, dict[str, Any]] = {}
-        for (model, _), row in self.rows.items():
+        for (model, _), row in (self.rows if rows is None else rows).items():
             total = models.setdefault(model, {**dict.fromkeys(self.COUNTERS, 0), "actions": {}})
             for name in self.COUNTERS:
                 total[name] += row[name]
@@ -9849,13 +10553,14 @@ class ProxyStats:
 
     def snapshot(self) -> dict[str, Any]:
         """Everything, as plain JSON: totals, then per model with its conversations."""
-        models = self.by_model()
+        rows = self.rows
+        models = self.by_model(rows)
         for model, total in models.items():
-            total["conversations"] = {c: dict(row) for (m, c), row in self.rows.items() if m == model}
+            total["conversations"] = {c: dict(row) for (m, c), row in rows.items() if m == model}
         totals = {name: sum(m[name] for m in models.values()) for name in self.COUNTERS}
         return {"since": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
                 "uptime_s": round(time.time() - self.started), "totals": totals, "models": models,
-                "recent": list(self.recent)}  # fmt: skip
+                "recent": self.recent}  # fmt: skip
 
     def prometheus(self) -> bytes:
         """The counters per model in Prometheus's text format (``prometheus-client``)."""
@@ -9896,22 +10601,23 @@ class ProxyState:
     tokenizer: Tokenizer
     policy: Policy = Policy()
     caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
-    summaries: SummaryCache = dataclasses.field(default_factory=SummaryCache)
-    windows: dict[str | None, int | None] = dataclasses.field(default_factory=dict)  # model -> learnt window
-    doubts: dict[str | None, int] = dataclasses.field(default_factory=dict)  # model -> a window said once
-    answered: dict[str | None, int] = dataclasses.field(default_factory=dict)  # model -> largest prompt answered
-    factors: dict[Any, float] = dataclasses.field(default_factory=dict)  # (model, text class) and model -> calibration
-    archived: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # conversation -> hashes
-    stats: ProxyStats = dataclasses.field(default_factory=ProxyStats)
-    counts: dict[Any, tuple[int, int, str]] = dataclasses.field(default_factory=dict)  # prefix -> upstream count
-    tool_costs: dict[Any, int] = dataclasses.field(default_factory=dict)  # (model, tools) -> upstream tokens
-    lock: Any = dataclasses.field(default=None)  # an anyio.Lock around archive writes
+    store: Store = dataclasses.field(default_factory=MemoryStore)  # what is learnt (--state), shared by replicas
+    summaries: SummaryCache = dataclasses.field(init=False)
+    stats: ProxyStats = dataclasses.field(init=False)
+    windows: StoredTable = dataclasses.field(init=False)  # model -> learnt window
+    doubts: StoredTable = dataclasses.field(init=False)  # model -> a window said once
+    answered: StoredTable = dataclasses.field(init=False)  # model -> largest prompt answered
+    factors: StoredTable = dataclasses.field(init=False)  # (model, text class) and model -> calibration
+    counts: StoredTable = dataclasses.field(init=False)  # (model, tools, prefix hash) -> upstream count
+    tool_costs: StoredTable = dataclasses.field(init=False)  # (model, tools) -> upstream tokens
 
-    def remember(self, table: dict[Any, Any], model: Any, value: Any) -> None:
-        table.pop(model, None)
-        table[model] = value
-        while len(table) > CALIBRATION_MODELS:
-            table.pop(next(iter(table)))
+    def __post_init__(self) -> None:
+        self.summaries, self.stats = SummaryCache(self.store), ProxyStats(self.store)
+        for name in ("windows", "doubts", "answered", "factors", "counts", "tool_costs"):
+            setattr(self, name, StoredTable(self.store, name))
+
+    def remember(self, table: MutableMapping[Any, Any], model: Any, value: Any) -> None:
+        table[model] = value  # the newest last; the store bounds the table (STATE_TABLES)
 
     def factor(self, key: tuple[str | None, str]) -> float:
         """The calibration of a model's count on text of one class (:attr:`ChatRequest.calibration`); until that
@@ -10008,21 +10714,17 @@ class ProxyState:
         return None
 
     async def archive(self, original: list[dict[str, Any]], sent: list[dict[str, Any]], action: str) -> str | None:
-        """Append what ``sent`` no longer carries to the archive; the conversation's id, or None."""
+        """Keep what ``sent`` no longer carries in the store's archive; the conversation's id, or None."""
         if self.config.archive_dir is None:
             return None
-        conversation, folded = await anyio.to_thread.run_sync(lambda: (conversation_id(original),
-                                                                        folded_away(original, sent)))  # fmt: skip
-        try:
-            async with self.lock:
-                seen = self.archived.setdefault(conversation, set())
-                limits = {"max_bytes": self.config.archive_max_bytes, "max_days": self.config.archive_max_days}
-                write = functools.partial(archive_messages, self.config.archive_dir, conversation, folded, seen)
-                await anyio.to_thread.run_sync(functools.partial(write, action, **limits))
-        except OSError as exc:
-            log.warning("proxy: archive not written (%s)", exc)
-            return None
-        return conversation
+        entries = await anyio.to_thread.run_sync(archive_entries, original, sent, action)
+        limits = (self.config.archive_max_bytes, self.config.archive_max_days)
+        await anyio.to_thread.run_sync(self.store.archive, entries, *limits)
+        return conversation_id(original)
+
+    def degraded(self) -> str | None:
+        """Why the store configured is not the one answering now (it is unreachable), else None."""
+        return f"{self.store.name} unreachable ({self.store.down}): serving from memory" if self.store.down else None
 
 
 async def proxy_window(state: ProxyState, model: str | None, authorization: str | None) -> int | None:
@@ -10113,9 +10815,9 @@ async def upstream_count(
     remembered by message prefix: a request that extends one counted before costs no call while what it adds
     (``counts``: the messages' local counts, scaled) is under a quarter of the counted part."""
     chain, tools_print = span_hashes(messages), fingerprint(tools)
-    known = next((k for k in range(len(messages), 0, -1) if (model, tools_print, chain[k]) in state.counts), 0)
-    if known:
-        bare, cost, method = state.counts[model, tools_print, chain[known]]
+    k, found = state.counts.first([(model, tools_print, chain[k]) for k in range(len(messages), 0, -1)])
+    if found is not None:
+        (bare, cost, method), known = found, len(messages) - k
         added = sum(counts[known:])
         if added <= bare // 4:
             return bare + added, cost, method if not added else f"{method}, {added} added tokens estimated"
@@ -10386,10 +11088,11 @@ class ProxyFront:
     ``usage``) up to :data:`PROXY_BUFFER_BYTES`, and streamed beyond that. The proxy's own key never
     reaches a client."""
 
-    def __init__(self, config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: ProxyConfig, tokenizer: Tokenizer | None = None, store: Store | None = None) -> None:
         load_web()
         self.config = config
         self.tokenizer = tokenizer
+        self.store = store  # None: opened from the config while the app runs
         self.secrets = secret_forms(config.api_key)
         self.held: ProxyState | None = None  # set while the app runs (its lifespan)
 
@@ -10403,11 +11106,21 @@ class ProxyFront:
     async def lifespan(self, _: Any) -> AsyncIterator[None]:
         timeout = httpx2.Timeout(self.config.timeout, connect=10.0)
         limits = httpx2.Limits(max_connections=256, max_keepalive_connections=32)
-        async with httpx2.AsyncClient(timeout=timeout, limits=limits) as http:
-            tokenizer = self.tokenizer or resolve_tokenizer("auto")
-            self.held = ProxyState(self.config, http, tokenizer, self.config.policy, lock=anyio.Lock())
-            yield
-            self.held = None
+        config = self.config
+        store = self.store or await anyio.to_thread.run_sync(open_store, config.state, config.namespace)
+        log.info("proxy: what is learnt is kept in %s (namespace %s)", store.name, config.namespace)
+        if config.archive_dir is not None:
+            bounds = (config.archive_max_bytes, config.archive_max_days)
+            await anyio.to_thread.run_sync(import_jsonl_archive, store, config.archive_dir, *bounds)
+        try:
+            async with httpx2.AsyncClient(timeout=timeout, limits=limits) as http:
+                tokenizer = self.tokenizer or resolve_tokenizer("auto")
+                self.held = ProxyState(config, http, tokenizer, config.policy, store=store)
+                yield
+                self.held = None
+        finally:
+            if self.store is None:
+                store.close()
 
     def app(self) -> Starlette:
         methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -10420,12 +11133,18 @@ class ProxyFront:
         ]
         return Starlette(routes=routes, lifespan=self.lifespan)
 
+    def state_said(self) -> dict[str, str]:
+        """The ``x-context-shrink-state`` header while the store is unreachable (none otherwise)."""
+        return {"x-context-shrink-state": why} if (why := self.state.degraded()) else {}
+
     async def page(self, request: Request) -> Response:
         """The live page: it reads :meth:`stats` from the browser (with the token it was opened with)."""
         return HTMLResponse(LIVE_PAGE, headers=PAGE_HEADERS)
 
     async def stats(self, request: Request) -> Response:
-        return JSONResponse({**self.state.stats.snapshot(), "summarisers": self.state.summaries.report()})
+        st = self.state
+        state = {"store": st.store.name, "namespace": st.config.namespace, "degraded": st.degraded()}
+        return JSONResponse({**st.stats.snapshot(), "summarisers": st.summaries.report(), "state": state})
 
     async def metrics(self, request: Request) -> Response:
         try:
@@ -10593,7 +11312,7 @@ class ProxyFront:
         one can be made; else the reply for the client (the upstream's answer)."""
         st = self.state
         error = scrub_secrets(await self.read_whole(upstream), self.secrets)
-        said = {**self.reply_headers(upstream, decoded=True), "x-context-shrink": report.header()}
+        said = {**self.reply_headers(upstream, decoded=True), "x-context-shrink": report.header(), **self.state_said()}
         overflow = parse_overflow(error)
         if overflow is None:  # not about length
             return Response(error, upstream.status_code, headers=said)
@@ -10668,7 +11387,7 @@ class ProxyFront:
         st, model = self.state, model_of(body)
         if sent is not body and (conversation := await st.archive(body["messages"], sent["messages"], report.action)):
             report.conversation = conversation  # what was folded away stays on disk
-        extra = {"x-context-shrink": report.header()}
+        extra = {"x-context-shrink": report.header(), **self.state_said()}
         if upstream.status_code >= 400:
             error = scrub_secrets(await self.read_whole(upstream), self.secrets)
             report.refusals += parse_overflow(error) is not None
@@ -11018,6 +11737,8 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
             "ARCHIVE_MAX_BYTES", 1 << 20, 1 << 50, "archive_max_bytes", ("CONTEXT_SHRINK_",)
         ),
         "archive_max_days": read.integer("ARCHIVE_MAX_DAYS", 1, 36500, "archive_max_days", ("CONTEXT_SHRINK_",)),
+        "state": read.state("state"),
+        "namespace": read.namespace("namespace"),
         "header_timeout": read.seconds("HEADER_TIMEOUT", None, proxy),
         "body_timeout": read.seconds("BODY_TIMEOUT", None, proxy),
         "idle_timeout": read.seconds("IDLE_TIMEOUT", None, proxy),
@@ -11164,9 +11885,8 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
             "the upstream with the key it holds",
             config.host,
         )
-    announce = (
-        f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.base} (archive: {config.archive_dir or 'off'})"
-    )
+    archive = "on" if config.archive_dir is not None else "off"
+    announce = f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.base} (archive: {archive})"
     timeouts = (config.header_timeout, config.idle_timeout)
     serve_http(build_proxy(config, tokenizer), config.host, config.port, timeouts, announce)
 
@@ -11298,9 +12018,12 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
                        proxy=proxy, **given)  # fmt: skip
 
 
-def build_http(server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | None = None) -> Starlette:
+def build_http(
+    server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | None = None, store: Store | None = None
+) -> Starlette:
     """One ASGI app: ``GET /health``, the MCP streamable HTTP transport at ``/mcp`` (the SDK's, stateful or
-    stateless) and, with an upstream, the proxy everywhere else; behind :class:`HttpGuard`."""
+    stateless) and, with an upstream, the proxy everywhere else (keeping what it learns in ``store``, the
+    tools' too); behind :class:`HttpGuard`."""
     security = TransportSecuritySettings(enable_dns_rebinding_protection=False)  # HttpGuard checks Host and Origin
     mcp = server.streamable_http_app(
         stateless_http=config.stateless,
@@ -11308,7 +12031,7 @@ def build_http(server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | No
         host=config.host,
         max_request_body_size=config.max_body_bytes,  # the SDK's 4 MiB is a 2,000-message history
     )
-    front = ProxyFront(config.proxy, tokenizer) if config.proxy else None
+    front = ProxyFront(config.proxy, tokenizer, store) if config.proxy else None
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok", "version": __version__, "mcp": "/mcp", "proxy": front is not None})
@@ -11326,12 +12049,14 @@ def build_http(server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | No
     return Starlette(routes=routes, lifespan=lifespan, middleware=[guard])
 
 
-def run_serve(config: ServeConfig, server: MCPServer, tokenizer: Tokenizer | None = None) -> None:
+def run_serve(
+    config: ServeConfig, server: MCPServer, tokenizer: Tokenizer | None = None, store: Store | None = None
+) -> None:
     """Serve :func:`build_http` with uvicorn until interrupted."""
     proxy = f", proxy at /v1 -> {config.proxy.base}" if config.proxy else ""
     guard = "bearer token required" if config.token else "no token (this machine only)"
     announce = f"context-shrink serve {__version__}: MCP at http://{{}}/mcp{proxy}; {guard}"
-    app = build_http(server, config, tokenizer)
+    app = build_http(server, config, tokenizer, store)
     serve_http(app, config.host, config.port, (config.header_timeout, config.idle_timeout), announce)
 
 
@@ -11465,9 +12190,15 @@ def _proxy_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--window", help="the upstream's context window in tokens, or auto (default: discovered)")
     sub.add_argument("--summary-url", help="base URL of the summariser (default: the upstream)")
     sub.add_argument("--summary-model", help="summariser model (default: the request's model)")
-    sub.add_argument("--archive-dir", help="where folded-away messages go (default CONTEXT_SHRINK_ARCHIVE_DIR)")
+    sub.add_argument("--state", help="where what is learnt and archived is kept: memory, sqlite:PATH or "
+                     "redis://HOST:PORT/DB (default CONTEXT_SHRINK_STATE, else sqlite: in $XDG_STATE_HOME/"
+                     "context-shrink)")  # fmt: skip
+    sub.add_argument("--namespace", help="the deployment's name in the store (default CONTEXT_SHRINK_NAMESPACE, "
+                     "else default)")  # fmt: skip
+    sub.add_argument("--archive-dir", help="an earlier version's JSONL archive, imported once (default "
+                     "CONTEXT_SHRINK_ARCHIVE_DIR)")  # fmt: skip
     sub.add_argument("--archive-max-bytes", type=int, help="the archive's size limit (default 256 MiB)")
-    sub.add_argument("--archive-max-days", type=int, help="days an archive file is kept (default 30)")
+    sub.add_argument("--archive-max-days", type=int, help="days an archived message is kept (default 30)")
     sub.add_argument("--no-archive", action="store_true", help="keep no archive of folded-away messages")
     sub.add_argument("--max-body-bytes", help=f"request body cap (default {PROXY_MAX_BODY_BYTES})")
     sub.add_argument("--keep-last", help=f"newest messages always kept (default {DEFAULT_KEEP_LAST})")
@@ -11584,12 +12315,14 @@ def setup_logging(level: str) -> None:
 
 
 def _serve(served: ServeConfig, config: Config) -> int:
-    """``context-shrink serve``: the tools read what this process's proxy archives."""
-    if served.proxy is not None and served.proxy.archive_dir is not None:
-        config = dataclasses.replace(config, archive_dir=served.proxy.archive_dir)
+    """``context-shrink serve``: the tools search the store this process's proxy archives in (one store)."""
+    store = None
     try:
+        if served.proxy is not None:
+            store = open_store(served.proxy.state, served.proxy.namespace)
+            config = dataclasses.replace(config, state=served.proxy.state, namespace=served.proxy.namespace)
         tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
-        run_serve(served, build_server(config), tokenizer)
+        run_serve(served, build_server(config, store), tokenizer, store)
     except ContextShrinkError as exc:
         print(f"context-shrink serve: {exc}", file=sys.stderr)
         return 2
@@ -11597,6 +12330,9 @@ def _serve(served: ServeConfig, config: Config) -> int:
         print(f"context-shrink serve: cannot listen on {served.host}:{served.port}: {exc.strerror or exc}"
               " (--host, --port)", file=sys.stderr)  # fmt: skip
         return 2
+    finally:
+        if store is not None:
+            store.close()
     return 0
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import socket
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import context_shrink as cs  # noqa: E402
 
 LOCAL_SESSIONS = ROOT / "test" / "data"
+
+# Every proxy and server the suite starts keeps what it learns in its own memory, unless a test names a store:
+# the default (a SQLite file in the user's state folder) would carry one test's summaries into the next.
+os.environ["CONTEXT_SHRINK_STATE"] = "memory"
 
 
 def session_files() -> list[Path]:
@@ -69,4 +77,41 @@ def served_llama(model: Path, **options: Any) -> Iterator[str]:
     from tiny_llama import llama_server
 
     with llama_server(model, **options) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def redis_server(folder: Path) -> Iterator[str]:
+    """A real ``redis-server`` (Debian's package; ``.ci/run`` installs it) on a free port, nothing persisted;
+    yields its URL. Outside CI a machine without one skips, saying so."""
+    found = shutil.which("redis-server")
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must run the replica tests on a real redis-server: apt-get install redis-server")
+        pytest.skip("no redis-server on this machine (apt-get install redis-server)")
+    pytest.importorskip("redis", reason="the redis client (the redis extra) is not installed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [found, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
+               str(folder)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start (exit {process.poll()})")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A fresh real redis-server for one test."""
+    with redis_server(tmp_path) as url:
         yield url

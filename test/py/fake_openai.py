@@ -112,10 +112,11 @@ class FakeOpenAI:
         return JSONResponse({"input_tokens": self.count_prompt(body["messages"]) + self.count_tools(body)})
 
     async def chat(self, request: Request) -> Response:
+        raw = await request.body()
         body = await request.json()
         tokens = self.count_prompt(body["messages"]) + int(body.get("max_tokens") or 0)
         tokens += self.count_tools(body)
-        self.requests.append({"body": body, "tokens": tokens, "auth": request.headers.get("authorization")})
+        self.requests.append({"body": body, "tokens": tokens, "auth": request.headers.get("authorization"), "raw": raw})
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:

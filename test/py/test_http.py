@@ -137,10 +137,9 @@ def test_it_will_not_serve_beyond_this_machine_without_a_token(
 
 def test_v1_and_mcp_at_once_and_recall_reads_what_the_proxy_archived(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=6000, latency=0.2)
-    archive = tmp_path / "archive"
     histories = [chat_history(30, size=300)[: 21 + 2 * k] for k in range(4)]
-    with serve(fake) as upstream:
-        flags = ("serve", "--token", TOKEN, "--upstream", upstream, "--window", "6000", "--archive-dir", str(archive))
+    with serve(fake) as upstream:  # the store in memory: the tools find what the proxy archived in one process
+        flags = ("serve", "--token", TOKEN, "--upstream", upstream, "--window", "6000", "--state", "memory")
         with started(*flags, log=tmp_path / "log", env={"CONTEXT_SHRINK_ROOT": str(tmp_path)}) as base:
 
             def proxied(messages: list[dict[str, Any]]) -> httpx2.Response:
@@ -169,7 +168,7 @@ def test_v1_and_mcp_at_once_and_recall_reads_what_the_proxy_archived(tmp_path: P
     assert [m["message_count"] for m in measured] == [len(h) for h in histories]
     assert unauthorised.status_code == 401 and stats["totals"]["requests"] == len(replies)
     assert all(r["auth"] is None for r in fake.requests)  # this server's token never goes upstream
-    assert recalled["archive"] == str(archive) and histories[0][1] in [e["message"] for e in recalled["entries"]]
+    assert recalled["archive"] == "memory" and histories[0][1] in [e["message"] for e in recalled["entries"]]
     assert TOKEN not in (tmp_path / "log").read_text() and TOKEN not in json.dumps(recalled)
 
 

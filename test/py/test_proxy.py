@@ -5,7 +5,6 @@ llama.cpp server, driven by the official openai client, is in test_proxy_llama.p
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import socket
@@ -85,26 +84,9 @@ def test_usage_is_read_from_the_stream_tail() -> None:
     assert cs.usage_in_stream(b"data: [DONE]\n\n") is None
 
 
-def test_archive_round_trip_and_search(tmp_path: Path) -> None:
-    history = conversation(2, size=5)
-    seen: set[str] = set()
-    folded = list(enumerate(history[1:5], 1))
-    assert cs.archive_messages(tmp_path, "a" * 16, folded, seen, "trim") == 4
-    assert cs.archive_messages(tmp_path, "a" * 16, folded, set(), "trim") == 0  # each message once, on disk too
-    entries = cs.read_archive(tmp_path)
-    assert [e["message"] for e in entries] == history[1:5]
-    assert cs.search_archive(entries, "file_0.py", 5)[0]["message"] == history[1]
-    assert cs.search_archive(entries, entries[2]["id"], 5)[0]["message"] == history[3]
-    assert cs.search_archive(entries, "no such words", 5) == []
-    with pytest.raises(cs.ContextShrinkError, match="query"):
-        cs.search_archive(entries, "  ", 5)
-    with pytest.raises(cs.ContextShrinkError, match="conversation"):
-        cs.read_archive(tmp_path, "../etc")
-
-
 def args(**given: Any) -> argparse.Namespace:
     names = ("upstream", "host", "port", "window", "summary_url", "summary_model", "archive_dir", "max_body_bytes",
-             "keep_last", "max_summary_tokens", "timeout")  # fmt: skip
+             "keep_last", "max_summary_tokens", "timeout", "state", "namespace")  # fmt: skip
     return argparse.Namespace(**{**dict.fromkeys(names), "no_archive": False, **given})
 
 
@@ -173,12 +155,12 @@ def test_small_requests_pass_unchanged(tmp_path: Path) -> None:
 
 def test_over_the_window_compacts_then_reuses_the_summary(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=6000)
-    archive = tmp_path / "archive"
+    state = tmp_path / "state.sqlite3"
     history = chat_history(30, size=300)
     first = history[:25]  # ends on a user message
     second = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and next?"}]
     third = history[:33]  # four turns later: the cut has moved on
-    flags = ("--window", "6000", "--archive-dir", str(archive))
+    flags = ("--window", "6000", "--state", f"sqlite:{state}")
     key = {"Authorization": f"Bearer {SECRET}"}
     with serve(fake) as upstream, proxy(upstream, *flags, log=tmp_path / "log") as url:
         replies, calls = [], []
@@ -198,29 +180,16 @@ def test_over_the_window_compacts_then_reuses_the_summary(tmp_path: Path) -> Non
     assert all(r["auth"] == f"Bearer {SECRET}" for r in fake.requests)  # the client's key reaches the upstream
     log = (tmp_path / "log").read_text()
     assert "action=compact" in log and SECRET not in log
-    files = list(archive.glob("*.jsonl"))
-    assert len(files) == 1 and SECRET not in files[0].read_text()
-    entries = cs.read_archive(archive)
+    assert all(SECRET.encode() not in p.read_bytes() for p in tmp_path.glob("state.sqlite3*"))
+    store = cs.SqliteStore(state)
+    searched, entries = store.search("file_0.py", None, 100)
     assert history[1] in [e["message"] for e in entries]  # what was folded away is on disk, verbatim
-    assert len({e["hash"] for e in entries}) == len(entries)
-    # the MCP server reads the same setting the proxy's --archive-dir names: recall finds what it wrote
-    config = cs.Config.from_env({"CONTEXT_SHRINK_ARCHIVE_DIR": str(archive), "CONTEXT_SHRINK_ROOT": str(tmp_path)})
+    assert len({e["id"] for e in entries}) == len(entries) and searched >= len(entries)
+    store.close()
+    # the MCP server reads the same setting the proxy's --state names: recall finds what it wrote
+    config = cs.Config.from_env({"CONTEXT_SHRINK_STATE": f"sqlite:{state}", "CONTEXT_SHRINK_ROOT": str(tmp_path)})
     recalled = ok(run(call(cs.build_server(config), "recall_context", {"query": "file_0.py"})))
-    assert recalled["archive"] == str(archive) and history[1] in [e["message"] for e in recalled["entries"]]
-
-
-def test_recall_context_fetches_archived_messages(tmp_path: Path) -> None:
-    history = conversation(3, size=5)
-    cs.archive_messages(tmp_path, "b" * 16, list(enumerate(history[1:6], 1)), set(), "compact")
-    config = cs.Config.from_env({"CONTEXT_SHRINK_ARCHIVE_DIR": str(tmp_path), "CONTEXT_SHRINK_TOKENIZER": "tiktoken"})
-    server = cs.build_server(dataclasses.replace(config, root=tmp_path))
-    result = ok(run(call(server, "recall_context", {"query": "file_0.py"})))
-    assert result["found"] == 1 and result["entries"][0]["message"] == history[1]
-    assert result["entries"][0]["conversation"] == "b" * 16
-    by_id = ok(run(call(server, "recall_context", {"query": result["entries"][0]["id"]})))
-    assert by_id["entries"][0]["message"] == history[1]
-    bad = run(call(server, "recall_context", {"query": "x", "conversation": "../../etc/passwd"}))
-    assert bad.is_error and "conversation" in bad.content[0].text
+    assert recalled["archive"] == f"sqlite:{state}" and history[1] in [e["message"] for e in recalled["entries"]]
 
 
 def test_a_dead_summariser_falls_back_to_trimming(tmp_path: Path) -> None:

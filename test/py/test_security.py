@@ -275,42 +275,15 @@ def test_output_to_a_folder_writes_nothing_outside_the_root(tmp_path: Path) -> N
     assert reply.is_error and sorted(p.name for p in tmp_path.iterdir()) == ["root"]
 
 
-def test_the_archive_is_private(tmp_path: Path) -> None:
+def test_the_state_store_is_private(tmp_path: Path) -> None:
+    """The archive lives in the store: a new folder 0700, the file and its WAL files 0600 (test_state.py has the
+    store's bounds)."""
+    store = cs.SqliteStore(tmp_path / "state" / "state.sqlite3")
     history = conversation(3, size=5)
-    archive = tmp_path / "archive"
-    assert cs.archive_messages(archive, "c" * 16, list(enumerate(history[1:4], 1)), set(), "trim") == 3
-    assert stat.S_IMODE(archive.stat().st_mode) == 0o700
-    assert [stat.S_IMODE(p.stat().st_mode) for p in archive.iterdir()] == [0o600]
-
-
-def test_the_archive_rotates_without_losing_lines_and_recall_finds_rotated_ones(tmp_path: Path) -> None:
-    archive, seen = tmp_path / "archive", set[str]()
-    messages = [{"role": "user", "content": f"note {i}: look at zq{i}q " + "x" * 4000} for i in range(600)]
-    for start in range(0, 600, 20):  # 30 requests, each folding away 20 more messages
-        batch = list(enumerate(messages[start : start + 20], start))
-        assert cs.archive_messages(archive, "d" * 16, batch, seen, "trim", max_bytes=8 << 20) == 20
-    files = cs.archive_files(archive)
-    assert len(files) >= 3 and files[-1].name == "d" * 16 + ".jsonl"  # rotated, the live file last
-    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
-    entries = cs.read_archive(archive, "d" * 16)
-    assert [e["message"] for e in entries] == messages  # every line, once, in order, across the rotated files
-    assert cs.archive_messages(archive, "d" * 16, list(enumerate(messages)), set(), "trim") == 0  # seen on disk
-    config = cs.Config.from_env({"CONTEXT_SHRINK_ARCHIVE_DIR": str(archive), "CONTEXT_SHRINK_ROOT": str(tmp_path)})
-    recalled = ok(run(call(cs.build_server(config), "recall_context", {"query": "zq3q"})))
-    assert recalled["found"] == 1 and recalled["entries"][0]["message"] == messages[3]  # in the oldest file
-
-
-def test_the_archive_is_bounded_by_size_and_age(tmp_path: Path) -> None:
-    archive = tmp_path / "archive"
-    big = [{"role": "tool", "tool_call_id": "t", "content": "y" * 100_000}] * 1
-    for n in range(40):  # 40 conversations of ~100 KB each: 4 MB against a 1 MiB limit
-        cs.archive_messages(archive, f"{n:016x}", list(enumerate(big)), set(), "trim", max_bytes=1 << 20)
-    sizes = [p.stat().st_size for p in cs.archive_files(archive)]
-    assert sum(sizes) <= 1 << 20 and f"{39:016x}.jsonl" in [p.name for p in cs.archive_files(archive)]
-    old = cs.archive_files(archive)[0]
-    os.utime(old, (0, 0))  # not written since 1970
-    cs.archive_messages(archive, "e" * 16, list(enumerate(big)), set(), "trim", max_days=30)
-    assert not old.exists()
+    assert store.archive(cs.archive_entries(history, history[-1:], "trim"), 1 << 30, 30) == len(history) - 1
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "state").iterdir()} == {0o600}
+    store.close()
 
 
 @pytest.mark.parametrize(
