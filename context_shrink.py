@@ -29,9 +29,11 @@ the agents' stores are read and written in sections 12 and 13. Both front doors 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = [  # the public API: what the tests, the benchmarks and the examples use
+__all__ = [
+    # the public API: what the tests, the benchmarks and the examples use
     "AGENT_STORES",
     "ANCHOR_HEADING",
+    "ARCHIVE_FIELDS",
     "CALIBRATION_LIMITS",
     "CORE_TOOLS",
     "COUNT_METHODS",
@@ -64,6 +66,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "RESULT_ROLES",
     "SDK_NAMES",
     "SESSION_QUIET_SECONDS",
+    "STATE_TABLES",
     "SUMMARY_GROWTH",
     "SUMMARY_MARKER",
     "SUMMARY_PROMPT",
@@ -99,6 +102,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "HeaderDeadline",
     "JsonlStore",
     "Measured",
+    "MemoryStore",
     "OpenCodePart",
     "OpenCodeStore",
     "Overflow",
@@ -107,12 +111,16 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "ProxyReport",
     "ProxyState",
     "PruneOptions",
+    "RedisStore",
     "ReplayMemo",
     "Reply",
     "Rungs",
     "SessionChanges",
     "Settings",
     "SpanSummary",
+    "SqliteStore",
+    "Store",
+    "StoredTable",
     "StrictTool",
     "Summariser",
     "SummaryCache",
@@ -123,6 +131,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "anchor_summary",
     "anchored_in",
     "api_problems",
+    "archive_entries",
     "archive_files",
     "assistant_message",
     "bound_listener",
@@ -143,6 +152,7 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "count_messages",
     "count_tools",
     "dedupe_lines",
+    "default_state_path",
     "diet_marker",
     "diet_results",
     "dieted_text",
@@ -172,11 +182,13 @@ __all__ = [  # the public API: what the tests, the benchmarks and the examples u
     "lowlevel_server",
     "main",
     "measure",
+    "message_hash",
     "message_ids",
     "message_kind",
     "messages_body",
     "messages_view",
     "model_of",
+    "open_store",
     "options_of",
     "parse_overflow",
     "parse_tokenizer_spec",
@@ -4810,8 +4822,9 @@ class Store(Protocol):
 
 class StoredTable(MutableMapping[Any, Any]):
     """One table of a store seen as a mapping: keys of any JSON shape (tuples come back as tuples), values as
-    JSON keeps them (a tuple comes back as a list). Every read goes to the store: a replica sees what another
-    learnt. ``first`` finds the first of several keys present in one read."""
+    JSON keeps them (a tuple comes back as a list; None is never a value: it reads as absent). Every read goes
+    to the store: a replica sees what another learnt. ``first`` finds the first of several keys present in one
+    read."""
 
     def __init__(self, store: Store, table: str) -> None:
         self.store, self.table = store, table
@@ -4830,6 +4843,8 @@ class StoredTable(MutableMapping[Any, Any]):
         return self.store.get(self.table, state_key(key)) is not None
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if value is None:  # it would read as absent
+            raise ValueError(f"{self.table}: None is not a value a store keeps")
         self.store.put(self.table, state_key(key), value)
 
     def __delitem__(self, key: Any) -> None:
@@ -7499,7 +7514,8 @@ class RedisStore:
         script on the server; ``at``: when the value dates from (now, unless given)."""
         most, size, days = bounds or (*STATE_TABLES[table], STATE_MAX_DAYS)
         now = time.time()
-        args = [key, value, now, most, size, days * 86400, mode, now if at is None else at]
+        score = now if at is None or at >= now - 1 else at  # to the microsecond: the order of writes, not a tie
+        args = [key, value, now, most, size, days * 86400, mode, score]
         return int(self.write(keys=self._keys(table), args=args))
 
     def get(self, table: str, key: str) -> Any:
@@ -10756,7 +10772,7 @@ async def proxy_summariser(
     if config.summary_url:
         key = f"summariser {url} {model}"
         if key not in state.windows:  # probed once, whatever the answer
-            found = None
+            found = 0  # none found
             try:
                 found = (await backend.context_window(model))[0]
             except BackendError as exc:  # no server answers: backed off at once, no request waits on retries

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +26,17 @@ import context_shrink as cs  # noqa: E402
 LOCAL_SESSIONS = ROOT / "test" / "data"
 
 # Every proxy and server the suite starts keeps what it learns in its own memory, unless a test names a store:
-# the default (a SQLite file in the user's state folder) would carry one test's summaries into the next.
+# the default (a SQLite file in the user's state folder) would carry one test's summaries into the next. The
+# state folder is a temporary one, and the session fails if anything used the default store in it.
 os.environ["CONTEXT_SHRINK_STATE"] = "memory"
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="context-shrink-state-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_default_store() -> Iterator[None]:
+    yield
+    leaked = cs.default_state_path()
+    assert not leaked.exists(), f"a test used the default store ({leaked}): give it --state or state='memory'"
 
 
 def session_files() -> list[Path]:

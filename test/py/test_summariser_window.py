@@ -97,7 +97,7 @@ def test_the_proxy_compacts_without_overflowing_the_summariser(
 ) -> None:
     if not counting:
         no_counting(monkeypatch)
-    settings = cs.ProxyConfig(upstream=llama_2k, archive_dir=None)
+    settings = cs.ProxyConfig(upstream=llama_2k, archive_dir=None, state="memory")
     app = cs.build_proxy(settings, cs.resolve_tokenizer("tiktoken:cl100k_base"))
     refusals(capfd)
     with serve(types.SimpleNamespace(app=app)) as url:  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ class Recorder:
 
 @contextlib.contextmanager
 def proxied(upstream: str, **settings: Any) -> Iterator[str]:
-    config = cs.ProxyConfig(upstream=upstream, archive_dir=None, **settings)
+    config = cs.ProxyConfig(upstream=upstream, archive_dir=None, **{"state": "memory", **settings})
     app = cs.build_proxy(config, cs.resolve_tokenizer("tiktoken:cl100k_base"))
     with serve(types.SimpleNamespace(app=app)) as url:
         yield url
