@@ -4762,12 +4762,13 @@ def compact_messages(
     }
 
 
-# --- what is learnt, kept in a store: the protocol, its tables, the memory store, the archive's query ----------
+# --- what is learnt, kept in tables: their protocol, the mapping the core reads, the tables in memory -----------
 # The proxy's learning (summaries by span, windows and calibration by model, exact counts by prefix, tool costs,
-# stats) and its archive live in one :class:`Store`: ``memory`` here; SQLite (the default, a file that survives
-# a restart) and Redis (shared by replicas) in section 12. Every table is bounded by entries, bytes and age;
-# every key is namespaced by the deployment. What the core reads and writes is a :class:`StoredTable`, a
-# mapping over one table, so that the code that learns is the same whichever store holds what it learnt.
+# stats) lives in the tables of a store: in memory here; the stores of section 12 (SQLite, the default, a file
+# that survives a restart; Redis, shared by replicas) keep them, and the archive, outside the process. Every
+# table is bounded by entries, bytes and age; every key is namespaced by the deployment. What the core reads and
+# writes is a :class:`StoredTable`, a mapping over one table, so that the code that learns is the same whichever
+# store holds what it learnt.
 
 STATE_TABLES: dict[str, tuple[int, int]] = {  # table -> (the most entries, the most bytes); all: STATE_MAX_DAYS
     "spans": (512, 16_000_000),  # (summariser settings, span hash) -> summary
@@ -4797,15 +4798,9 @@ def _thawed(value: Any) -> Any:
     return tuple(_thawed(v) for v in value) if isinstance(value, list) else value
 
 
-class Store(Protocol):
-    """Where what is learnt is kept. ``name`` says which (never a password); ``errors`` are what its failures
-    raise (the proxy falls back to memory on them). Tables (:data:`STATE_TABLES`) hold JSON values by text key,
-    oldest written first; ``add`` adds counters to a value atomically; ``claim``/``release`` hold a lease;
-    ``archive``/``search`` keep and find folded-away messages (:func:`archive_terms`)."""
-
-    name: str
-    errors: tuple[type[BaseException], ...]
-    down: str | None  # why the store configured is not answering (its stand-in is), else None
+class Tables(Protocol):
+    """Tables of JSON values by text key (:data:`STATE_TABLES`), oldest written first, each bounded; ``add`` adds
+    counters to a value atomically; ``claim``/``release`` hold a lease that lapses after ``seconds``."""
 
     def get(self, table: str, key: str) -> Any: ...
     def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]: ...
@@ -4815,9 +4810,6 @@ class Store(Protocol):
     def add(self, table: str, key: str, counts: Mapping[str, float]) -> None: ...
     def claim(self, key: str, seconds: float) -> bool: ...
     def release(self, key: str) -> None: ...
-    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int: ...
-    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]: ...
-    def close(self) -> None: ...
 
 
 class StoredTable(MutableMapping[Any, Any]):
@@ -4826,7 +4818,7 @@ class StoredTable(MutableMapping[Any, Any]):
     to the store: a replica sees what another learnt. ``first`` finds the first of several keys present in one
     read."""
 
-    def __init__(self, store: Store, table: str) -> None:
+    def __init__(self, store: Tables, table: str) -> None:
         self.store, self.table = store, table
 
     def __getitem__(self, key: Any) -> Any:
@@ -4869,86 +4861,13 @@ class StoredTable(MutableMapping[Any, Any]):
         return self.store.first(self.table, [state_key(k) for k in keys])
 
 
-# The archive's query, the same on every store: words (every one must be there), "a phrase" (its words in a
-# row), word* (a prefix); matched on the text's words (letters and digits, case and Latin diacritics folded),
-# ranked by BM25 as SQLite's FTS5 ranks (k1 1.2, b 0.75, over the whole archive), then newest first; an entry
-# id (or the start of one, six hex digits or more) finds that entry.
-BM25_K1, BM25_B = 1.2, 0.75
+class MemoryTables:
+    """Tables in this process's memory, kept as the other stores keep them (JSON text), bounded like them."""
 
-
-def archive_words(text: str) -> list[str]:
-    """A text's words as the archive indexes them: letters and digits, case folded, Latin diacritics dropped."""
-    folded = unicodedata.normalize("NFKD", text.casefold())
-    return re.findall(r"[^\W_]+", "".join(c for c in folded if not unicodedata.combining(c)))
-
-
-def archive_terms(query: str) -> list[tuple[tuple[str, ...], bool]]:
-    """A query's terms: each a phrase (its words) and whether its last word is a prefix. A clear error when
-    it holds no word."""
-    terms = []
-    for quoted, star, bare in re.findall(r'"([^"]*)"(\*?)|(\S+)', query):
-        if words := tuple(archive_words(quoted or bare)):
-            terms.append((words, bool(star) if quoted else bare.endswith("*")))
-    if not terms:
-        raise ContextShrinkError("query must hold a word, a phrase or an id from the archive")
-    return terms
-
-
-def archive_text(message: Mapping[str, Any]) -> str:
-    """What the archive indexes of a message: its role, text, and tool calls' names and arguments."""
-    calls = [f"{(c.get('function') or {}).get('name')} {(c.get('function') or {}).get('arguments')}"
-             for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]  # fmt: skip
-    return "\n".join([str(message.get("role")), _plain_content(message.get("content")), *calls])
-
-
-def term_frequency(words: Sequence[str], term: tuple[tuple[str, ...], bool]) -> int:
-    """How often the phrase ``term`` occurs in ``words``."""
-    phrase, prefix = term
-    n, last = len(phrase), len(phrase) - 1
-    return sum(
-        1 for i in range(len(words) - n + 1)
-        if words[i : i + last] == list(phrase[:last])
-        and (words[i + last].startswith(phrase[last]) if prefix else words[i + last] == phrase[last])
-    )  # fmt: skip
-
-
-def bm25_ranked(
-    docs: Sequence[tuple[Mapping[str, Any], list[str]]], terms: Sequence[tuple[tuple[str, ...], bool]]
-) -> list[tuple[float, Mapping[str, Any]]]:
-    """The entries (with their words) holding every term, by FTS5's BM25 over all of ``docs`` (lower is better)."""
-    rows, total = len(docs), sum(len(w) for _, w in docs)
-    avgdl = total / rows if rows else 1.0
-    freqs = [[term_frequency(words, t) for t in terms] for _, words in docs]
-    hits = [sum(1 for f in freqs if f[k]) for k in range(len(terms))]
-    idf = [math.log((rows - h + 0.5) / (h + 0.5)) for h in hits]
-    idf = [x if x > 0.0 else 1e-6 for x in idf]  # as FTS5 does
-    ranked = []
-    for (entry, words), f in zip(docs, freqs, strict=True):
-        if all(f):
-            score, size = 0.0, float(len(words))
-            for k in range(len(terms)):  # FTS5's bm25(), term for term
-                score += idf[k] * (f[k] * (BM25_K1 + 1.0)) / (f[k] + BM25_K1 * (1 - BM25_B + BM25_B * size / avgdl))
-            ranked.append((-1.0 * score, entry))
-    return ranked
-
-
-def is_entry_id(query: str) -> bool:
-    return re.fullmatch(r"[0-9a-f]{6,64}", query.strip()) is not None
-
-
-class MemoryStore:
-    """The store in this process's memory: what ``--state memory`` keeps, and the stand-in while a store is
-    unreachable. Bounded like the others."""
-
-    errors: tuple[type[BaseException], ...] = ()
-    down: str | None = None
-
-    def __init__(self, name: str = "memory") -> None:
-        self.name = name
+    def __init__(self) -> None:
         self.tables: dict[str, dict[str, tuple[str, float, int]]] = {t: {} for t in STATE_TABLES}  # JSON, when, size
         self.sizes = dict.fromkeys(STATE_TABLES, 0)
         self.leases: dict[str, float] = {}
-        self.entries: dict[tuple[str, str], dict[str, Any]] = {}  # (conversation, hash) -> entry, oldest first
         self.held = threading.Lock()
 
     def get(self, table: str, key: str) -> Any:
@@ -4994,50 +4913,6 @@ class MemoryStore:
 
     def release(self, key: str) -> None:
         self.leases.pop(key, None)
-
-    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
-        with self.held:
-            new = [e for e in entries if (e["conversation"], e["hash"]) not in self.entries]
-            for entry in new:
-                self.entries[entry["conversation"], entry["hash"]] = {**entry, "words": archive_words(
-                    archive_text(entry["message"]))}  # fmt: skip
-            cutoff, size = time.time() - max_days * 86400, sum(e["size"] for e in self.entries.values())
-            for key, entry in list(self.entries.items()):
-                if entry["time"] < cutoff or size > max_bytes:
-                    size -= self.entries.pop(key)["size"]
-        return len(new)
-
-    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
-        entries = list(self.entries.values())
-        return searched(entries, query, conversation, limit)
-
-    def close(self) -> None:
-        pass
-
-
-def searched(
-    entries: Sequence[Mapping[str, Any]], query: str, conversation: str | None, limit: int
-) -> tuple[int, list[dict[str, Any]]]:
-    """The archive's query (see :func:`archive_terms`) over ``entries`` (oldest first, each with its ``words``):
-    how many were searched, and the best ``limit``, without their words."""
-    mine = [e for e in entries if conversation is None or e["conversation"] == conversation]
-    if is_entry_id(query):
-        hits = [e for e in reversed(mine) if str(e.get("id", "")).startswith(query.strip())]
-        if hits:
-            return len(mine), [_entry_out(e) for e in hits[:limit]]
-    terms = archive_terms(query)
-    order = {id(e): k for k, e in enumerate(entries)}
-    ranked = bm25_ranked([(e, e["words"]) for e in entries], terms)
-    ranked = [(s, e) for s, e in ranked if conversation is None or e["conversation"] == conversation]
-    ranked.sort(key=lambda r: (r[0], -r[1]["time"], -order[id(r[1])]))
-    return len(mine), [_entry_out(e) for _, e in ranked[:limit]]
-
-
-ARCHIVE_FIELDS = ("id", "conversation", "index", "action", "time", "message")
-
-
-def _entry_out(entry: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: entry.get(k) for k in ARCHIVE_FIELDS}
 
 
 # --- one summary of a span, for every front door: cache, fold, count in the summariser's tokens, anchor --------
@@ -5085,7 +4960,7 @@ class SummaryCache:
     process on the same store reads them: a restart or a replica makes no call this one made); and, in this
     process, every reply (by request) and each summariser's health (calls, failures, when it last failed)."""
 
-    store: Store = dataclasses.field(default_factory=MemoryStore)
+    store: Tables = dataclasses.field(default_factory=MemoryTables)
     replies: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # summariser -> key -> reply
     health: dict[str, Health] = dataclasses.field(default_factory=dict)  # summariser -> how it fared
     clock: Callable[[], float] = time.monotonic
@@ -7235,10 +7110,24 @@ def read_archive(directory: Path, conversation: str | None = None) -> list[dict[
     return entries
 
 
-# --- the state store on disk and on Redis: what the proxy learnt, across restarts and replicas ----------------
+# --- the state store: what the proxy learnt, across restarts and replicas, and the archive's index ------------
 
 STATE_RETRY_SECONDS = 5.0  # how often an unreachable store is tried again
-ARCHIVE_SEARCH_WORDS = 200_000  # archived messages whose words a Redis store keeps read in this process
+
+
+class Store(Tables, Protocol):
+    """Where what is learnt is kept: its :class:`Tables`, and the archive of folded-away messages. ``name`` says
+    which store (never a password); ``errors``, what its failures raise (the proxy falls back to memory on them);
+    ``down``, why the store configured is not the one answering (else None). ``archive`` keeps each message once;
+    ``search`` answers the archive's query (:func:`archive_terms`) the same on every store: FTS5's."""
+
+    name: str
+    errors: tuple[type[BaseException], ...]
+    down: str | None
+
+    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int: ...
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]: ...
+    def close(self) -> None: ...
 
 
 def default_state_path(environ: Mapping[str, str] | None = None) -> Path:
@@ -7261,7 +7150,52 @@ def archive_entries(
     return list(entries.values())
 
 
-FTS_SCHEMA = """
+# The archive's query, the same on every store (each answers it with SQLite's FTS5): words (every one must be
+# there), "a phrase" (its words in a row), word* (a prefix); matched on the text's words (letters and digits,
+# case and Latin diacritics folded), ranked by BM25 over the whole archive, then newest first; an entry id (or
+# the start of one, six hex digits or more) finds that entry.
+ARCHIVE_FIELDS = ("id", "conversation", "index", "action", "time", "message")
+
+
+def archive_words(text: str) -> list[str]:
+    """A text's words as the archive indexes them: letters and digits, case folded, Latin diacritics dropped."""
+    folded = unicodedata.normalize("NFKD", text.casefold())
+    return re.findall(r"[^\W_]+", "".join(c for c in folded if not unicodedata.combining(c)))
+
+
+def archive_terms(query: str) -> list[tuple[tuple[str, ...], bool]]:
+    """A query's terms: each a phrase (its words) and whether its last word is a prefix. A clear error when
+    it holds no word."""
+    terms = []
+    for quoted, star, bare in re.findall(r'"([^"]*)"(\*?)|(\S+)', query):
+        if words := tuple(archive_words(quoted or bare)):
+            terms.append((words, bool(star) if quoted else bare.endswith("*")))
+    if not terms:
+        raise ContextShrinkError("query must hold a word, a phrase or an id from the archive")
+    return terms
+
+
+def fts_query(query: str) -> str:
+    """The query as FTS5 reads it: each term a quoted phrase (its words only: nothing in it is FTS5 syntax)."""
+    return " AND ".join('"' + " ".join(w) + '"' + ("*" if prefix else "") for w, prefix in archive_terms(query))
+
+
+def archive_text(message: Mapping[str, Any]) -> str:
+    """What the archive indexes of a message: its role, text, and tool calls' names and arguments."""
+    calls = [f"{(c.get('function') or {}).get('name')} {(c.get('function') or {}).get('arguments')}"
+             for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]  # fmt: skip
+    return "\n".join([str(message.get("role")), _plain_content(message.get("content")), *calls])
+
+
+def is_entry_id(query: str) -> bool:
+    return re.fullmatch(r"[0-9a-f]{6,64}", query.strip()) is not None
+
+
+def _entry_out(entry: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: entry.get(k) for k in ARCHIVE_FIELDS}
+
+
+STATE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (ns TEXT NOT NULL, tbl TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL,
   size INTEGER NOT NULL, at REAL NOT NULL, PRIMARY KEY (ns, tbl, key)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS kv_at ON kv (ns, tbl, at, size);
@@ -7270,36 +7204,37 @@ CREATE TABLE IF NOT EXISTS lease (ns TEXT NOT NULL, key TEXT NOT NULL, owner TEX
 CREATE TABLE IF NOT EXISTS archive (id INTEGER PRIMARY KEY, ns TEXT NOT NULL, conversation TEXT NOT NULL,
   hash TEXT NOT NULL, time REAL NOT NULL, size INTEGER NOT NULL, entry TEXT NOT NULL, UNIQUE (ns, conversation, hash));
 CREATE INDEX IF NOT EXISTS archive_time ON archive (ns, time);
+CREATE INDEX IF NOT EXISTS archive_hash ON archive (ns, hash);
 """
 
 
 class SqliteStore:
-    """The store in one SQLite file (``--state sqlite:PATH``, the default): private (a new folder 0700, the file
-    0600), WAL mode so several processes on one machine share it, every row namespaced. The archive is an
-    FTS5 index of each message's words (BM25, phrases, prefixes: :func:`archive_terms`)."""
+    """The store in one SQLite file (``--state sqlite:PATH``, the default), or in memory (``path`` None): a file
+    is private (a new folder 0700, the file 0600), in WAL mode so several processes on one machine share it;
+    every row namespaced. The archive is an FTS5 index of each message's words per namespace (BM25, phrases,
+    prefixes: :func:`archive_terms`)."""
 
     errors: tuple[type[BaseException], ...] = (sqlite3.Error, OSError)
     down: str | None = None
 
-    def __init__(self, path: Path, namespace: str = "default") -> None:
-        self.name, self.ns, self.owner = f"sqlite:{path}", namespace, uuid_module.uuid4().hex
+    def __init__(self, path: Path | None, namespace: str = "default") -> None:
+        self.name, self.ns, self.owner = f"sqlite:{path or ':memory:'}", namespace, uuid_module.uuid4().hex
         self.fts = "fts_" + hashlib.sha256(namespace.encode()).hexdigest()[:16]  # BM25 over this namespace only
-        if not path.parent.exists():
-            path.parent.mkdir(mode=0o700, parents=True)
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # created private before SQLite opens it
+        if path is not None:
+            if not path.parent.exists():
+                path.parent.mkdir(mode=0o700, parents=True)
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # created private before SQLite opens it
         self.held = threading.Lock()
-        self.db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        self.db = sqlite3.connect(path or ":memory:", timeout=30, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(FTS_SCHEMA + f"CREATE VIRTUAL TABLE IF NOT EXISTS {self.fts} USING fts5(words, "
+        self.db.executescript(STATE_SCHEMA + f"CREATE VIRTUAL TABLE IF NOT EXISTS {self.fts} USING fts5(words, "
                               "conversation UNINDEXED, tokenize='unicode61 remove_diacritics 0');")  # fmt: skip
 
-    def _one(self, sql: str, *args: Any) -> Any:
-        with self.held:
-            return self.db.execute(sql, args).fetchone()
-
     def get(self, table: str, key: str) -> Any:
-        row = self._one("SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?", self.ns, table, key)
+        with self.held:
+            sql = "SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?"
+            row = self.db.execute(sql, (self.ns, table, key)).fetchone()
         return None if row is None else json.loads(row[0])
 
     def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
@@ -7343,23 +7278,29 @@ class SqliteStore:
             rows = self.db.execute("SELECT key, value FROM kv WHERE ns = ? AND tbl = ? ORDER BY at", (self.ns, table))
             return [(k, json.loads(v)) for k, v in rows]
 
-    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One transaction that takes the write lock first (across processes: one writer at a time)."""
         with self.held:
-            self.db.execute("BEGIN IMMEDIATE")  # one writer at a time, across processes
+            self.db.execute("BEGIN IMMEDIATE")
             try:
-                row = self.db.execute("SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?",
-                                      (self.ns, table, key)).fetchone()  # fmt: skip
-                value = json.loads(row[0]) if row else {}
-                for name, n in counts.items():
-                    value[name] = value.get(name, 0) + n
-                text, now = json.dumps(value), time.time()
-                self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)",
-                                (self.ns, table, key, text, len(text), now))  # fmt: skip
-                self._bound(table, now)
-                self.db.execute("COMMIT")
+                yield self.db
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
+            self.db.execute("COMMIT")
+
+    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
+        with self._writing() as db:
+            row = db.execute("SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?", (self.ns, table,
+                                                                                         key)).fetchone()  # fmt: skip
+            value = json.loads(row[0]) if row else {}
+            for name, n in counts.items():
+                value[name] = value.get(name, 0) + n
+            text, now = json.dumps(value), time.time()
+            db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)", (self.ns, table, key, text, len(text),
+                                                                              now))  # fmt: skip
+            self._bound(table, now)
 
     def claim(self, key: str, seconds: float) -> bool:
         now = time.time()
@@ -7377,70 +7318,104 @@ class SqliteStore:
 
     def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
         written = 0
-        with self.held:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                for e in entries:
-                    cursor = self.db.execute(
-                        "INSERT OR IGNORE INTO archive (ns, conversation, hash, time, size, entry) "
-                        "VALUES (?, ?, ?, ?, ?, ?)",
-                        (self.ns, e["conversation"], e["hash"], e["time"], e["size"],
-                         json.dumps(e, ensure_ascii=False, default=str)))  # fmt: skip
-                    if cursor.rowcount == 1:
-                        written += 1
-                        self.db.execute(f"INSERT INTO {self.fts} (rowid, words, conversation) VALUES (?, ?, ?)",
-                                        (cursor.lastrowid, " ".join(archive_words(archive_text(e["message"]))),
-                                         e["conversation"]))  # fmt: skip
-                self._prune(max_bytes, time.time() - max_days * 86400)
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
+        with self._writing() as db:
+            for e in entries:
+                kept = {k: v for k, v in e.items() if k != "words"}
+                text = json.dumps(kept, ensure_ascii=False, default=str)
+                cursor = db.execute("INSERT OR IGNORE INTO archive (ns, conversation, hash, time, size, entry) VALUES "
+                                    "(?, ?, ?, ?, ?, ?)", (self.ns, e["conversation"], e["hash"], e["time"], e["size"],
+                                                           text))  # fmt: skip
+                if cursor.rowcount == 1:
+                    written += 1
+                    words = e.get("words") or archive_words(archive_text(e["message"]))
+                    db.execute(f"INSERT INTO {self.fts} (rowid, words, conversation) VALUES (?, ?, ?)",
+                               (cursor.lastrowid, " ".join(words), e["conversation"]))  # fmt: skip
+            self._prune(max_bytes, time.time() - max_days * 86400)
         return written
 
     def _prune(self, max_bytes: int, cutoff: float) -> None:
+        """The archive's messages older than ``cutoff`` removed, then the oldest while it is over ``max_bytes``."""
         old = [r[0] for r in self.db.execute("SELECT id FROM archive WHERE ns = ? AND time < ?", (self.ns, cutoff))]
+        self._remove(old)
         (total,) = self.db.execute("SELECT total(size) FROM archive WHERE ns = ?", (self.ns,)).fetchone()
-        total -= sum(r[0] for r in self.db.execute(
-            f"SELECT size FROM archive WHERE id IN ({','.join('?' * len(old))})", old)) if old else 0  # fmt: skip
+        over = []
         if total > max_bytes:
-            for row_id, size in self.db.execute("SELECT id, size FROM archive WHERE ns = ? AND time >= ? ORDER BY "
-                                                "time, id", (self.ns, cutoff)).fetchall():  # fmt: skip
+            for row_id, size in self.db.execute("SELECT id, size FROM archive WHERE ns = ? ORDER BY time, id",
+                                                (self.ns,)).fetchall():  # fmt: skip
                 if total <= max_bytes:
                     break
-                old.append(row_id)
+                over.append(row_id)
                 total -= size
-        for row_id in old:
-            self.db.execute("DELETE FROM archive WHERE id = ?", (row_id,))
-            self.db.execute(f"DELETE FROM {self.fts} WHERE rowid = ?", (row_id,))
-        if old:
-            log.info("archive: removed %d old message(s) to stay within %d bytes and its age", len(old), max_bytes)
+        self._remove(over)
+        if old or over:
+            log.info("archive: removed %d old message(s) to stay within %d bytes and its age", len(old) + len(over),
+                     max_bytes)  # fmt: skip
 
-    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
+    def _remove(self, ids: Sequence[int]) -> None:
+        self.db.executemany("DELETE FROM archive WHERE id = ?", [(i,) for i in ids])
+        self.db.executemany(f"DELETE FROM {self.fts} WHERE rowid = ?", [(i,) for i in ids])
+
+    def archived(self) -> list[tuple[str, str]]:
+        """Every archived message's ``(conversation, hash)``."""
+        with self.held:
+            return self.db.execute("SELECT conversation, hash FROM archive WHERE ns = ?", (self.ns,)).fetchall()
+
+    def forget(self, keys: Sequence[tuple[str, str]]) -> None:
+        """The archived messages of these ``(conversation, hash)`` removed."""
+        with self._writing() as db:
+            ids = [r[0] for c, h in keys for r in db.execute("SELECT id FROM archive WHERE ns = ? AND conversation = "
+                                                             "? AND hash = ?", (self.ns, c, h))]  # fmt: skip
+            self._remove(ids)
+
+    def found(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """How many messages were searched, and the best ``limit`` entries as archived."""
         mine = "" if conversation is None else " AND conversation = ?"
         scope = (self.ns,) if conversation is None else (self.ns, conversation)
         with self.held:
             (searched,) = self.db.execute(f"SELECT count(*) FROM archive WHERE ns = ?{mine}", scope).fetchone()
             if is_entry_id(query):
-                sql = (
-                    f"SELECT entry FROM archive WHERE ns = ?{mine} AND hash LIKE ? ORDER BY time DESC, id DESC LIMIT ?"
-                )
-                rows = self.db.execute(sql, (*scope, query.strip() + "%", limit)).fetchall()
+                start = query.strip()
+                rows = self.db.execute(f"SELECT entry FROM archive WHERE ns = ?{mine} AND hash >= ? AND hash < ? "
+                                       "ORDER BY time DESC, id DESC LIMIT ?", (*scope, start, start + "g",
+                                                                              limit)).fetchall()  # fmt: skip
                 if rows:
-                    return searched, [_entry_out(json.loads(r[0])) for r in rows]
-            match = " AND ".join('"' + " ".join(words) + '"' + ("*" if prefix else "") for words, prefix in
-                                 archive_terms(query))  # fmt: skip
+                    return searched, [json.loads(r[0]) for r in rows]
             rows = self.db.execute(
                 f"SELECT a.entry FROM {self.fts} f JOIN archive a ON a.id = f.rowid WHERE {self.fts} MATCH ?"
                 + ("" if conversation is None else " AND f.conversation = ?")
                 + " ORDER BY f.rank, a.time DESC, a.id DESC LIMIT ?",
-                (match, *scope[1:], limit),
+                (fts_query(query), *scope[1:], limit),
             ).fetchall()
-        return searched, [_entry_out(json.loads(r[0])) for r in rows]
+        return searched, [json.loads(r[0]) for r in rows]
+
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        searched, entries = self.found(query, conversation, limit)
+        return searched, [_entry_out(e) for e in entries]
 
     def close(self) -> None:
         with self.held:
             self.db.close()
+
+
+class MemoryStore(MemoryTables):
+    """The store in this process's memory (``--state memory``, and the stand-in while a store is unreachable):
+    its tables, and the archive in an SQLite database in memory. Nothing on disk; gone when the process ends."""
+
+    errors: tuple[type[BaseException], ...] = ()
+    down: str | None = None
+
+    def __init__(self, name: str = "memory") -> None:
+        super().__init__()
+        self.name, self.index = name, SqliteStore(None)
+
+    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
+        return self.index.archive(entries, max_bytes, max_days)
+
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        return self.index.search(query, conversation, limit)
+
+    def close(self) -> None:
+        self.index.close()
 
 
 def store_errors() -> tuple[type[BaseException], ...]:
@@ -7449,14 +7424,21 @@ def store_errors() -> tuple[type[BaseException], ...]:
     return (sqlite3.Error, OSError, *((redis.RedisError,) if redis is not None else ()))
 
 
+# One write to a table on the server, and the table bounded, atomically. KEYS: the table's values (a hash), when
+# each was written (a sorted set), their sizes (a hash, '#' their total); ARGV: key, value, now, the most entries,
+# bytes and seconds, the mode (put, add, del; new: unless there), the score. The archive's new keys also get a
+# sequence number (<values>#q, from <values>#n): what a replica's index has not read yet.
 REDIS_WRITE = """
 local t, z, s = KEYS[1], KEYS[2], KEYS[3]
 local key, value, now, most, bytes, age, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]),
   tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
 local was = tonumber(redis.call('HGET', s, key) or '0')
+local function drop(k)
+  redis.call('HDEL', t, k); redis.call('HDEL', s, k); redis.call('ZREM', z, k); redis.call('ZREM', t .. '#q', k)
+end
 if mode == 'new' and redis.call('HEXISTS', t, key) == 1 then return 0 end
 if mode == 'del' then
-  redis.call('HDEL', t, key); redis.call('HDEL', s, key); redis.call('ZREM', z, key)
+  drop(key)
   redis.call('HINCRBY', s, '#', -was)
   return 1
 end
@@ -7467,25 +7449,28 @@ if mode == 'add' then
   value = cjson.encode(v)
 end
 redis.call('HSET', t, key, value); redis.call('HSET', s, key, string.len(value))
-redis.call('ZADD', z, tonumber(ARGV[8] or ARGV[3]), key)
+redis.call('ZADD', z, tonumber(ARGV[8]), key)
+if mode == 'new' then redis.call('ZADD', t .. '#q', redis.call('INCR', t .. '#n'), key) end
 local total = redis.call('HINCRBY', s, '#', string.len(value) - was)
 while redis.call('ZCARD', z) > 1 do
   local oldest = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
   if not (redis.call('ZCARD', z) > most or total > bytes or tonumber(oldest[2]) < now - age) then break end
   total = redis.call('HINCRBY', s, '#', -tonumber(redis.call('HGET', s, oldest[1]) or '0'))
-  redis.call('HDEL', t, oldest[1]); redis.call('HDEL', s, oldest[1]); redis.call('ZREM', z, oldest[1])
+  drop(oldest[1])
 end
 return 1
 """
 REDIS_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+REDIS_INDEX_SLACK = 1000  # messages the local index may hold that the server dropped before it is reconciled
 
 
 class RedisStore:
     """The store on a Redis server (``--state redis://HOST:PORT/DB``, ``rediss://`` for TLS), shared by replicas:
     each table a hash with a sorted set of when each key was written, bounded by one server-side script per
-    write; every key under ``cs:<namespace>:``. The archive is a table too; its query is answered here, over
-    what the server keeps (:func:`searched`), each message's words read once per process. Needs the ``redis``
-    client (the ``redis`` extra)."""
+    write; every key under ``cs:<namespace>:``. The archive is a table too; its query is answered by an FTS5
+    index in this process's memory of what the server keeps (its words only), brought up to date before each
+    search: new messages by their sequence number, those the server dropped when a hit is no longer there (and
+    all at once when too many are). Needs the ``redis`` client (the ``redis`` extra)."""
 
     down: str | None = None
 
@@ -7495,12 +7480,11 @@ class RedisStore:
         except ImportError:
             raise ContextShrinkError("--state redis://... needs the redis client: pip install "
                                      "'context-shrink-mcp[redis]'") from None  # fmt: skip
-        self.name = redis_name(url)
-        self.errors = store_errors()
+        self.name, self.errors = redis_name(url), store_errors()
         self.server = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
         self.prefix, self.owner = f"cs:{namespace}:", uuid_module.uuid4().hex
         self.write, self.free = self.server.register_script(REDIS_WRITE), self.server.register_script(REDIS_RELEASE)
-        self.words: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
+        self.index, self.read_up_to, self.indexed = SqliteStore(None), 0.0, 0
         self.server.ping()
 
     def _keys(self, table: str) -> list[str]:
@@ -7515,8 +7499,7 @@ class RedisStore:
         most, size, days = bounds or (*STATE_TABLES[table], STATE_MAX_DAYS)
         now = time.time()
         score = now if at is None or at >= now - 1 else at  # to the microsecond: the order of writes, not a tie
-        args = [key, value, now, most, size, days * 86400, mode, score]
-        return int(self.write(keys=self._keys(table), args=args))
+        return int(self.write(keys=self._keys(table), args=[key, value, now, most, size, days * 86400, mode, score]))
 
     def get(self, table: str, key: str) -> Any:
         value = self.server.hget(self._keys(table)[0], key)
@@ -7532,11 +7515,13 @@ class RedisStore:
     def delete(self, table: str, key: str) -> None:
         self._write(table, key, "", "del")
 
+    def _values(self, table: str, keys: Sequence[str]) -> list[str | None]:
+        return [v for start in range(0, len(keys), 1000)
+                for v in self.server.hmget(self._keys(table)[0], keys[start : start + 1000])]  # fmt: skip
+
     def items(self, table: str) -> list[tuple[str, Any]]:
         keys = self.server.zrange(self._keys(table)[1], 0, -1)
-        values = [v for start in range(0, len(keys), 1000)
-                  for v in self.server.hmget(self._keys(table)[0], keys[start : start + 1000])]  # fmt: skip
-        return [(k, json.loads(v)) for k, v in zip(keys, values, strict=True) if v is not None]
+        return [(k, json.loads(v)) for k, v in zip(keys, self._values(table, keys), strict=True) if v is not None]
 
     def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
         self._write(table, key, json.dumps(dict(counts)), "add")
@@ -7552,19 +7537,38 @@ class RedisStore:
         return sum(self._write("archive", f"{e['conversation']}:{e['hash']}", json.dumps(e, ensure_ascii=False,
                                default=str), "new", bounds, e["time"]) for e in entries)  # fmt: skip
 
+    def _catch_up(self) -> None:
+        """The local index given what the server archived since it last read, and reconciled when it holds too
+        many messages the server dropped."""
+        sequence = f"{self._keys('archive')[0]}#q"
+        new = self.server.zrangebyscore(sequence, f"({self.read_up_to}", "+inf", withscores=True)
+        if new:
+            read = [json.loads(v) for v in self._values("archive", [k for k, _ in new]) if v is not None]
+            slim = [{**{k: v for k, v in e.items() if k != "message"},
+                     "words": archive_words(archive_text(e["message"]))} for e in read]  # fmt: skip
+            self.indexed += self.index.archive(slim, 1 << 62, 36500)
+            self.read_up_to = new[-1][1]
+        if self.indexed > self.server.zcard(sequence) + REDIS_INDEX_SLACK:
+            kept = set(self.server.zrange(sequence, 0, -1))
+            gone = [(c, h) for c, h in self.index.archived() if f"{c}:{h}" not in kept]
+            self.index.forget(gone)
+            self.indexed -= len(gone)
+
     def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
-        entries = [e for _, e in self.items("archive")]
-        for entry in entries:
-            key = f"{entry['conversation']}:{entry['hash']}"
-            if (words := self.words.get(key)) is None:
-                words = self.words[key] = archive_words(archive_text(entry["message"]))
-                while len(self.words) > ARCHIVE_SEARCH_WORDS:
-                    self.words.popitem(last=False)
-            entry["words"] = words
-        return searched(entries, query, conversation, limit)
+        self._catch_up()
+        while True:
+            searched, hits = self.index.found(query, conversation, limit)
+            keys = [f"{h['conversation']}:{h['hash']}" for h in hits]
+            values = self._values("archive", keys)
+            gone = [(h["conversation"], h["hash"]) for h, v in zip(hits, values, strict=True) if v is None]
+            if not gone:
+                return searched, [_entry_out(json.loads(v)) for v in values if v is not None]
+            self.index.forget(gone)  # dropped by the server since they were read
+            self.indexed -= len(gone)
 
     def close(self) -> None:
         self.server.close()
+        self.index.close()
 
 
 class FallbackStore:

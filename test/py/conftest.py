@@ -6,11 +6,8 @@ import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,32 +89,17 @@ def served_llama(model: Path, **options: Any) -> Iterator[str]:
 
 @contextlib.contextmanager
 def redis_server(folder: Path) -> Iterator[str]:
-    """A real ``redis-server`` (Debian's package; ``.ci/run`` installs it) on a free port, nothing persisted;
-    yields its URL. Outside CI a machine without one skips, saying so."""
-    found = shutil.which("redis-server")
-    if found is None:
+    """A real ``redis-server`` (Debian's package; ``.ci/run`` installs it), yielding its URL. Outside CI a
+    machine without one skips, saying so."""
+    if shutil.which("redis-server") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("CI must run the replica tests on a real redis-server: apt-get install redis-server")
         pytest.skip("no redis-server on this machine (apt-get install redis-server)")
     pytest.importorskip("redis", reason="the redis client (the redis extra) is not installed")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [found, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
-               str(folder)]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start (exit {process.poll()})")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    from redis_helper import started_redis
+
+    with started_redis(folder) as url:
+        yield url
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ from conftest import served_llama
 from proxy_helpers import MODULE, proxy
 from tiny_llama import free_port
 
+import context_shrink as cs
+
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.llama
 
@@ -34,7 +36,7 @@ def small_llama(tiny_model: Path) -> Iterator[str]:
 
 @pytest.fixture
 def shrinking(small_llama: str, tmp_path: Path) -> Iterator[str]:
-    with proxy(small_llama, "--archive-dir", str(tmp_path / "archive"), log=tmp_path / "log") as url:
+    with proxy(small_llama, "--state", f"sqlite:{tmp_path / 'state.sqlite3'}", log=tmp_path / "log") as url:
         yield url
 
 
@@ -57,8 +59,10 @@ def test_a_growing_conversation_is_never_refused(shrinking: str, small_llama: st
     direct = httpx2.post(small_llama + "/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
     assert direct.status_code == 400 and "exceed_context_size_error" in direct.text  # the history is far too long
     assert "action=none" in actions[0] and any("action=none" not in a for a in actions[-4:])
-    archived = list((tmp_path / "archive").glob("*.jsonl"))
-    assert len(archived) == 1 and archived[0].read_text()  # what was dropped is on disk
+    store = cs.SqliteStore(tmp_path / "state.sqlite3")
+    searched, found = store.search("parser", None, 100)
+    assert searched >= 1 and found[0]["message"] in messages  # what was dropped is on disk, verbatim
+    store.close()
 
 
 def streamed(url: str, messages: list[dict[str, Any]]) -> str:

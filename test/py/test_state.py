@@ -122,28 +122,32 @@ def test_the_archive_is_bounded_by_size_and_age(store: cs.Store) -> None:
 WORDS = ["parser", "pars", "token", "tokens", "cafe", "café", "Über", "uber", "id_42", "x", "fix", "src/app.py"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     texts=st.lists(st.lists(st.sampled_from(WORDS), min_size=1, max_size=12), min_size=1, max_size=25),
     query=st.lists(st.tuples(st.sampled_from(WORDS), st.sampled_from(["", "*", '"'])), min_size=1, max_size=3),
+    conversation=st.booleans(),
 )
-def test_sqlite_fts5_and_the_python_index_answer_a_query_alike(tmp_path: Path, texts: Any, query: Any) -> None:
-    """One query semantics on every store: FTS5's (SQLite) and the one Redis and memory run, same hits, same
-    BM25 order."""
+def test_every_store_answers_a_query_alike(
+    tmp_path: Path, redis_url: str, texts: Any, query: Any, conversation: bool
+) -> None:
+    """One query semantics on every store (each runs it on FTS5: SQLite's file, memory's database, a replica's
+    index of what Redis keeps): the same hits in the same BM25 order, or the same error."""
     history = [{"role": "user", "content": " ".join(t)} for t in texts] + [{"role": "user", "content": "end"}]
     entries = folded(history)
     text = " ".join(f'"{w}"' if mark == '"' else w + mark for w, mark in query)
-    memory, sqlite = cs.MemoryStore(), cs.SqliteStore(tmp_path / f"{os.urandom(4).hex()}.db")
-    memory.archive(entries, 1 << 30, 30)
-    sqlite.archive(entries, 1 << 30, 30)
-    try:
-        expected = memory.search(text, None, 100)
-    except cs.ContextShrinkError:
-        with pytest.raises(cs.ContextShrinkError):
-            sqlite.search(text, None, 100)
-        return
-    assert [e["index"] for e in sqlite.search(text, None, 100)[1]] == [e["index"] for e in expected[1]]
-    sqlite.close()
+    namespace = os.urandom(4).hex()
+    stores = [cs.MemoryStore(), cs.SqliteStore(tmp_path / f"{namespace}.db"), cs.RedisStore(redis_url, namespace)]
+    answers = []
+    for store in stores:
+        store.archive(entries, 1 << 30, 30)
+        try:
+            searched, found = store.search(text, entries[0]["conversation"] if conversation else None, 100)
+            answers.append((searched, [e["index"] for e in found]))
+        except cs.ContextShrinkError as exc:
+            answers.append(str(exc))
+        store.close()
+    assert answers[0] == answers[1] == answers[2]
 
 
 # --------------------------------------------------------------------------- SQLite on disk
