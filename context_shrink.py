@@ -658,6 +658,9 @@ class Settings:
         if (found := self.find("STATE", flag, ("CONTEXT_SHRINK_",))) is None:
             return None
         source, value = found
+        if value.startswith("redis") and importlib.util.find_spec("redis") is None:
+            raise ConfigError(f"{source} names Redis: it needs the redis client (pip install "
+                              "'context-shrink-mcp[redis]')", variable=source)  # fmt: skip
         if value == "memory" or re.fullmatch(r"sqlite:.+|rediss?://[^/\s]+(/\d{1,2})?", value):
             return value if not value.startswith("sqlite:") else f"sqlite:{Path(value[7:]).expanduser()}"
         raise ConfigError(f"{source}={redis_name(value) if '@' in value else value!r}: expected memory, sqlite:PATH "
@@ -755,7 +758,7 @@ class Config:
     extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     log_level: str = "INFO"
     root: Path = dataclasses.field(default_factory=Path.cwd)
-    archive_dir: Path | None = None  # an earlier version's JSONL archive, searched by recall_context too
+    archive_dir: Path | None = None  # an earlier version's JSONL archive, imported when recall_context first searches
     state: str | None = None  # the proxy's store, whose archive recall_context searches; None: the default place
     namespace: str = "default"  # the deployment's name in that store
     session_stores: tuple[str, ...] = ()  # the agents whose own session stores the tools may read
@@ -4919,7 +4922,7 @@ class MemoryTables:
 
 SUMMARY_BACKOFF = 120.0  # seconds before a summariser that failed is asked again
 SUMMARY_CACHE_CHARS = 16_000_000  # summaries and replies kept, in characters
-SUMMARY_CACHE_SPANS = 512  # span summaries kept
+SUMMARY_CACHE_SPANS = 512  # summarisers whose health is kept
 RATIO_SAMPLE_CHARS = 200_000  # the transcript sample a summariser counts to learn its tokens per local token
 RATIO_LIMITS = (0.2, 8.0)  # a learnt ratio stays in this range
 
@@ -7653,11 +7656,12 @@ class FallbackStore:
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
+        self.memory.close()
 
 
 def open_store(spec: str | None, namespace: str = "default", environ: Mapping[str, str] | None = None) -> Store:
-    """The store ``spec`` names (:func:`state_spec`; None: SQLite in the default place), kept serving from memory
-    while it is unreachable (:class:`FallbackStore`); ``memory`` is memory alone."""
+    """The store ``spec`` names (:meth:`Settings.state`; None: SQLite in the default place), kept serving from
+    memory while it is unreachable (:class:`FallbackStore`); ``memory`` is memory alone."""
     spec = spec or f"sqlite:{default_state_path(environ)}"
     if spec == "memory":
         return MemoryStore()
@@ -9243,9 +9247,12 @@ class ServerState:
     opened: Store | None = None  # the proxy's store, opened when recall_context first searches it
 
     def store(self) -> Store:
-        """The store the proxy keeps its archive in (``CONTEXT_SHRINK_STATE``), opened once."""
+        """The store the proxy keeps its archive in (``CONTEXT_SHRINK_STATE``), opened once, an earlier version's
+        JSONL archive (``CONTEXT_SHRINK_ARCHIVE_DIR``) imported into it first."""
         if self.opened is None:
             self.opened = open_store(self.config.state, self.config.namespace)
+            directory = self.config.archive_dir or default_archive_dir()
+            import_jsonl_archive(self.opened, directory, ARCHIVE_MAX_BYTES, ARCHIVE_MAX_DAYS)
         return self.opened
 
 
@@ -10088,9 +10095,6 @@ PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
 PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is relayed as it arrives
 PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 PROXY_TIMEOUT = 600.0
-STATS_CONVERSATIONS = 1024  # conversations the proxy's stats keep (the least recently seen go first)
-STATS_RECENT = 200  # the latest requests the stats (and the live page) show one by one
-STATS_PREFIXES = 64  # conversations whose last request is remembered, to measure what the next one repeats
 
 
 def prefix_prints(messages: Sequence[Mapping[str, Any]]) -> list[tuple[bytes, int]]:
@@ -10115,7 +10119,6 @@ def repeated_share(before: Sequence[tuple[bytes, int]] | None, now: Sequence[tup
 
 
 CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
-CALIBRATION_MODELS = 64  # models remembered (calibration factors and learnt windows)
 TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # listening here, nothing beyond this machine can connect
 HOP_HEADERS = frozenset(
@@ -10506,8 +10509,8 @@ class ProxyStats:
                 "summariser_calls", "summaries_reused", "refusals", "retried", "errors", "exact_counts",
                 "estimated_counts", "refusals_avoided", "repeated_requests", "repeated_share_sum")  # fmt: skip
 
-    def __init__(self, store: Store | None = None) -> None:
-        self.store = MemoryStore() if store is None else store
+    def __init__(self, store: Tables | None = None) -> None:
+        self.store = MemoryTables() if store is None else store
         self.started = self.store.get("meta", state_key("started"))
         if self.started is None:  # the deployment's first process
             self.started = time.time()
@@ -11406,7 +11409,7 @@ class ProxyFront:
         request no longer carries is archived first, and the reply's ``usage`` calibrates the count."""
         st, model = self.state, model_of(body)
         if sent is not body and (conversation := await st.archive(body["messages"], sent["messages"], report.action)):
-            report.conversation = conversation  # what was folded away stays on disk
+            report.conversation = conversation  # what was folded away is kept in the store
         extra = {"x-context-shrink": report.header(), **self.state_said()}
         if upstream.status_code >= 400:
             error = scrub_secrets(await self.read_whole(upstream), self.secrets)

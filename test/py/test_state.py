@@ -5,6 +5,7 @@ query; a store that cannot be reached."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import stat
@@ -188,6 +189,13 @@ def test_the_state_settings_are_checked_at_start(tmp_path: Path) -> None:
     assert (config.state, config.namespace) == (f"sqlite:{tmp_path}/s.db", "n")
 
 
+def test_redis_without_its_client_is_an_error_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if the redis extra were not installed
+    with pytest.raises(cs.ConfigError, match=r"context-shrink-mcp\[redis\]") as caught:
+        cs.Settings({"CONTEXT_SHRINK_STATE": "redis://127.0.0.1:6379/0"}).state()
+    assert caught.value.variable == "CONTEXT_SHRINK_STATE"
+
+
 # --------------------------------------------------------------------------- an unreachable store
 
 
@@ -237,10 +245,13 @@ class socket_port:
 # --------------------------------------------------------------------------- restart and replicas, end to end
 
 
-def test_a_restarted_proxy_makes_no_summary_call_again_and_sends_the_same_bytes(tmp_path: Path) -> None:
-    state = f"sqlite:{tmp_path / 'state.sqlite3'}"
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_a_restarted_proxy_makes_no_summary_call_again_and_sends_the_same_bytes(tmp_path: Path, kind: str) -> None:
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(redis_server(tmp_path)) if kind == "redis" else None
+        state = f"sqlite:{tmp_path / 'state.sqlite3'}" if url is None else url
+        restarted = run_turns("restart", state, tmp_path / "log", 24, 14)
     throughout = run_turns("one", f"sqlite:{tmp_path / 'one.sqlite3'}", tmp_path / "log", 24, 14)
-    restarted = run_turns("restart", state, tmp_path / "log", 24, 14)
     forgetful = run_turns("restart", "memory", tmp_path / "log", 24, 14)
     assert throughout.summary_calls >= 4
     assert restarted.summary_calls == throughout.summary_calls < forgetful.summary_calls
