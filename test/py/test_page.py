@@ -124,3 +124,18 @@ def test_the_live_page_on_serve_needs_the_token(tmp_path: Path) -> None:
     assert_shows(dom, stats)
     assert "a bearer token is required" in locked and not cards(locked)  # without it, not even the page
     assert TOKEN not in (tmp_path / "log").read_text()
+
+
+def test_the_live_page_says_when_the_store_is_unreachable(tmp_path: Path) -> None:
+    """A Redis that is down: the proxy serves from memory and its page says so, without the password."""
+    from tiny_llama import free_port
+
+    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    with serve(FakeOpenAI(window=6000)) as upstream, proxy(upstream, "--state", dead, log=tmp_path / "log") as url:
+        shrunk_traffic(url)
+        base = url.removesuffix("/v1")
+        dom = rendered(base + "/context-shrink/", tmp_path)
+    status = re.search(r'<span class="(\w+)" id="status">([^<]*)</span>', dom)
+    assert status and status.group(1) == "bad", dom[:2000]
+    assert "unreachable" in status.group(2) and "serving from memory" in status.group(2)
+    assert "hunter2" not in dom
