@@ -7673,6 +7673,9 @@ def open_store(spec: str | None, namespace: str = "default", environ: Mapping[st
     return FallbackStore(redis_name(spec), lambda: RedisStore(spec, namespace))
 
 
+IMPORT_BATCH = 10_000  # messages of an earlier JSONL archive written to the store at a time (progress between)
+
+
 def import_jsonl_archive(store: Store, directory: Path, max_bytes: int, max_days: float) -> int:
     """The JSONL archive an earlier version kept in ``directory``, written into ``store`` once (a meta entry
     records it); how many messages it added."""
@@ -7681,7 +7684,11 @@ def import_jsonl_archive(store: Store, directory: Path, max_bytes: int, max_days
         return 0
     entries = [{**e, "size": len(json.dumps(e["message"], ensure_ascii=False, default=str))}
                for e in read_archive(directory) if isinstance(e.get("hash"), str)]  # fmt: skip
-    added = store.archive(entries, max_bytes, max_days)
+    added = 0
+    for start in range(0, len(entries), IMPORT_BATCH):
+        added += store.archive(entries[start : start + IMPORT_BATCH], max_bytes, max_days)
+        if len(entries) > IMPORT_BATCH:
+            log.info("archive: importing %s: %d of %d messages", directory, start + IMPORT_BATCH, len(entries))
     store.put("meta", key, {"at": time.time(), "messages": added})
     log.info("archive: imported %d message(s) from the JSONL archive in %s", added, directory)
     return added

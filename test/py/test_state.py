@@ -336,6 +336,10 @@ def test_an_old_jsonl_archive_is_imported_once(tmp_path: Path) -> None:
     assert searched == 5 and found[0]["message"] == old[3] and found[0]["conversation"] == "a" * 16
     assert (tmp_path / "log").read_text().count("imported 5 message(s)") == 1
     store.close()
+    # recall_context alone (no proxy started since the upgrade) imports it into the store it searches
+    env = {"CONTEXT_SHRINK_STATE": f"sqlite:{tmp_path / 'mcp.sqlite3'}", "CONTEXT_SHRINK_ARCHIVE_DIR": str(archive)}
+    recalled = ok(run(call(cs.build_server(cs.Config.from_env(env)), "recall_context", {"query": "zebra4"})))
+    assert recalled["entries"][0]["message"] == old[4] and recalled["searched"] == 5
 
 
 def test_recall_over_stdio_searches_the_store_the_environment_names(tmp_path: Path) -> None:
