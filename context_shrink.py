@@ -7158,12 +7158,15 @@ def archive_entries(
 # case and Latin diacritics folded), ranked by BM25 over the whole archive, then newest first; an entry id (or
 # the start of one, six hex digits or more) finds that entry.
 ARCHIVE_FIELDS = ("id", "conversation", "index", "action", "time", "message")
+ARCHIVE_WORD = re.compile(r"[^\W_]+")  # a word: letters and digits
 
 
 def archive_words(text: str) -> list[str]:
     """A text's words as the archive indexes them: letters and digits, case folded, Latin diacritics dropped."""
+    if text.isascii():  # most of what agents send: nothing to decompose
+        return ARCHIVE_WORD.findall(text.lower())
     folded = unicodedata.normalize("NFKD", text.casefold())
-    return re.findall(r"[^\W_]+", "".join(c for c in folded if not unicodedata.combining(c)))
+    return ARCHIVE_WORD.findall("".join(c for c in folded if not unicodedata.combining(c)))
 
 
 def archive_terms(query: str) -> list[tuple[tuple[str, ...], bool]]:
