@@ -7681,12 +7681,14 @@ IMPORT_BATCH = 10_000  # messages of an earlier JSONL archive written to the sto
 
 def import_jsonl_archive(store: Store, directory: Path, max_bytes: int, max_days: float) -> int:
     """The JSONL archive an earlier version kept in ``directory``, written into ``store`` once (a meta entry
-    records it); how many messages it added."""
+    records it), within the archive's bounds (what is older than ``max_days`` is not kept); how many messages it
+    added. A line that is not an entry (no hash, id, time or message) is skipped."""
     key = state_key(["imported", str(directory.resolve())])
     if store.get("meta", key) is not None or not archive_files(directory):
         return 0
     entries = [{**e, "size": len(json.dumps(e["message"], ensure_ascii=False, default=str))}
-               for e in read_archive(directory) if isinstance(e.get("hash"), str)]  # fmt: skip
+               for e in read_archive(directory) if isinstance(e.get("hash"), str) and isinstance(e.get("message"), dict)
+               and isinstance(e.get("time"), (int, float)) and isinstance(e.get("id"), str)]  # fmt: skip
     added = 0
     for start in range(0, len(entries), IMPORT_BATCH):
         added += store.archive(entries[start : start + IMPORT_BATCH], max_bytes, max_days)

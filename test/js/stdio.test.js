@@ -45,6 +45,7 @@ before(async () => {
       ...process.env,
       CONTEXT_SHRINK_ROOT: work,
       CONTEXT_SHRINK_ARCHIVE_DIR: path.join(work, "archive"),
+      CONTEXT_SHRINK_STATE: `sqlite:${path.join(work, "state.sqlite3")}`,
       CONTEXT_SHRINK_LOG_LEVEL: "WARNING",
       // The summariser is the server's setting (a tool call cannot name another).
       CONTEXT_SHRINK_BASE_URL: `http://127.0.0.1:${backend.address().port}/v1`,
@@ -91,15 +92,22 @@ test("lists the three tools with their parameters", async () => {
 });
 
 test("recall_context returns an archived message verbatim", async () => {
+  // An earlier version's JSONL archive: imported into the store (CONTEXT_SHRINK_STATE) by the first search.
   const message = { role: "tool", tool_call_id: "c1", content: "Traceback: KeyError 'timeout' in config.py" };
   fs.mkdirSync(path.join(work, "archive"), { recursive: true });
-  const entry = { id: "0123456789ab", hash: "0123456789ab".padEnd(64, "0"), index: 3, action: "compact", time: 0, message };
+  const time = Math.floor(Date.now() / 1000);
+  const entry = { id: "0123456789ab", hash: "0123456789ab".padEnd(64, "0"), index: 3, action: "compact", time, message };
   fs.writeFileSync(path.join(work, "archive", "00112233445566aa.jsonl"), JSON.stringify(entry) + "\n");
   const result = await client.callTool({ name: "recall_context", arguments: { query: "KeyError timeout" } });
   assert.equal(result.isError, false);
   assert.equal(result.structuredContent.found, 1);
   assert.deepEqual(result.structuredContent.entries[0].message, message);
   assert.equal(result.structuredContent.entries[0].conversation, "00112233445566aa");
+  assert.equal(result.structuredContent.archive, `sqlite:${path.join(work, "state.sqlite3")}`);
+  const phrase = await client.callTool({ name: "recall_context", arguments: { query: '"in config py"' } });
+  assert.equal(phrase.structuredContent.found, 1);
+  const none = await client.callTool({ name: "recall_context", arguments: { query: '"config in"' } });
+  assert.equal(none.structuredContent.found, 0);
 });
 
 test("estimate_context", async () => {

@@ -325,7 +325,8 @@ def test_an_old_jsonl_archive_is_imported_once(tmp_path: Path) -> None:
     old = [{"role": "user", "content": f"old note {n}: zebra{n}"} for n in range(5)]
     lines = [json.dumps({"id": cs.message_hash(m)[:12], "hash": cs.message_hash(m), "index": n, "action": "trim",
                          "time": int(time.time()), "message": m}) for n, m in enumerate(old)]  # fmt: skip
-    (archive / ("a" * 16 + ".jsonl")).write_text("\n".join(lines) + "\nnot json\n")
+    broken = [json.dumps({"id": "x", "hash": "y" * 64, "message": {"role": "user"}}), json.dumps({"message": 3})]
+    (archive / ("a" * 16 + ".jsonl")).write_text("\n".join([*lines, *broken]) + "\nnot json\n")
     fake = FakeOpenAI(window=4096)
     for _ in range(2):  # started twice: imported once
         with serve(fake) as upstream, proxy(upstream, "--state", state, "--archive-dir", str(archive),
