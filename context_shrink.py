@@ -4871,7 +4871,7 @@ class MemoryTables:
         self.tables: dict[str, dict[str, tuple[str, float, int]]] = {t: {} for t in STATE_TABLES}  # JSON, when, size
         self.sizes = dict.fromkeys(STATE_TABLES, 0)
         self.leases: dict[str, float] = {}
-        self.held = threading.Lock()
+        self.held = threading.RLock()
 
     def get(self, table: str, key: str) -> Any:
         found = self.tables[table].get(key)
@@ -4901,11 +4901,11 @@ class MemoryTables:
         return [(k, json.loads(v[0])) for k, v in list(self.tables[table].items())]
 
     def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
-        with self.held:
-            value = dict(self.get(table, key) or {})
-        for name, n in counts.items():
-            value[name] = value.get(name, 0) + n
-        self.put(table, key, value)
+        with self.held:  # read and written under one hold: atomic, as the protocol says
+            value = self.get(table, key) or {}
+            for name, n in counts.items():
+                value[name] = value.get(name, 0) + n
+            self.put(table, key, value)
 
     def claim(self, key: str, seconds: float) -> bool:
         with self.held:
@@ -7051,13 +7051,17 @@ def load_text(text: str | None, path: Path | None, config: Config) -> str:
 ARCHIVE_HEAD_MESSAGES = 2  # a conversation is identified by a hash of its first non-system messages
 
 
+def state_folder(environ: Mapping[str, str] | None = None) -> Path:
+    """This module's folder in the user's state directory, ``$XDG_STATE_HOME/context-shrink`` (``~/.local/state``)."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("XDG_STATE_HOME", "").strip() or Path.home() / ".local" / "state") / "context-shrink"
+
+
 def default_archive_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Where an earlier version kept its JSONL archive, ``$XDG_STATE_HOME/context-shrink/archive``
     (``~/.local/state``); ``CONTEXT_SHRINK_ARCHIVE_DIR`` and ``--archive-dir`` override it
     (:meth:`Settings.archive_dir`)."""
-    env = os.environ if environ is None else environ
-    state = env.get("XDG_STATE_HOME", "").strip() or str(Path.home() / ".local" / "state")
-    return Path(state) / "context-shrink" / "archive"
+    return state_folder(environ) / "archive"
 
 
 def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
@@ -7135,9 +7139,7 @@ class Store(Tables, Protocol):
 
 def default_state_path(environ: Mapping[str, str] | None = None) -> Path:
     """The default store, ``$XDG_STATE_HOME/context-shrink/state.sqlite3`` (``~/.local/state``)."""
-    env = os.environ if environ is None else environ
-    state = env.get("XDG_STATE_HOME", "").strip() or str(Path.home() / ".local" / "state")
-    return Path(state) / "context-shrink" / "state.sqlite3"
+    return state_folder(environ) / "state.sqlite3"
 
 
 def archive_entries(
@@ -7237,11 +7239,22 @@ class SqliteStore:
         self.db.executescript(STATE_SCHEMA + f"CREATE VIRTUAL TABLE IF NOT EXISTS {self.fts} USING fts5(words, "
                               "conversation UNINDEXED, tokenize='unicode61 remove_diacritics 0');")  # fmt: skip
 
+    def _value(self, table: str, key: str) -> Any:
+        """A table's value (the caller holds the lock)."""
+        sql = "SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?"
+        row = self.db.execute(sql, (self.ns, table, key)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def _keep(self, table: str, key: str, value: Any) -> None:
+        """A table's value written and the table bounded (the caller holds the lock)."""
+        text, now = json.dumps(value, ensure_ascii=False, default=str), time.time()
+        self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)", (self.ns, table, key, text,
+                                                                               len(text), now))  # fmt: skip
+        self._bound(table, now)
+
     def get(self, table: str, key: str) -> Any:
         with self.held:
-            sql = "SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?"
-            row = self.db.execute(sql, (self.ns, table, key)).fetchone()
-        return None if row is None else json.loads(row[0])
+            return self._value(table, key)
 
     def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
         found: dict[str, str] = {}
@@ -7253,11 +7266,8 @@ class SqliteStore:
         return next(((k, json.loads(found[key])) for k, key in enumerate(keys) if key in found), (-1, None))
 
     def put(self, table: str, key: str, value: Any) -> None:
-        text, now = json.dumps(value, ensure_ascii=False, default=str), time.time()
         with self.held:
-            self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)", (self.ns, table, key, text,
-                                                                                   len(text), now))  # fmt: skip
-            self._bound(table, now)
+            self._keep(table, key, value)
 
     def _bound(self, table: str, now: float) -> None:
         """The oldest rows of ``table`` removed while it holds too many, too many bytes, or any too old."""
@@ -7297,16 +7307,11 @@ class SqliteStore:
             self.db.execute("COMMIT")
 
     def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
-        with self._writing() as db:
-            row = db.execute("SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?", (self.ns, table,
-                                                                                         key)).fetchone()  # fmt: skip
-            value = json.loads(row[0]) if row else {}
+        with self._writing():
+            value = self._value(table, key) or {}
             for name, n in counts.items():
                 value[name] = value.get(name, 0) + n
-            text, now = json.dumps(value), time.time()
-            db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)", (self.ns, table, key, text, len(text),
-                                                                              now))  # fmt: skip
-            self._bound(table, now)
+            self._keep(table, key, value)
 
     def claim(self, key: str, seconds: float) -> bool:
         now = time.time()
@@ -10755,7 +10760,7 @@ class ProxyState:
         entries = await anyio.to_thread.run_sync(archive_entries, original, sent, action)
         limits = (self.config.archive_max_bytes, self.config.archive_max_days)
         await anyio.to_thread.run_sync(self.store.archive, entries, *limits)
-        return conversation_id(original)
+        return entries[0]["conversation"] if entries else await anyio.to_thread.run_sync(conversation_id, original)
 
     def degraded(self) -> str | None:
         """Why the store configured is not the one answering now (it is unreachable), else None."""

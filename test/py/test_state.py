@@ -26,6 +26,7 @@ from mcp_calls import call, ok, run
 from proxy_helpers import MODULE, proxy
 from state_runs import run as run_turns
 from state_runs import summary_call, turns
+from tiny_llama import free_port
 
 import context_shrink as cs
 
@@ -214,8 +215,8 @@ def test_an_unreachable_store_serves_from_memory_and_comes_back(tmp_path: Path) 
 
 
 def test_a_proxy_whose_redis_is_down_keeps_serving_and_says_so(tmp_path: Path) -> None:
-    with socket_port() as port:
-        url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    port = free_port()  # nothing listens there
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
     fake = FakeOpenAI(window=4096)
     with serve(fake) as upstream, proxy(upstream, "--state", url, log=tmp_path / "log") as base:
         replies = [httpx2.post(f"{base}/chat/completions", json={"model": "m", "messages": m, "max_tokens": 256},
@@ -228,18 +229,6 @@ def test_a_proxy_whose_redis_is_down_keeps_serving_and_says_so(tmp_path: Path) -
     assert stats["state"]["degraded"] == said and stats["state"]["store"] == f"redis://127.0.0.1:{port}/0"
     log = (tmp_path / "log").read_text()
     assert "unreachable" in log and "hunter2" not in log + json.dumps(stats) + said
-
-
-class socket_port:
-    """A port nothing listens on."""
-
-    def __enter__(self) -> int:
-        from tiny_llama import free_port
-
-        return free_port()
-
-    def __exit__(self, *_: object) -> None:
-        pass
 
 
 # --------------------------------------------------------------------------- restart and replicas, end to end
