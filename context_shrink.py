@@ -903,16 +903,20 @@ def _second(lead: str, *seconds: int) -> tuple[bytes, ...]:
     return tuple(lead.encode() + bytes([0x80 + (s - 0x80) // 2]) for s in seconds)
 
 
-# Each script: the patterns of its characters (the class byte of a block's lead; after an E0, E1 or EA lead,
-# the pair of second bytes a block spans) and of a word start (a space before one), weighed as two counts.
+# Each script: the patterns of its characters (the class byte of a block's lead; after an E0, E1, E2, EA or F0
+# lead, the pair of second bytes a block spans) and of a word start (a space before one), weighed as two counts.
+# A script given by its lead alone is the last of its lead and counts what the ones before it do not: a block the
+# table does not list, or after an E2 lead the symbols of U+2080-U+2BFF (the commonest there in agent output, so
+# its 23 pairs of second bytes are not counted one by one). A script's characters have one lead; the Hangul of
+# U+AC00-U+AFFF is weighed as the other Hangul.
 HEURISTIC_SCRIPTS: dict[str, tuple[tuple[bytes, ...], bytes]] = {
     "Latin-1 letters": ((b"L",), b""), "Latin Extended": ((b"X",), b""), "combining marks": ((b"m",), b""),
     "Latin-1 symbols": ((b"S",), b""), "Greek": ((b"G",), b""), "Cyrillic (U+0400-U+043F)": ((b"Y",), b" Y"),
     "Cyrillic (U+0440-U+047F)": ((b"V",), b" V"), "Cyrillic supplement": ((b"y",), b" y"),
     "Armenian": ((b"H",), b""), "Hebrew": ((b"W",), b" W"), "Arabic": ((b"R",), b" R"),
     "Syriac, Thaana, NKo": ((b"O",), b""), "general punctuation (U+2000-U+207F)": (_second("Z", 0x80), b""),
-    "symbols, arrows, box drawing, dingbats (U+2080-U+2BFF)": (_second("Z", *range(0x82, 0xB0, 2)), b""),
-    "other blocks of U+2C00-U+2FFF": ((b"Z",), b""),
+    "other blocks of U+2C00-U+2FFF": (_second("Z", *range(0xB0, 0xC0, 2)), b""),
+    "symbols, arrows, box drawing, dingbats (U+2080-U+2BFF)": ((b"Z",), b""),
     "kana and CJK punctuation": ((b"J",), b""), "Han": ((b"N",), b""),
     "Hangul": ((b"U",), b""), "Hangul (U+AC00-U+AFFF)": (_second("K", *range(0xB0, 0xC0, 2)), b""),
     "compatibility forms": ((b"F",), b""), "emoji (U+1E000-U+1FFFF)": (_second("E", 0x9E), b""),
@@ -929,11 +933,6 @@ HEURISTIC_SCRIPTS: dict[str, tuple[tuple[bytes, ...], bytes]] = {
     "other blocks of U+A000-U+ABFF": ((b"K",), b""),
     "other 4-byte characters (rare Han, math, historic scripts)": ((b"E",), b""),
 }  # fmt: skip
-# the scripts that count what none of the others of their lead names: a block the table does not list (a script's
-# characters have one lead; the Hangul of U+AC00-U+AFFF is weighed as the other Hangul)
-_OTHER_BLOCKS = {"other blocks of U+2C00-U+2FFF": b"Z", "other blocks of U+0800-U+0FFF": b"P",
-                 "other blocks of U+1000-U+1FFF": b"Q", "other blocks of U+A000-U+ABFF": b"K",
-                 "other 4-byte characters (rare Han, math, historic scripts)": b"E"}  # fmt: skip
 # Letters that tell languages of one script apart, counted besides their script (a vocabulary knows Russian
 # better than Ukrainian): the name, the lead's class byte, the patterns.
 HEURISTIC_MARKERS: dict[str, tuple[bytes, tuple[bytes, ...]]] = {
@@ -958,8 +957,8 @@ HEURISTIC_SCRIPT_WEIGHTS: dict[str, tuple[float, float]] = {  # characters, word
     "Arabic": (0.224, 3.18),
     "Syriac, Thaana, NKo": (2.1984, 0.0),
     "general punctuation (U+2000-U+207F)": (0.513, 0.0),
-    "symbols, arrows, box drawing, dingbats (U+2080-U+2BFF)": (1.2439, 0.0),
     "other blocks of U+2C00-U+2FFF": (3.0782, 0.0),
+    "symbols, arrows, box drawing, dingbats (U+2080-U+2BFF)": (1.2439, 0.0),
     "kana and CJK punctuation": (1.0601, 0.0),
     "Han": (1.1385, 0.0),
     "Hangul": (1.2141, 0.0),
@@ -1012,8 +1011,8 @@ def _sample(text: str) -> tuple[str, float]:
 
 def _script_counts(classes: bytes, compact: bytes) -> dict[str, list[int]]:
     """Every script's characters and word starts in a text's classes (``compact``: one class byte per character),
-    for the scripts it has: a lead's scripts are counted until they account for all its characters; the one of
-    :data:`_OTHER_BLOCKS` counts the rest."""
+    for the scripts it has: a lead's scripts are counted until they account for all its characters; the one given
+    by its lead alone counts the rest."""
     leads = compact.translate(None, _ASCII_CLASSES)
     out: dict[str, list[int]] = {}
     unseen = len(leads)
@@ -1026,7 +1025,7 @@ def _script_counts(classes: bytes, compact: bytes) -> dict[str, list[int]]:
         unseen -= left
         for name in names:
             chars, start = HEURISTIC_SCRIPTS[name]
-            found = left if name in _OTHER_BLOCKS or chars == (lead,) else sum(map(classes.count, chars))
+            found = left if chars == (lead,) else sum(map(classes.count, chars))
             if found:
                 out[name] = [found, compact.count(start) if start else 0]
                 left -= found
@@ -1080,7 +1079,7 @@ def heuristic_tokens(text: str) -> int:
     if not text:
         return 0
     scale, kind, counts, scripts = _measured(text)
-    extra = sum(sum(map(operator.mul, _SCRIPT_AND_MARKER_WEIGHTS[k], v)) for k, v in scripts.items())
+    extra = sum(sum(map(operator.mul, _SCRIPT_AND_MARKER_WEIGHTS[k], v)) for k, v in scripts.items()) if scripts else 0
     return max(1, math.ceil((sum(map(operator.mul, HEURISTIC_WEIGHTS[kind], counts)) + extra) * scale))
 
 

@@ -155,6 +155,11 @@ def test_every_script_weight_is_named_and_every_unknown_block_counts_its_bytes()
     assert all(len(w) == len(cs.HEURISTIC_FEATURES) for w in cs.HEURISTIC_WEIGHTS.values())
     rest = [name for name in cs.HEURISTIC_SCRIPTS if name.startswith("other ")]
     assert all(cs.HEURISTIC_SCRIPT_WEIGHTS[name][0] >= (4 if "4-byte" in name else 3) for name in rest)
+    by_lead: dict[bytes, list[tuple[bytes, ...]]] = {}
+    for chars, _ in cs.HEURISTIC_SCRIPTS.values():
+        by_lead.setdefault(chars[0][:1], []).append(chars)
+    for lead, scripts in by_lead.items():  # the one given by its lead alone counts the rest, so it comes last
+        assert (lead,) not in scripts[:-1], lead
 
 
 UNLISTED = st.sampled_from([(0x1800, 0x18A8), (0x2C00, 0x2C5E), (0x2D30, 0x2D67), (0xA980, 0xA9CD), (0x0800, 0x082D),
@@ -171,6 +176,21 @@ def test_a_block_the_corpus_lacks_is_never_under_cl100k(
     alphabet = st.one_of([st.characters(min_codepoint=lo, max_codepoint=hi) for lo, hi in blocks] + [st.just(" ")])
     text = data.draw(st.text(alphabet, min_size=1, max_size=400))
     assert cs.heuristic_tokens(text) >= cl100k.count(text)
+
+
+E2_BLOCKS = {"general punctuation (U+2000-U+207F)": (0x2000, 0x207F),
+             "symbols, arrows, box drawing, dingbats (U+2080-U+2BFF)": (0x2080, 0x2BFF),
+             "other blocks of U+2C00-U+2FFF": (0x2C00, 0x2FFF)}  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(min_codepoint=0x1FF0, max_codepoint=0x3000) | st.sampled_from(" a.\n"), max_size=1000))
+def test_the_scripts_of_one_lead_count_each_character_once(text: str) -> None:
+    """The characters after an E2 lead (U+2000-U+2FFF) fall in exactly one of its scripts: the ones it lists, then
+    the symbols as what is left, so each script's count is its block's number of characters."""
+    _, _, scripts = cs.heuristic_features(text)
+    for name, (low, high) in E2_BLOCKS.items():
+        assert scripts.get(name, [0])[0] == sum(low <= ord(c) <= high for c in text), name
 
 
 @settings(max_examples=200, deadline=None)
