@@ -168,6 +168,14 @@ def listing(text: str, form: int) -> str:
     return "\n".join(LISTINGS[form % len(LISTINGS)](i, line) for i, line in enumerate(text.splitlines(), 1))
 
 
+def tool_results(listing: str, rng: random.Random) -> str:
+    """A listing as an agent's tool results sit in a request body: JSON messages of 40 lines each, escaped."""
+    lines = listing.splitlines()
+    return "\n".join(json.dumps({"role": "tool", "tool_call_id": f"call_{rng.getrandbits(96):024x}",
+                                 "content": "\n".join(lines[i : i + 40])}, separators=(",", ":"))
+                     for i in range(0, len(lines), 40))  # fmt: skip
+
+
 def jsonl_records(rng: random.Random, prose: str) -> str:
     """Event records as agents store them: ids, timestamps, nested objects, signatures, prose content."""
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", prose) if len(s.strip()) > 20]
@@ -268,6 +276,11 @@ def main() -> int:
         halves(f"code-{name}", text, "code", name, license)
         halves(f"listing-{name}", listing(text[2 * LIMIT : 4 * LIMIT] or text, i), "code listings",
                f"{name}, shown as cat -n, Claude Code's Read or grep -n", license)  # fmt: skip
+    for entry in [m for m in manifest if m["file"].startswith("listing-")]:  # the listings as JSON tool results
+        name = entry["file"].removesuffix(".txt")
+        text = tool_results((OUT / entry["file"]).read_text(encoding="utf-8"), random.Random(name))
+        write(f"json-results-{name[8:]}", text, "tool results in JSON", entry["part"],
+              f"{entry['file']} as JSON tool messages", entry["license"])  # fmt: skip
     halves(
         "diff", args.git_diff.read_text(encoding="utf-8"), "diffs", "git log -p of this repository", "MIT", 3 * LIMIT
     )
