@@ -57,10 +57,15 @@ def check_honest(messages: list[dict[str, Any]], result: dict[str, Any]) -> None
 
 
 def room_for_the_unit_before(messages: list[dict[str, Any]], result: dict[str, Any], budget: int) -> bool:
-    """Whether the unit just before the cut, in its least honest form, would still fit beside what was kept
-    (P2 asks for the room to be used only as far as whole units allow)."""
-    before = [(a, b) for a, b in cs.group_units(messages) if b == result["kept_from_index"]]
-    return bool(before) and result["tokens_after"] + checks.least_unit(messages, *before[0], TOK) <= budget
+    """Whether the units just before the cut, back to the user message a kept history must start on, in their
+    least honest form, would still fit beside what was kept (P2 asks for the room to be used only as far as whole
+    units allow)."""
+    cut, lead = result["kept_from_index"], cs._leading_system(messages)
+    start = next((i for i in range(cut - 1, lead - 1, -1) if messages[i]["role"] == "user"), None)
+    if start is None:
+        return False
+    units = [(a, b) for a, b in cs.group_units(messages) if start <= a and b <= cut]
+    return result["tokens_after"] + sum(checks.least_unit(messages, a, b, TOK) for a, b in units) <= budget
 
 
 def trim(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: float) -> dict[str, Any]:
