@@ -915,7 +915,7 @@ HEURISTIC_GAPS: tuple[tuple[int, ...], ...] = (
     (100, 100, 100,  97, 100,   0,   0, 100,   0,   0,   0,   0,   2, 100,   0,  36),  # symbol
 )  # fmt: skip
 HEURISTIC_KINDS = ("ascii", "json", "escaped", "latin", "plain")  # what :func:`_heuristic_kind` tells apart
-# What a kind adds at some gaps (same unit): JSON (its strings escape what they hold), prose in a language the
+# What a kind adds at some gaps (same unit): JSON, text escaped in a JSON string, prose in a language the
 # vocabulary knows less well.
 HEURISTIC_KIND_GAPS: dict[str, dict[tuple[str, str], int]] = {
     "json": {
