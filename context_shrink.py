@@ -980,6 +980,7 @@ _KIND_GAP_WEIGHTS = {kind: _gap_table(weights) for kind, weights in HEURISTIC_KI
 # Scripts by their code points (first, last): a 2-byte character's script is its lead byte's (a block of 64),
 # a 3-byte one's its first two bytes' (64), a 4-byte one's (4,096), so each range starts and ends on such a
 # block. A character in none is one of the other 3- or 4-byte characters, weighed at its UTF-8 length (or more).
+# Hangul's range holds the surrogates U+D800-U+DFFF too (only a broken text has one, encoded as 3 bytes).
 HEURISTIC_SCRIPTS: dict[str, tuple[tuple[int, int], ...]] = {
     "Latin-1 symbols": ((0x80, 0xBF),), "Latin-1 letters": ((0xC0, 0xFF),), "Latin Extended": ((0x100, 0x2FF),),
     "combining marks": ((0x300, 0x37F),), "Greek": ((0x380, 0x3FF),), "Cyrillic (U+0400-U+043F)": ((0x400, 0x43F),),
@@ -994,8 +995,8 @@ HEURISTIC_SCRIPTS: dict[str, tuple[tuple[int, int], ...]] = {
     "Latin Extended Additional (Vietnamese)": ((0x1E00, 0x1EFF),), "Greek Extended": ((0x1F00, 0x1FFF),),
     "general punctuation (U+2000-U+207F)": ((0x2000, 0x207F),),
     "symbols, arrows, box drawing, dingbats (U+2080-U+2BFF)": ((0x2080, 0x2BFF),),
-    "kana and CJK punctuation (U+3000-U+3FFF)": ((0x3000, 0x3FFF),), "Han": ((0x4000, 0x9FFF),),
-    "Hangul (and the surrogates U+D800-U+DFFF)": ((0xAC00, 0xDFFF),),
+    "kana and CJK punctuation": ((0x3000, 0x3FFF),), "Han": ((0x4000, 0x9FFF),),
+    "Hangul": ((0xAC00, 0xDFFF),),
     "compatibility and fullwidth forms (U+F900-U+FFFF)": ((0xF900, 0xFFFF),),
     "emoji (U+1E000-U+1FFFF)": ((0x1E000, 0x1FFFF),),
     "other 3-byte characters": (), "other 4-byte characters": (),
@@ -1035,9 +1036,9 @@ HEURISTIC_SCRIPT_WEIGHTS: dict[str, float] = {  # tokens per character
     "Greek Extended": 3.1238,
     "general punctuation (U+2000-U+207F)": 0.5372,
     "symbols, arrows, box drawing, dingbats (U+2080-U+2BFF)": 0.5243,
-    "kana and CJK punctuation (U+3000-U+3FFF)": 0.6864,
+    "kana and CJK punctuation": 0.6864,
     "Han": 0.7695,
-    "Hangul (and the surrogates U+D800-U+DFFF)": 0.9687,
+    "Hangul": 0.9687,
     "compatibility and fullwidth forms (U+F900-U+FFFF)": 1.0413,
     "emoji (U+1E000-U+1FFFF)": 1.6607,
     "other 3-byte characters": 3.1238,
@@ -1128,8 +1129,9 @@ def _sample(text: str) -> tuple[str, float]:
 
 
 def _heuristic_kind(raw: bytes, classes: bytes, scripts: Mapping[str, int]) -> str:
-    """JSON (a key every few dozen bytes), Latin-script prose in a language other than English: with diacritics
-    (``latin``), or of letters, spaces and stops with no English word among them (``plain``); else ``ascii``."""
+    """JSON (a key every few dozen bytes), text escaped in a JSON string (``escaped``: a backslash every few dozen
+    bytes), Latin-script prose in a language other than English: with diacritics (``latin``), or of letters, spaces
+    and stops with no English word among them (``plain``); else ``ascii``."""
     if raw.count(b'":') * JSON_RATE > len(raw):
         return "json"
     if raw.count(b"\\") * ESCAPE_RATE > len(raw):
@@ -1178,8 +1180,8 @@ def heuristic_features(text: str) -> tuple[str, list[float], dict[str, float]]:
 
 
 def heuristic_tokens(text: str) -> int:
-    """Estimate the cl100k token count of ``text`` without a tokenizer (fitted by class so that none is under): its
-    first token, and the weights of its gaps and of its scripts' characters (:func:`heuristic_features`)."""
+    """Estimate the cl100k token count of ``text`` without a tokenizer (fitted so that no class of its corpus is
+    under): its first token, and the weights of its gaps and of its scripts' characters (:func:`heuristic_features`)."""
     if not text:
         return 0
     scale, kind, gaps, scripts = _measured(text)
@@ -1270,7 +1272,7 @@ def _layout(text: str) -> str:
 
 def _text_label(text: str) -> str:
     """One text's class: the script of most of its characters when it has a good share of them, else its kind
-    (the heuristic's ``json``, ``latin`` or ``plain``, else its layout: ``code`` or ``ascii``)."""
+    (the heuristic's ``json``, ``escaped``, ``latin`` or ``plain``, else its layout: ``code`` or ``ascii``)."""
     scale, kind, _, scripts = _measured(text)
     top = max(scripts, key=scripts.__getitem__, default=None)
     if top and scripts[top] * scale >= TEXT_CLASS_SCRIPT * len(text):
@@ -1284,7 +1286,8 @@ TEXT_LABELS = _TextMemo(_text_label, COUNT_CACHE_CHARS)  # agents resend the sam
 def text_class(texts: Iterable[str]) -> str:
     """The class of a request's text as the heuristic tells classes apart, by its longest texts: the script of
     most of their characters when it has a good share of them (``Han``, ``Cyrillic (U+0400-U+043F)``...), else
-    their kind (``ascii``, ``code``, ``json``, ``latin``, ``plain``). Calibrations are learnt per class."""
+    their kind (``ascii``, ``code``, ``escaped``, ``json``, ``latin``, ``plain``). Calibrations are learnt per
+    class."""
     shares: collections.Counter[str] = collections.Counter()
     for text in heapq.nlargest(TEXT_CLASS_TEXTS, texts, key=len):
         shares[TEXT_LABELS[text]] += len(text)
