@@ -1147,10 +1147,10 @@ def _heuristic_kind(raw: bytes, classes: bytes, scripts: Mapping[str, int]) -> s
     return "ascii"
 
 
-def _measured(text: str) -> tuple[float, str, tuple[bytes, bytes], dict[str, int]]:
+def _measured(text: str) -> tuple[float, str, tuple[bytes, bytes], dict[str, int], bytes]:
     """What the heuristic reads off ``text``: the factor that scales its sample back up, its kind, its gaps (each
-    one byte: 16 x the class before + the class after; those at even places, those at odd ones) and the count of
-    each script's characters (the sample's)."""
+    one byte: 16 x the class before + the class after; those at even places, those at odd ones), the count of
+    each script's characters and the class of each character (the sample's)."""
     sample, scale = (text, 1.0) if len(text) <= HEURISTIC_SAMPLE else _sample(text)
     if sample.isascii():
         raw = sample.encode()
@@ -1161,7 +1161,7 @@ def _measured(text: str) -> tuple[float, str, tuple[bytes, bytes], dict[str, int
     # the gap between each two neighbours: unhexlify reads the even and the odd ones apart
     even, odd = (classes[:-1], classes[1:]) if len(classes) & 1 else (classes, classes[1:-1])
     gaps = binascii.unhexlify(even), binascii.unhexlify(odd)
-    return scale, _heuristic_kind(raw, classes, scripts), gaps, scripts
+    return scale, _heuristic_kind(raw, classes, scripts), gaps, scripts, classes
 
 
 def _weighed(gaps: tuple[bytes, bytes], weights: bytes) -> int:
@@ -1174,7 +1174,7 @@ def heuristic_features(text: str) -> tuple[str, list[float], dict[str, float]]:
     """The kind of ``text``, how many gaps between neighbouring characters of each of the 256 pairs of classes it
     has, and each script's characters (all scaled up from the sample of a long text): what :func:`heuristic_tokens`
     weighs, after the text's first token."""
-    scale, kind, (even, odd), scripts = _measured(text)
+    scale, kind, (even, odd), scripts, _ = _measured(text)
     counts = collections.Counter(even + odd)
     return kind, [counts[pair] * scale for pair in range(256)], {name: n * scale for name, n in scripts.items()}
 
@@ -1184,7 +1184,7 @@ def heuristic_tokens(text: str) -> int:
     under): its first token, and the weights of its gaps and of its scripts' characters (:func:`heuristic_features`)."""
     if not text:
         return 0
-    scale, kind, gaps, scripts = _measured(text)
+    scale, kind, gaps, scripts, _ = _measured(text)
     tokens = _weighed(gaps, _GAP_WEIGHTS) + (_weighed(gaps, _KIND_GAP_WEIGHTS[kind]) if kind != "ascii" else 0)
     tokens /= HEURISTIC_GAP_UNIT
     if scripts:
@@ -1262,10 +1262,8 @@ TEXT_CLASS_SCRIPT = 0.3  # the share of a text's characters a script needs to na
 _CODE_CLASSES = b"6789abc"  # quote, stop, bracket, operator, apostrophe, underscore, other
 
 
-def _layout(text: str) -> str:
-    """``code`` (lines dense with punctuation) or ``ascii``."""
-    raw = _sample(text)[0].encode("utf-8", "surrogatepass")
-    classes = raw.translate(_GAP_CLASSES, _CONTINUATION_BYTES)
+def _layout(classes: bytes) -> str:
+    """``code`` (lines dense with punctuation) or ``ascii``, by the class of each character."""
     punctuation = len(classes) - len(classes.translate(None, _CODE_CLASSES))
     return "code" if punctuation * 7 > len(classes) and classes.count(b"4") * 80 > len(classes) else "ascii"
 
@@ -1273,11 +1271,11 @@ def _layout(text: str) -> str:
 def _text_label(text: str) -> str:
     """One text's class: the script of most of its characters when it has a good share of them, else its kind
     (the heuristic's ``json``, ``escaped``, ``latin`` or ``plain``, else its layout: ``code`` or ``ascii``)."""
-    scale, kind, _, scripts = _measured(text)
+    scale, kind, _, scripts, classes = _measured(text)
     top = max(scripts, key=scripts.__getitem__, default=None)
     if top and scripts[top] * scale >= TEXT_CLASS_SCRIPT * len(text):
         return top
-    return kind if kind != "ascii" else _layout(text)
+    return kind if kind != "ascii" else _layout(classes)
 
 
 TEXT_LABELS = _TextMemo(_text_label, COUNT_CACHE_CHARS)  # agents resend the same texts: each is read once
