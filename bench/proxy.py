@@ -56,6 +56,7 @@ from tiny_llama import free_port, llama_server, write_tiny_gguf  # noqa: E402
 from workloads import generated, load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
+import context_shrink_proxy as csp  # noqa: E402
 
 TOK = cs.resolve_tokenizer("tiktoken:cl100k_base")
 N_CTX = 32768
@@ -85,9 +86,8 @@ def streamed(client: httpx2.Client, url: str, body: dict[str, Any]) -> float:
 @contextlib.contextmanager
 def bare_forwarder(upstream: str) -> Iterator[str]:
     """The floor of any Python proxy on this stack, measured in the same run: starlette and httpx2 on the
-    proxy's own uvicorn settings (``cs.serve_http``), relaying the body both ways and nothing else. It runs in a
+    proxy's own uvicorn settings (``csp.serve_http``), relaying the body both ways and nothing else. It runs in a
     thread until the script ends; yields its base URL."""
-    cs.load_web()
     from starlette.applications import Starlette
     from starlette.background import BackgroundTask
     from starlette.responses import StreamingResponse
@@ -105,7 +105,7 @@ def bare_forwarder(upstream: str) -> Iterator[str]:
 
     app = Starlette(routes=[Route("/v1/chat/completions", relay, methods=["POST"])])
     port = free_port()
-    threading.Thread(target=cs.serve_http, args=(app, "127.0.0.1", port, (10.0, 5.0), "floor on {}"),
+    threading.Thread(target=csp.serve_http, args=(app, "127.0.0.1", port, (10.0, 5.0), "floor on {}"),
                      daemon=True).start()  # fmt: skip
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -198,7 +198,7 @@ def replay(direct: str, front: str, fake: FakeOpenAI, messages: Messages, name: 
     first = messages[: turns[0]]
     reply, _ = post(direct, {"messages": first, "max_tokens": 1})
     ratio = reply.json()["usage"]["prompt_tokens"] / cs.count_messages(first, TOK)[1]  # its tokens per cl100k
-    budget = int(cs.Policy().trigger * (N_CTX - min(cs.PROXY_MAX_RESERVE, N_CTX // 8)) / ratio)
+    budget = int(cs.Policy().trigger * (N_CTX - min(csp.PROXY_MAX_RESERVE, N_CTX // 8)) / ratio)
     totals = {"proxy": 0, "sliding window": 0}
     actions: dict[str, int] = {}
     uses: list[float] = []  # the window share llama.cpp counted, on the requests the proxy shrank

@@ -36,6 +36,7 @@ from redis_helper import started_redis  # noqa: E402
 from state_runs import run  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
+import context_shrink_state as cst  # noqa: E402
 
 MODES = ("one", "restart", "replicas")
 
@@ -86,7 +87,7 @@ def archive_history(n: int, rng: random.Random) -> list[dict]:
 
 def old_scan(directory: Path, query: str, limit: int) -> list[dict]:
     """The earlier version's recall: every JSONL file read and each message's JSON scanned for the words."""
-    entries = cs.read_archive(directory)
+    entries = cst.read_archive(directory)
     words = query.lower().split()
     found = []
     for entry in reversed(entries):
@@ -109,11 +110,11 @@ def timed(search: Callable[[str], object], queries: list[str]) -> tuple[float, f
 def recall_table(folder: Path, size: int, count: int, redis: str | None) -> None:
     rng = random.Random(5)
     history = archive_history(size, rng)
-    entries = cs.archive_entries([*history, {"role": "user", "content": "now"}], [{"role": "user", "content": "now"}],
+    entries = cst.archive_entries([*history, {"role": "user", "content": "now"}], [{"role": "user", "content": "now"}],
                                  "trim")  # fmt: skip
-    stores: dict[str, cs.Store] = {"sqlite FTS5": cs.SqliteStore(folder / "archive.sqlite3")}
+    stores: dict[str, cs.Store] = {"sqlite FTS5": cst.SqliteStore(folder / "archive.sqlite3")}
     if redis is not None:
-        stores["redis"] = cs.RedisStore(redis, "bench")
+        stores["redis"] = cst.RedisStore(redis, "bench")
     cold = {}
     for name, store in stores.items():
         started = time.perf_counter()

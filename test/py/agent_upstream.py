@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import context_shrink as cs
+import context_shrink_wire as csw
 
 Tool = tuple[str, dict[str, Any]]  # a tool's name and its JSON schema
 SUMMARY = "- The user asked to read every notes file one by one.\n- The earlier files were read.\n- Next: the rest."
@@ -50,7 +51,7 @@ class AgentUpstream(FakeOpenAI):
 
     # -- the model's script --------------------------------------------------------------------------------
 
-    def next_call(self, tools: list[Tool], view: cs.ChatView | None = None) -> tuple[str, str] | None:
+    def next_call(self, tools: list[Tool], view: csw.ChatView | None = None) -> tuple[str, str] | None:
         """The next tool call (name, JSON arguments) of the script, or None when it is time to answer (or
         when the newest message asks for a summary: an agent compacting its session)."""
         if not tools or self.calls >= self.steps or (view is not None and reply_text(view) != "done"):
@@ -59,7 +60,7 @@ class AgentUpstream(FakeOpenAI):
         self.calls += 1
         return read_call(tools, path)
 
-    def check(self, path: str, view: cs.ChatView) -> tuple[int, Response | None]:
+    def check(self, path: str, view: csw.ChatView) -> tuple[int, Response | None]:
         """The prompt's size, and llama.cpp's refusal when it is over the window."""
         tokens, refusal = self.over_window(view, 0)
         if refusal is not None:
@@ -117,7 +118,7 @@ class AgentUpstream(FakeOpenAI):
 
     async def count_tokens(self, request: Request) -> Response:
         body = await request.json()
-        tokens, _ = self.over_window(cs.messages_view({**body, "max_tokens": 0}), 0)
+        tokens, _ = self.over_window(csw.messages_view({**body, "max_tokens": 0}), 0)
         return JSONResponse({"input_tokens": tokens})
 
     async def props(self, request: Request) -> Response:
@@ -128,14 +129,14 @@ class AgentUpstream(FakeOpenAI):
         return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "test"}]})
 
 
-def request_view(path: str, body: dict[str, Any]) -> cs.ChatView:
+def request_view(path: str, body: dict[str, Any]) -> csw.ChatView:
     """A logged request (``chat``, ``responses`` or ``messages``) seen as a chat request."""
     if path == "chat":
-        return cs.ChatView(body["messages"], body.get("tools") or [], [None] * len(body["messages"]))
-    return cs.responses_view(body) if path == "responses" else cs.messages_view(body)
+        return csw.ChatView(body["messages"], body.get("tools") or [], [None] * len(body["messages"]))
+    return csw.responses_view(body) if path == "responses" else csw.messages_view(body)
 
 
-def reply_text(view: cs.ChatView) -> str:
+def reply_text(view: csw.ChatView) -> str:
     """The model's answer when it calls no tool: a summary when the newest user message asks for one while
     telling it not to call tools (Claude Code's /compact does)."""
     users = [m for m in view.messages if m.get("role") == "user"]

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import context_shrink as cs  # noqa: E402
+import context_shrink_state as cst  # noqa: E402
 
 LOCAL_SESSIONS = ROOT / "test" / "data"
 
@@ -32,7 +33,7 @@ os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="context-shrink-state-")
 @pytest.fixture(scope="session", autouse=True)
 def no_default_store() -> Iterator[None]:
     yield
-    leaked = cs.default_state_path()
+    leaked = cst.default_state_path()
     assert not leaked.exists(), f"a test used the default store ({leaked}): give it --state or state='memory'"
 
 

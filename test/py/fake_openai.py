@@ -26,6 +26,7 @@ from starlette.routing import Route
 from tiny_llama import free_port
 
 import context_shrink as cs
+import context_shrink_wire as csw
 
 
 class FakeOpenAI:
@@ -57,7 +58,7 @@ class FakeOpenAI:
             ]
         )
 
-    def over_window(self, view: cs.ChatView, reserve: int) -> tuple[int, Response | None]:
+    def over_window(self, view: csw.ChatView, reserve: int) -> tuple[int, Response | None]:
         """A request of another wire API read through its chat view, as llama.cpp reads it: its size, and
         llama.cpp's own refusal when it is over the window."""
         tokens = self.count_prompt(view.messages) + reserve + self.count_tools({"tools": view.tools})
@@ -75,8 +76,8 @@ class FakeOpenAI:
         self.responses_requests.append(body)
         if body.get("previous_response_id"):  # the earlier turns are held here: nothing to count
             body = {**body, "previous_response_id": None}
-        # cs.responses_view raises on what it does not understand: a test failure
-        tokens, refusal = self.over_window(cs.responses_view(body), int(body.get("max_output_tokens") or 0))
+        # csw.responses_view raises on what it does not understand: a test failure
+        tokens, refusal = self.over_window(csw.responses_view(body), int(body.get("max_output_tokens") or 0))
         if refusal is not None:
             return refusal
         text = {"type": "output_text", "text": "done", "annotations": []}
@@ -90,7 +91,7 @@ class FakeOpenAI:
         """The Anthropic Messages API as llama.cpp serves it; a reply with ``usage.input_tokens``."""
         body = await request.json()
         self.anthropic_requests.append(body)
-        tokens, refusal = self.over_window(cs.messages_view(body), int(body.get("max_tokens") or 0))
+        tokens, refusal = self.over_window(csw.messages_view(body), int(body.get("max_tokens") or 0))
         if refusal is not None:
             return refusal
         usage = {"input_tokens": tokens, "output_tokens": 1}

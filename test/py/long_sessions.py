@@ -21,6 +21,8 @@ from fake_openai import serve
 from proxy_helpers import proxy
 
 import context_shrink as cs
+import context_shrink_sessions as css
+import context_shrink_wire as csw
 
 USER_FACTS = [
     ("the deploy key is in vault path secret/deploy/prod-7741", "secret/deploy/prod-7741"),
@@ -96,7 +98,7 @@ class TurnUpstream(AgentUpstream):
         self.recall_at = recall_at
         self.recalled: list[str] = []  # what each recall answered
 
-    def next_call(self, tools: list[Any], view: cs.ChatView | None = None) -> tuple[str, str] | None:
+    def next_call(self, tools: list[Any], view: csw.ChatView | None = None) -> tuple[str, str] | None:
         if not tools or view is None:
             return None
         users = [k for k, m in enumerate(view.messages)
@@ -181,6 +183,6 @@ def session_id(agent: str, home: Path) -> str | None:
     """The id of the agent's only session in ``home``, to resume it."""
     environ = {"HOME": str(home), "XDG_DATA_HOME": str(home / "data"), "CODEX_HOME": str(home / ".codex")}
     with contextlib.suppress(cs.ContextShrinkError):
-        found = cs.list_sessions([agent], environ)
+        found = css.list_sessions([agent], environ)
         return found[0]["id"] if found else None
     return None

@@ -1,8 +1,10 @@
-"""Agent session stores the tests write: a Claude Code JSONL session, and where the stores are."""
+"""Agent session stores the tests write: a Claude Code JSONL session, an OpenCode database, and where the
+stores are."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +57,45 @@ def claude_store(home: Path, cwd: str, compacted: bool = False) -> Path:
         {"type": "last-prompt", "lastPrompt": "fix it", "leafUuid": "r3"},
     ]  # fmt: skip
     return write_jsonl(home / ".claude" / "projects" / "-x" / "s1.jsonl", records)
+
+
+OPENCODE_ROWS = [
+    ("m1", {"role": "user"}, [("p1", {"type": "text", "text": "an old question"})]),
+    ("m1c", {"role": "user"}, [("p1c", {"type": "compaction", "auto": True})]),
+    ("m2", {"role": "assistant", "summary": True, "finish": "stop", "parentID": "m1c"},
+     [("p2", {"type": "text", "text": "Summary: answered."})]),
+    ("m3", {"role": "user"}, [("p3", {"type": "text", "text": "read a.py"})]),
+    ("m4", {"role": "assistant"}, [("p4", {"type": "step-start"}), ("p5", {"type": "tool", "callID": "c1",
+     "tool": "read", "state": {"status": "completed", "input": {"filePath": "a.py"}, "output": "print(1)"}}),
+     ("p6", {"type": "text", "text": "It prints 1."})]),
+]  # fmt: skip
+
+
+def opencode_store(home: Path, cwd: str, rows: list[Any] = OPENCODE_ROWS) -> Path:
+    """OpenCode's database (its tables as 1.18 has them) holding session ses_1: ``rows`` of (message id,
+    message JSON, [(part id, part JSON)]), each write told in the event log."""
+    path = home / "data" / "opencode" / "opencode.db"
+    path.parent.mkdir(parents=True)
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE session (id text, directory text, title text, time_updated integer)")
+        db.execute("CREATE TABLE message (id text, session_id text, time_created integer, time_updated integer, "
+                   "data text)")  # fmt: skip
+        db.execute("CREATE TABLE part (id text, message_id text, session_id text, time_created integer, "
+                   "time_updated integer, data text)")  # fmt: skip
+        db.execute("CREATE TABLE event_sequence (aggregate_id text PRIMARY KEY, seq integer NOT NULL, owner_id text)")
+        db.execute("CREATE TABLE event (id text PRIMARY KEY, aggregate_id text NOT NULL, seq integer NOT NULL, "
+                   "type text NOT NULL, data text NOT NULL)")  # fmt: skip
+        db.execute("INSERT INTO session VALUES ('ses_1', ?, 'title', 1000)", (cwd,))
+        events = []
+        for t, (mid, info, parts) in enumerate(rows):
+            db.execute("INSERT INTO message VALUES (?, 'ses_1', ?, ?, ?)", (mid, t, t, json.dumps(info)))
+            events.append(("message.updated.1", {"info": {"id": mid, "sessionID": "ses_1", **info}}))
+            for pid, part in parts:
+                db.execute("INSERT INTO part VALUES (?, ?, 'ses_1', ?, ?, ?)", (pid, mid, t, t, json.dumps(part)))
+                whole = {"id": pid, "sessionID": "ses_1", "messageID": mid, **part}
+                events.append(("message.part.updated.1", {"part": whole, "time": t}))
+        for seq, (kind, data) in enumerate(events):
+            db.execute("INSERT INTO event VALUES (?, 'ses_1', ?, ?, ?)",
+                       (f"evt_{seq:03}", seq, kind, json.dumps({"sessionID": "ses_1", **data})))  # fmt: skip
+        db.execute("INSERT INTO event_sequence VALUES ('ses_1', ?, NULL)", (len(events) - 1,))
+    return path

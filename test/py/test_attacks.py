@@ -32,6 +32,7 @@ from stores import claude_store, environ
 from upstreams import PROXY_KEY, Recorder, proxied, raw_upstream
 
 import context_shrink as cs
+import context_shrink_proxy as csp
 
 TOKEN = "test-token-0123456789abcdef"
 ABOUT = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
@@ -125,7 +126,7 @@ def test_allow_origin_works_on_mcp_too(tmp_path: Path) -> None:
 @given(reason=st.text(max_size=400), conversation=st.text(max_size=50))
 def test_the_header_is_valid_for_any_reason_text(reason: str, conversation: str) -> None:
     """A reason whose character 200 was a space made h11 refuse the header and drop the connection."""
-    header = cs.shrink_header({"tokens_before": 9, "tokens_after": 3, "action": "trim", "reason": reason,
+    header = csp.shrink_header({"tokens_before": 9, "tokens_after": 3, "action": "trim", "reason": reason,
                                "conversation": conversation})  # fmt: skip
     h11.Response(status_code=200, headers=[("x-context-shrink", header)])  # raises when invalid
     assert header == header.strip() and len(header) < 400
@@ -468,8 +469,8 @@ def test_a_window_two_refusals_agree_on_is_learnt_and_a_larger_answer_corrects_i
         first, second, third = (httpx2.post(f"{front}/chat/completions", json=request) for _ in range(3))
     assert "retried=1" in first.headers["x-context-shrink"] and "retried=1" in second.headers["x-context-shrink"]
     assert "window=1024" in third.headers["x-context-shrink"] and "retried" not in third.headers["x-context-shrink"]
-    config = cs.ProxyConfig(upstream="http://x/v1", window=8192)
-    state = cs.ProxyState(config, None, cs.resolve_tokenizer("tiktoken"))  # type: ignore[arg-type]
+    config = csp.ProxyConfig(upstream="http://x/v1", window=8192)
+    state = csp.ProxyState(config, None, cs.resolve_tokenizer("tiktoken"))  # type: ignore[arg-type]
     state.windows["m"] = 1024
     state.learn_usage("m", 2000, 2000)  # the upstream answered a larger prompt than the learnt window
     assert "m" not in state.windows

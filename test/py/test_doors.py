@@ -24,6 +24,7 @@ from prefill import excess_ratio, mcp_door, trim_in_process, trim_through
 from proxy_helpers import started
 
 import context_shrink as cs
+import context_shrink_proxy as csp
 
 MCP_DOORS = [door for door in cs.DOOR_OPTIONS if door != "proxy"]
 
@@ -109,10 +110,10 @@ def test_every_tool_argument_reaches_the_core(door: str, tmp_path: Path, monkeyp
         )  # fmt: skip
 
 
-def proxy_settings(command: str, flags: list[str], environ: dict[str, str]) -> cs.ProxyConfig:
+def proxy_settings(command: str, flags: list[str], environ: dict[str, str]) -> csp.ProxyConfig:
     parser, _ = cs._parser()
     args = parser.parse_args([command, "--upstream", "http://127.0.0.1:9/v1", *flags])
-    return cs.proxy_config(args, environ) if command == "proxy" else cs.serve_config(args, environ).proxy
+    return csp.proxy_config(args, environ) if command == "proxy" else csp.serve_config(args, environ).proxy
 
 
 @pytest.mark.parametrize("command", ["proxy", "serve"])

@@ -25,6 +25,7 @@ from mcp.client.streamable_http import streamable_http_client
 from proxy_helpers import MODULE, started
 
 import context_shrink as cs
+import context_shrink_proxy as csp
 
 TOKEN = "test-token-0123456789abcdef"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
@@ -219,8 +220,10 @@ def test_the_container_serves_with_the_token_from_its_environment(tmp_path: Path
     text = (MODULE.parent / "Dockerfile").read_text()
     user = re.search(r"^USER (\S+)$", text, re.M)
     assert user and user.group(1) not in ("root", "0")
-    copied = re.search(r"^COPY (.+) \./$", text, re.M)
-    assert copied and all((MODULE.parent / name).is_file() for name in copied.group(1).split())
+    copied = re.search(r"^COPY ((?:.|\\\n)+?) \./$", text, re.M)
+    names = copied.group(1).replace("\\\n", " ").split() if copied else []
+    assert names and all((MODULE.parent / name).is_file() for name in names)
+    assert {p.name for p in MODULE.parent.glob("context_shrink*.py")} <= set(names)  # the core and its companions
     command = json.loads(re.findall(r"^CMD (\[.*\])$", text, re.M)[-1])
     check = json.loads(re.search(r"^    CMD (\[.*\])$", text, re.M).group(1))
     assert command[:2] == ["context-shrink", "serve"] and command[command.index("--host") + 1] == "0.0.0.0"
@@ -239,7 +242,7 @@ def test_connections_accepted_by_the_servers_listener_send_without_delay() -> No
     """The proxy and serve listen on a socket bound before uvicorn starts; a connection accepted from it must
     have TCP_NODELAY (asyncio sets it only when the socket says IPPROTO_TCP), or every streamed reply on a
     kept-alive connection waits for the client's delayed ACK."""
-    listener = cs.bound_listener("127.0.0.1", 0)
+    listener = csp.bound_listener("127.0.0.1", 0)
     seen: list[int] = []
 
     async def check() -> None:

@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import context_shrink as cs
+import context_shrink_proxy as csp
+import context_shrink_wire as csw
 
 pytestmark = pytest.mark.core
 TOK = cs.HEURISTIC
@@ -242,17 +244,17 @@ def test_every_kind_of_tool_is_counted() -> None:
                            for k in range(10)]}  # fmt: skip
     body = {"model": "m", "input": [{"type": "message", "role": "user", "content": "hi"}],
             "tools": [namespace, {"type": "web_search"}]}  # fmt: skip
-    view = cs.responses_view(body)
+    view = csw.responses_view(body)
     counted = cs.count_tools(view.tools, cs.resolve_tokenizer("tiktoken"))
     assert counted >= cs.resolve_tokenizer("tiktoken").count(json.dumps(namespace)) * (1 + cs.UNKNOWN_TOOL_MARGIN)
-    anthropic = cs.messages_view(
+    anthropic = csw.messages_view(
         {
             "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
         }
     )
     assert anthropic.tools[0]["function"]["kind"] == "web_search_20250305"
-    chat = cs.ChatRequest.read({"messages": [{"role": "user", "content": "hi"}],
+    chat = csp.ChatRequest.read({"messages": [{"role": "user", "content": "hi"}],
                                 "tools": [{"type": "custom", "custom": {"name": "apply_patch"}}]})  # fmt: skip
     assert chat.tools[0]["function"]["name"] == "custom" and cs.count_tools(chat.tools, TOK) > 0
 
@@ -261,12 +263,12 @@ def test_a_recall_finds_a_file_by_its_name_and_lines_by_their_words_within_its_l
     folded = [user("read it"), {"role": "assistant", "content": None, "tool_calls": [
         cs.tool_call("c1", "read", json.dumps({"filePath": "/p/notes_01_a.txt"}))]},
         tool("c1", noisy_file(0, "snap-0b7c4e91d2f5", 400))]  # fmt: skip
-    by_name = cs.recall_lines(folded, "notes_01_a.txt", 300, COUNT)
+    by_name = csw.recall_lines(folded, "notes_01_a.txt", 300, COUNT)
     assert by_name.startswith("[message 2, tool]") and COUNT(by_name) <= 300 and "[... cut" in by_name
-    by_words = cs.recall_lines(folded, "remember snap", 300, COUNT)
+    by_words = csw.recall_lines(folded, "remember snap", 300, COUNT)
     assert "snap-0b7c4e91d2f5" in by_words and COUNT(by_words) < 300
-    assert "Nothing folded away" in cs.recall_lines(folded, "zebra", 300, COUNT)
-    assert "no word" in cs.recall_lines(folded, "  ", 300, COUNT)
+    assert "Nothing folded away" in csw.recall_lines(folded, "zebra", 300, COUNT)
+    assert "no word" in csw.recall_lines(folded, "  ", 300, COUNT)
 
 
 ARGUMENTS = json.dumps({"query": "notes"})
@@ -295,7 +297,7 @@ STREAMED = {
 
 @pytest.mark.parametrize("wire", ["chat", "responses", "messages"])
 def test_each_wire_reads_the_recall_call_back_streamed_or_whole(wire: str) -> None:
-    room = cs.WIRES[wire]
+    room = csw.WIRES[wire]
     assert cs.RECALL_TOOL in json.dumps(room.with_tool({"tools": []})["tools"][-1])
     events = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in STREAMED[wire]) + b"data: [DONE]\n\n"
     for calls in (room.calls(json.dumps(WHOLE[wire]).encode(), False), room.calls(events, True)):

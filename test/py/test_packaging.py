@@ -1,13 +1,16 @@
 """What a user installs: the sdist and the wheel build offline from a checkout and pass twine's metadata check,
-carry the module, the console script, the license and the README; the installed command runs; and the module
-copied on its own, started without its dependencies, says what to install instead of a traceback."""
+carry the module, its companions, the console script, the license and the README; the installed command runs;
+the module copied on its own serves the MCP tools and names the companion a proxy or a session would need; started
+without its dependencies, it says what to install instead of a traceback."""
 
 from __future__ import annotations
 
 import email
+import json
 import os
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 from pathlib import Path
@@ -34,6 +37,14 @@ def test_twine_passes_both_artefacts(dist: Path) -> None:
     assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout + checked.stderr
 
 
+COMPANIONS = [
+    "context_shrink_proxy.py",
+    "context_shrink_sessions.py",
+    "context_shrink_state.py",
+    "context_shrink_wire.py",
+]
+
+
 def test_the_wheel_carries_the_module_the_command_the_license_and_the_readme(dist: Path) -> None:
     wheel = next(dist.glob("context_shrink_mcp-*.whl"))
     assert wheel.name == f"context_shrink_mcp-{cs.__version__}-py3-none-any.whl"
@@ -43,7 +54,10 @@ def test_the_wheel_carries_the_module_the_command_the_license_and_the_readme(dis
         metadata = email.message_from_string(archive.read(f"{info}/METADATA").decode())
         entry_points = archive.read(f"{info}/entry_points.txt").decode()
         module = archive.read("context_shrink.py")
+        companions = {name: archive.read(name) for name in COMPANIONS}
     assert module == (ROOT / "context_shrink.py").read_bytes()
+    assert companions == {name: (ROOT / name).read_bytes() for name in COMPANIONS}
+    assert sorted(p.name for p in ROOT.glob("context_shrink_*.py")) == COMPANIONS  # a new companion ships too
     assert "context-shrink = context_shrink:main" in entry_points
     assert f"{info}/licenses/LICENSE" in names
     assert metadata["Name"] == "context-shrink-mcp" and metadata["Version"] == cs.__version__
@@ -58,7 +72,7 @@ def test_the_sdist_carries_the_sources_and_the_docs(dist: Path) -> None:
     sdist = next(dist.glob("context_shrink_mcp-*.tar.gz"))
     with tarfile.open(sdist) as archive:
         names = {n.split("/", 1)[1] for n in archive.getnames() if "/" in n}
-    assert {"context_shrink.py", "README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml"} <= names
+    assert {"context_shrink.py", *COMPANIONS, "README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml"} <= names
     assert not any("node_modules" in n for n in names)
 
 
@@ -101,7 +115,8 @@ import context_shrink as cs
 assert cs.main(["count", "--input", {str(tmp_path / "h.txt")!r}, "--root", {str(tmp_path)!r}]) == 0
 web = [m for m in ("starlette", "uvicorn", "pydantic", "h11") if m in sys.modules]
 assert not web and type(sys.modules["httpx2"]).__name__ == "_LazyModule", ("count imported the HTTP stack", web)
-cs.build_proxy(cs.ProxyConfig(upstream="http://127.0.0.1:9/v1"))
+import context_shrink_proxy as csp  # the HTTP stack comes with the proxy's module
+csp.build_proxy(csp.ProxyConfig(upstream="http://127.0.0.1:9/v1"))
 assert "starlette.responses" in sys.modules
 assert not [m for m in sys.modules if m == "mcp" or m.startswith(("mcp.", "mcp_types"))], "the SDK was imported"
 cs.build_server(cs.Config())
@@ -121,8 +136,59 @@ def test_load_sdk_declares_every_name_it_lends() -> None:
                 for n in re.findall(r"\w+", line.split("global", 1)[1])}  # fmt: skip
     assert declared == cs.SDK_NAMES
     assert all(hasattr(cs, name) for name in cs.SDK_NAMES)
-    source = inspect.getsource(cs.load_web)
-    declared = {n for line in source.splitlines() if line.strip().startswith("global ")
-                for n in re.findall(r"\w+", line.split("global", 1)[1])}  # fmt: skip
-    assert declared == cs.WEB_NAMES
-    assert all(hasattr(cs, name) for name in [*cs.WEB_NAMES, *cs.WEB_CLASSES])
+
+
+def raw_calls(command: list[str], cwd: Path, env: dict[str, str], calls: list[dict[str, object]]) -> list[dict]:
+    """``calls`` (tools/call params) sent to a stdio server after the handshake and a tools/list; its replies,
+    read until each request is answered (stdin stays open until then: closing it ends the server)."""
+    hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}
+    lines = [{"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": hello},
+             {"jsonrpc": "2.0", "method": "notifications/initialized"},
+             {"jsonrpc": "2.0", "id": "tools", "method": "tools/list"},
+             *({"jsonrpc": "2.0", "id": k, "method": "tools/call", "params": c}
+               for k, c in enumerate(calls, 1))]  # fmt: skip
+    pipe = subprocess.PIPE
+    process = subprocess.Popen(command, stdin=pipe, stdout=pipe, stderr=subprocess.DEVNULL, cwd=cwd, env=env, text=True)
+    assert process.stdin and process.stdout
+    process.stdin.write("".join(json.dumps(m) + "\n" for m in lines))
+    process.stdin.flush()
+    replies: list[dict] = []
+    try:
+        while len(replies) < len(calls) + 2 and (line := process.stdout.readline()):
+            replies.append(json.loads(line))
+    finally:
+        process.kill()
+        process.wait()
+    return replies
+
+
+def test_the_module_copied_alone_serves_the_mcp_tools(tmp_path: Path) -> None:
+    """The card's promise: ``context_shrink.py`` copied into an empty folder is the whole stdio MCP server. Run
+    with this environment's packages but nothing of the checkout (``-S`` and site-packages on PYTHONPATH: no
+    .pth file puts the checkout back), it lists every tool and answers them; a tool given ``session`` and the
+    ``proxy`` command name the companion file they need instead of failing with a traceback."""
+    copy = tmp_path / "context_shrink.py"
+    copy.write_bytes((ROOT / "context_shrink.py").read_bytes())
+    packages = sysconfig.get_paths()["purelib"]
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "PYTHONPATH": packages,
+           "CONTEXT_SHRINK_TOKENIZER": "heuristic", "CONTEXT_SHRINK_SESSION_STORES": "claude"}  # fmt: skip
+    command = [sys.executable, "-S", str(copy)]
+    hello = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+    replies = {r.get("id"): r for r in raw_calls(command, tmp_path, env, [
+        {"name": "estimate_context", "arguments": {"messages": hello, "max_context_tokens": 1000}},
+        {"name": "trim_context", "arguments": {"messages": hello, "max_context_tokens": 1000}},
+        {"name": "list_sessions", "arguments": {}},
+        {"name": "estimate_context", "arguments": {"session": "claude:latest"}},
+    ])}  # fmt: skip
+    assert [t["name"] for t in replies["tools"]["result"]["tools"]] == list(cs.TOOL_NAMES)
+    estimate = replies[1]["result"]
+    assert not estimate.get("isError") and estimate["structuredContent"]["should_trim"] is False
+    trimmed = replies[2]["result"]
+    assert not trimmed.get("isError") and trimmed["structuredContent"]["fits"] is True
+    for k in (3, 4):
+        said = replies[k]["result"]
+        assert said["isError"] and "context_shrink_sessions.py beside context_shrink.py" in said["content"][0]["text"]
+    proxy = subprocess.run([*command, "proxy", "--upstream", "http://127.0.0.1:9/v1"], capture_output=True,
+                           text=True, timeout=60, cwd=tmp_path, env=env, check=False)  # fmt: skip
+    assert proxy.returncode == 2 and "Traceback" not in proxy.stderr, proxy.stderr
+    assert "context_shrink_proxy.py beside context_shrink.py" in proxy.stderr

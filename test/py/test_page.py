@@ -18,7 +18,7 @@ from builders import chat_history
 from fake_openai import FakeOpenAI, serve
 from proxy_helpers import proxy, started
 
-import context_shrink as cs
+import context_shrink_proxy as csp
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 TOKEN = "page-token-0123456789"
@@ -98,7 +98,7 @@ def test_the_live_page_shows_what_the_stats_report(tmp_path: Path) -> None:
             assert httpx2.get(base + "/context-shrink", follow_redirects=True).text == page.text
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'none'" in page.headers["content-security-policy"]
-    assert not re.search(r"""(src|href)\s*=|https?://|@import""", cs.LIVE_PAGE)  # nothing from outside the proxy
+    assert not re.search(r"""(src|href)\s*=|https?://|@import""", csp.LIVE_PAGE)  # nothing from outside the proxy
     assert stats["totals"]["shrunk"] >= 3 and stats["totals"]["requests"] == 5
     over = [r for r in stats["recent"] if r["tokens_before"] > 6000 >= r["tokens_after"]]
     assert stats["totals"]["refusals_avoided"] == len(over) >= 3  # over the window, sent within it

@@ -16,6 +16,7 @@ from mcp.server.mcpserver.tools import Tool
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import context_shrink as cs
+import context_shrink_proxy as csp
 
 
 def moved(part: str) -> str:
@@ -46,7 +47,7 @@ def test_the_lowlevel_server_serves_stdio_as_serve_stdio_drives_it() -> None:
 @pytest.mark.parametrize("method", ["connection_made", "data_received", "connection_lost"])
 def test_uvicorns_h11_protocol_has_what_the_header_deadline_overrides(method: str) -> None:
     assert callable(getattr(H11Protocol, method, None)), moved(f"H11Protocol.{method}")
-    assert issubclass(cs.HeaderDeadline, H11Protocol)
+    assert issubclass(csp.HeaderDeadline, H11Protocol)
 
 
 def test_h11_and_the_protocols_state_are_where_the_header_deadline_reads_them() -> None:

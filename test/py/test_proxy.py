@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx2
 import pytest
+from agent_requests import claude_request, codex_request, opencode_request
 from agent_upstream import AgentUpstream
 from builders import chat_history, conversation
 from checks import anthropic_problems, responses_problems
@@ -24,9 +25,12 @@ from mcp_calls import call, ok, run
 from proxy_helpers import MODULE, proxy, started
 from starlette.responses import JSONResponse
 from tiny_llama import free_port
-from upstreams import SUMMARY, Recorder
+from upstreams import SUMMARY, Recorder, proxied
 
 import context_shrink as cs
+import context_shrink_proxy as csp
+import context_shrink_state as cst
+import context_shrink_wire as csw
 
 SECRET = "sk-test-0123456789abcdef"
 
@@ -35,20 +39,20 @@ SECRET = "sk-test-0123456789abcdef"
 
 
 def test_calibration_is_smoothed_and_bounded() -> None:
-    assert cs.calibrated(None, 1000, 1200) == 1.2
-    assert cs.calibrated(1.2, 1000, 1000) == 1.1
-    assert cs.calibrated(None, 1000, 100_000) == cs.CALIBRATION_LIMITS[1]
-    assert cs.calibrated(None, 0, 10) == cs.CALIBRATION_LIMITS[1]  # no division by zero
+    assert csp.calibrated(None, 1000, 1200) == 1.2
+    assert csp.calibrated(1.2, 1000, 1000) == 1.1
+    assert csp.calibrated(None, 1000, 100_000) == csp.CALIBRATION_LIMITS[1]
+    assert csp.calibrated(None, 0, 10) == csp.CALIBRATION_LIMITS[1]  # no division by zero
 
 
 def test_silent_truncation_is_flagged() -> None:
-    assert cs.silently_truncated(10_000, 4_000)
-    assert not cs.silently_truncated(10_000, 9_000)
-    assert not cs.silently_truncated(100, 10)  # tiny requests say nothing
+    assert csp.silently_truncated(10_000, 4_000)
+    assert not csp.silently_truncated(10_000, 9_000)
+    assert not csp.silently_truncated(100, 10)  # tiny requests say nothing
 
 
 def test_header_is_one_line_and_says_what_was_done() -> None:
-    header = cs.shrink_header(
+    header = csp.shrink_header(
         {"tokens_before": 9, "tokens_after": 5, "action": "trim", "window": 8, "reason": "summary failed; x\ny"}
     )
     assert header.startswith("tokens_before=9; tokens_after=5; action=trim; window=8; reason=summary failed")
@@ -68,20 +72,20 @@ def test_keep_last_gives_way_to_huge_newest_messages() -> None:
 
 def test_conversation_id_is_stable_as_the_history_grows() -> None:
     history = conversation(6, size=5)
-    assert cs.conversation_id(history[:8]) == cs.conversation_id(history)
-    assert cs.conversation_id(history) != cs.conversation_id(conversation(6, size=6))
+    assert cst.conversation_id(history[:8]) == cst.conversation_id(history)
+    assert cst.conversation_id(history) != cst.conversation_id(conversation(6, size=6))
 
 
 def test_folded_away_lists_what_the_request_lost() -> None:
     history = conversation(2, size=5)
     shrunk = [history[0], *history[5:]]
-    assert [i for i, _ in cs.folded_away(history, shrunk)] == [1, 2, 3, 4]
+    assert [i for i, _ in cst.folded_away(history, shrunk)] == [1, 2, 3, 4]
 
 
 def test_usage_is_read_from_the_stream_tail() -> None:
     tail = b'data: {"choices":[{"delta":{}}],"usage":null}\n\ndata: {"choices":[],"usage":{"prompt_tokens":42}}\n\n'
-    assert cs.usage_in_stream(tail + b"data: [DONE]\n\n") == 42
-    assert cs.usage_in_stream(b"data: [DONE]\n\n") is None
+    assert csp.usage_in_stream(tail + b"data: [DONE]\n\n") == 42
+    assert csp.usage_in_stream(b"data: [DONE]\n\n") is None
 
 
 def args(**given: Any) -> argparse.Namespace:
@@ -93,36 +97,36 @@ def args(**given: Any) -> argparse.Namespace:
 def test_proxy_config_flags_environment_and_errors(tmp_path: Path) -> None:
     env = {"CONTEXT_SHRINK_PROXY_UPSTREAM": "http://127.0.0.1:8080", "CONTEXT_SHRINK_PROXY_PORT": "9000",
            "CONTEXT_SHRINK_ARCHIVE_DIR": str(tmp_path), "CONTEXT_SHRINK_PROXY_API_KEY": SECRET}  # fmt: skip
-    config = cs.proxy_config(args(), env)
+    config = csp.proxy_config(args(), env)
     assert (config.base, config.port, config.host) == ("http://127.0.0.1:8080/v1", 9000, "127.0.0.1")
     assert config.window is None
     assert config.archive_dir == tmp_path and SECRET not in repr(config)
     assert config.target("/v1/chat/completions", "") == "http://127.0.0.1:8080/v1/chat/completions"
     assert config.target("/health", "a=1") == "http://127.0.0.1:8080/health?a=1"
-    assert cs.proxy_config(args(port="8000", window="4096", no_archive=True), env).window == 4096
-    assert cs.proxy_config(args(no_archive=True), env).archive_dir is None
-    gateway = cs.proxy_config(args(upstream="https://example.com/api/v1"), {})
+    assert csp.proxy_config(args(port="8000", window="4096", no_archive=True), env).window == 4096
+    assert csp.proxy_config(args(no_archive=True), env).archive_dir is None
+    gateway = csp.proxy_config(args(upstream="https://example.com/api/v1"), {})
     assert gateway.target("/v1/models", "") == "https://example.com/api/v1/models"
     with pytest.raises(cs.ContextShrinkError, match="upstream"):
-        cs.proxy_config(args(), {})
+        csp.proxy_config(args(), {})
     with pytest.raises(cs.ContextShrinkError, match="upstream"):
-        cs.proxy_config(args(upstream="ftp://x"), {})
+        csp.proxy_config(args(upstream="ftp://x"), {})
     with pytest.raises(cs.ConfigError, match="port") as raised:
-        cs.proxy_config(args(port="http"), env)
+        csp.proxy_config(args(port="http"), env)
     assert raised.value.variable == "--port"
     with pytest.raises(cs.ConfigError, match="window"):
-        cs.proxy_config(args(window="12"), env)
+        csp.proxy_config(args(window="12"), env)
     bad = (("PORT", "70000"), ("KEEP_LAST", "-1"), ("TIMEOUT", "0"), ("MAX_SUMMARY_TOKENS", "x"), ("TRIGGER", "0"),
            ("TRIM_RATIO", "1.5"), ("RUNGS", "trim,shred"), ("RUNGS", ","), ("SUMMARY_CONCURRENCY", "99"))  # fmt: skip
     for name, value in bad:
         with pytest.raises(cs.ConfigError) as raised:
-            cs.proxy_config(args(), {**env, f"CONTEXT_SHRINK_PROXY_{name}": value})
+            csp.proxy_config(args(), {**env, f"CONTEXT_SHRINK_PROXY_{name}": value})
         assert raised.value.variable == f"CONTEXT_SHRINK_PROXY_{name}"
-    tuned = cs.proxy_config(
+    tuned = csp.proxy_config(
         args(keep_last="2", timeout="30"), {**env, "CONTEXT_SHRINK_PROXY_MAX_SUMMARY_TOKENS": "300"}
     )
     assert tuned.timeout == 30.0 and tuned.policy.keep_last == 2 and tuned.policy.max_summary_tokens == 300
-    assert cs.proxy_config(args(rungs="diet, trim"), env).policy.rungs == ("diet", "trim")
+    assert csp.proxy_config(args(rungs="diet, trim"), env).policy.rungs == ("diet", "trim")
 
 
 def test_cli_rejects_a_missing_upstream(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,7 +185,7 @@ def test_over_the_window_compacts_then_reuses_the_summary(tmp_path: Path) -> Non
     log = (tmp_path / "log").read_text()
     assert "action=compact" in log and SECRET not in log
     assert all(SECRET.encode() not in p.read_bytes() for p in tmp_path.glob("state.sqlite3*"))
-    store = cs.SqliteStore(state)
+    store = cst.SqliteStore(state)
     searched, entries = store.search("file_0.py", None, 100)
     assert history[1] in [e["message"] for e in entries]  # what was folded away is on disk, verbatim
     assert len({e["id"] for e in entries}) == len(entries) and searched >= len(entries)
@@ -364,25 +368,6 @@ def test_concurrent_requests_through_the_proxy(tmp_path: Path) -> None:
     assert all(json.loads(r.text)["choices"] for r in replies)
 
 
-def opencode_request(
-    turns: int = 3, file_lines: int = 50, system_size: int = 900, tool_size: int = 60
-) -> dict[str, Any]:
-    """OpenCode's shape: a system prompt and ten tool definitions that take most of an 8k window (with the
-    default sizes, in cl100k tokens), then ``u a u a u`` with a file attached to every user message."""
-    rules = "Follow the rules. " * system_size
-    system = {"role": "system", "content": "You are opencode, an interactive CLI agent. " + rules}
-    schema = {"type": "object", "properties": {"path": {"type": "string"}}}
-    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": "Does one thing. " * tool_size,
-              "parameters": schema}} for i in range(10)]  # fmt: skip
-    messages: list[dict[str, Any]] = [system]
-    for t in range(turns):
-        attached = {"type": "text", "text": f"<file path='src/m{t}.py'>\n" + "def f():\n    return 1\n" * file_lines}
-        messages.append({"role": "user", "content": [{"type": "text", "text": f"question {t}"}, attached]})
-        if t < turns - 1:
-            messages.append({"role": "assistant", "content": f"answer {t} " * 150})
-    return {"model": "m", "messages": messages, "tools": tools, "max_tokens": 1024}
-
-
 def test_an_opencode_shaped_request_is_shrunk_around_its_fixed_part(tmp_path: Path) -> None:
     """The system prompt and tools fill ~85 % of the budget: the proxy counts that fixed part, keeps the
     newest user turn whole and reduces or drops the older turns until the request fits."""
@@ -408,11 +393,11 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 def test_a_reply_reserve_over_half_the_window_is_capped() -> None:
     """Claude Code asks 32,000 reply tokens of any model: in a 20,000 window an eighth is reserved, not all."""
-    assert cs.request_budget({"max_tokens": 32_000}, 20_000) == (17_500, 2_500)
-    assert cs.request_budget({"max_tokens": 32_000}, 4_000) == (2_976, 1_024)  # at least 1,024
-    assert cs.request_budget({"max_tokens": 10_000}, 20_000) == (10_000, None)
-    assert cs.request_budget({"max_completion_tokens": 512, "max_tokens": 9}, 4096) == (3584, None)
-    assert cs.request_budget({}, 4096) == (4096 - 512, None) and cs.request_budget({}, 65_536) == (64_512, None)
+    assert csp.request_budget({"max_tokens": 32_000}, 20_000) == (17_500, 2_500)
+    assert csp.request_budget({"max_tokens": 32_000}, 4_000) == (2_976, 1_024)  # at least 1,024
+    assert csp.request_budget({"max_tokens": 10_000}, 20_000) == (10_000, None)
+    assert csp.request_budget({"max_completion_tokens": 512, "max_tokens": 9}, 4096) == (3584, None)
+    assert csp.request_budget({}, 4096) == (4096 - 512, None) and csp.request_budget({}, 65_536) == (64_512, None)
 
 
 def test_rough_edges_at_start_up() -> None:
@@ -488,27 +473,6 @@ def test_near_the_limit_the_upstreams_own_count_decides(tmp_path: Path, rendered
     assert len(stats_line) == 3
 
 
-def codex_request(turns: int, result_size: int, reasoning: bool = True) -> dict[str, Any]:
-    """A Codex CLI Responses request: instructions, a user task, then turns of reasoning, a shell call (two
-    in parallel every third turn) and their outputs, and a final user message."""
-    task = [{"type": "input_text", "text": "fix the failing test in src/app.py"}]
-    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": task}]
-    for t in range(turns):
-        calls = [f"c{t}a", f"c{t}b"] if t % 3 == 0 else [f"c{t}"]
-        if reasoning:  # (llama.cpp refuses reasoning items without content)
-            items.append({"type": "reasoning", "id": f"rs_{t}", "summary": [], "encrypted_content": "opaque"})
-        arguments = json.dumps({"cmd": f"cat f{t}"})
-        items += [{"type": "function_call", "call_id": c, "name": "shell", "arguments": arguments} for c in calls]
-        items += [{"type": "function_call_output", "call_id": c, "output": f"line {t}\n" * result_size} for c in calls]
-        items.append(
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"step {t}"}]}
-        )
-    items.append({"role": "user", "content": [{"type": "input_text", "text": "and now run the tests"}]})
-    tool = {"type": "function", "name": "shell", "description": "Run a command.", "parameters": {"type": "object"}}
-    return {"model": "m", "instructions": "You are Codex, a coding agent.", "input": items, "tools": [tool],
-            "max_output_tokens": 512, "store": False}  # fmt: skip
-
-
 def test_a_codex_responses_request_is_shrunk_in_its_own_format(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=6000)
     body = codex_request(turns=24, result_size=40)
@@ -533,8 +497,6 @@ def test_a_codex_responses_request_is_shrunk_in_its_own_format(tmp_path: Path) -
 
 
 def test_metrics_without_prometheus_client_is_a_clear_501(monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_security import proxied
-
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
     with serve(FakeOpenAI()) as upstream, proxied(upstream, window=4096) as front:
         reply = httpx2.get(front.removesuffix("/v1") + "/metrics")
@@ -543,34 +505,12 @@ def test_metrics_without_prometheus_client_is_a_clear_501(monkeypatch: pytest.Mo
     assert stats.status_code == 200 and stats.json()["totals"]["requests"] == 0
 
 
-def claude_request(turns: int, result_size: int, thinking: bool = True) -> dict[str, Any]:
-    """A Claude Code Messages request: a system field, a task and (as Claude Code 2.1 sends it) a system
-    message with the environment, then turns of (thinking,) text and a Bash tool_use answered by a
-    tool_result in the next user message, and a final user message."""
-    environment = {"role": "system", "content": [{"type": "text", "text": "# Environment\n - cwd: /src\n - linux"}]}
-    messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "fix src/app.py"}]},
-                                      environment]  # fmt: skip
-    for t in range(turns):
-        blocks: list[dict[str, Any]] = (
-            [{"type": "thinking", "thinking": f"plan {t}", "signature": "sig"}] if thinking else []
-        )
-        blocks += [{"type": "text", "text": f"step {t}"},
-                   {"type": "tool_use", "id": f"tu{t}", "name": "Bash", "input": {"command": f"cat f{t}"}}]  # fmt: skip
-        messages.append({"role": "assistant", "content": blocks})
-        result = {"type": "tool_result", "tool_use_id": f"tu{t}", "content": f"line {t}\n" * result_size}
-        messages.append({"role": "user", "content": [result]})
-    messages += [{"role": "assistant", "content": "done"}, {"role": "user", "content": "now run the tests"}]
-    tool = {"name": "Bash", "description": "Run a command.", "input_schema": {"type": "object"}}
-    return {"model": "m", "system": [{"type": "text", "text": "You are Claude Code."}], "messages": messages,
-            "tools": [tool], "max_tokens": 512}  # fmt: skip
-
-
 def test_a_claude_code_messages_request_is_shrunk_in_its_own_format(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=6000)
     body = claude_request(turns=30, result_size=40)
     assert anthropic_problems(body) == []
-    view = cs.messages_view(body)
-    assert view.messages[2]["role"] == "system" and cs.messages_body(body, view, view.messages) == body
+    view = csw.messages_view(body)
+    assert view.messages[2]["role"] == "system" and csw.messages_body(body, view, view.messages) == body
     with serve(fake) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
         reply = httpx2.post(url + "/messages", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
@@ -644,7 +584,7 @@ class RecallingModel(AgentUpstream):
         super().__init__(window, [], 0)
         self.query, self.times, self.recalled = query, times, []
 
-    def next_call(self, tools: list[Any], view: cs.ChatView | None = None) -> tuple[str, str] | None:
+    def next_call(self, tools: list[Any], view: csw.ChatView | None = None) -> tuple[str, str] | None:
         if view is None:
             return None
         calls = [c for m in view.messages for c in m.get("tool_calls") or []]
@@ -706,8 +646,8 @@ def test_recalls_are_bounded_per_request_and_the_last_answer_has_no_tool(tmp_pat
     model = RecallingModel(6000, "cat f0", times=5)  # it would recall forever
     with serve(model) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
         reply = httpx2.post(url + "/chat/completions", json=chat_request(24, 80), timeout=60)
-    assert reply.status_code == 200 and f"recalled={cs.RECALL_ROUNDS}" in reply.headers["x-context-shrink"]
-    assert len(model.recalled) == cs.RECALL_ROUNDS and cs.RECALL_TOOL not in reply.text
+    assert reply.status_code == 200 and f"recalled={csp.RECALL_ROUNDS}" in reply.headers["x-context-shrink"]
+    assert len(model.recalled) == csp.RECALL_ROUNDS and cs.RECALL_TOOL not in reply.text
     assert cs.RECALL_TOOL not in json.dumps(model.log[-1][1]["tools"])  # the last ask offers no recall
 
 
@@ -846,10 +786,10 @@ def test_the_repeated_share_is_what_a_prompt_cache_keeps() -> None:
     previous one. An appended turn keeps the whole previous request; a changed first message keeps nothing."""
     first = chat_history(4, size=30)
     grown = [*first, {"role": "user", "content": "and now the tests"}]
-    before, after = cs.prefix_prints(first), cs.prefix_prints(grown)
-    assert cs.repeated_share(before, after) == round(before[-1][1] / after[-1][1], 4) < 1
-    assert cs.repeated_share(before, before) == 1.0 and cs.repeated_share(None, before) is None
+    before, after = csp.prefix_prints(first), csp.prefix_prints(grown)
+    assert csp.repeated_share(before, after) == round(before[-1][1] / after[-1][1], 4) < 1
+    assert csp.repeated_share(before, before) == 1.0 and csp.repeated_share(None, before) is None
     changed = [{**first[0], "content": "another system prompt"}, *first[1:]]
-    assert cs.repeated_share(before, cs.prefix_prints(changed)) == 0.0
+    assert csp.repeated_share(before, csp.prefix_prints(changed)) == 0.0
     cut = [first[0], *first[3:]]  # a cut after the system prompt: only the system prompt is kept
-    assert cs.repeated_share(before, cs.prefix_prints(cut)) == round(before[0][1] / cs.prefix_prints(cut)[-1][1], 4)
+    assert csp.repeated_share(before, csp.prefix_prints(cut)) == round(before[0][1] / csp.prefix_prints(cut)[-1][1], 4)

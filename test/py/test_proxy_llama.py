@@ -15,11 +15,12 @@ from typing import Any
 import anyio
 import httpx2
 import pytest
+from agent_requests import claude_request, codex_request, opencode_request
 from conftest import served_llama
 from proxy_helpers import MODULE, proxy
 from tiny_llama import free_port
 
-import context_shrink as cs
+import context_shrink_state as cst
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.llama
@@ -59,7 +60,7 @@ def test_a_growing_conversation_is_never_refused(shrinking: str, small_llama: st
     direct = httpx2.post(small_llama + "/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
     assert direct.status_code == 400 and "exceed_context_size_error" in direct.text  # the history is far too long
     assert "action=none" in actions[0] and any("action=none" not in a for a in actions[-4:])
-    store = cs.SqliteStore(tmp_path / "state.sqlite3")
+    store = cst.SqliteStore(tmp_path / "state.sqlite3")
     searched, found = store.search("parser", None, 100)
     assert searched >= 1 and found[0]["message"] in messages  # what was dropped is on disk, verbatim
     store.close()
@@ -214,7 +215,6 @@ def test_an_agent_session_on_its_own_wire_api_is_never_refused(small_llama: str,
     """Codex CLI's and Claude Code's wire APIs against the real llama.cpp server (CTX 2048): a growing
     session of shell calls and their outputs, far over the window by the end, is never refused."""
     from checks import anthropic_problems, responses_problems
-    from test_proxy import claude_request, codex_request
 
     def make(turns: int) -> dict[str, Any]:
         if api == "responses":
@@ -238,7 +238,6 @@ def test_an_opencode_session_is_never_refused(tiny_model: Path, tmp_path: Path) 
     attached) grown over 12 requests against llama.cpp at n_ctx 8192. Near the limit the shrunk request
     itself is counted before it goes: calibrated on whole requests, a kept cut was estimated under the window
     and refused at 8,219 of 8,192 tokens (bench/proxy.py, section 4), and its retry too."""
-    from test_proxy import opencode_request
 
     with (
         served_llama(tiny_model, n_ctx=8192, alias="tiny", threads=2) as small,

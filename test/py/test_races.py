@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 from mcp_calls import call, error, run
-from stores import claude_store, environ, write_jsonl
-from test_sessions import opencode_store
+from stores import claude_store, environ, opencode_store, write_jsonl
 
 import context_shrink as cs
+import context_shrink_sessions as css
 
 RUNS = 200
 FUTURE = time.time() + 10**6  # a "now" at which every store has been quiet long enough
@@ -53,7 +53,7 @@ def appended_record(agent: str, k: int) -> dict[str, Any]:
     return {"type": "response_item", "payload": item}
 
 
-def cleared_result(found: cs.AgentSession) -> list[dict[str, Any]]:
+def cleared_result(found: css.AgentSession) -> list[dict[str, Any]]:
     """The session with its first tool result cleared (a prune every store can write)."""
     k = next(i for i, m in enumerate(found.messages) if m["role"] == "tool")
     return [*found.messages[:k], {**found.messages[k], "content": "[cleared]"}, *found.messages[k + 1 :]]
@@ -85,13 +85,13 @@ def test_an_agent_appending_during_a_jsonl_write_loses_no_line(agent: str, tmp_p
     succeeded, the change is in the file too."""
     rng = random.Random(34)
 
-    def fresh(home: Path) -> tuple[cs.AgentSession, Path]:
+    def fresh(home: Path) -> tuple[css.AgentSession, Path]:
         path = claude_store(home, "/x") if agent == "claude" else codex_store(home)
-        found = cs.read_session(f"{agent}:{'s1' if agent == 'claude' else 'c1'}", [agent], Path("/x"), environ(home))
+        found = css.read_session(f"{agent}:{'s1' if agent == 'claude' else 'c1'}", [agent], Path("/x"), environ(home))
         return found, path
 
     probe, _ = fresh(tmp_path / "probe")
-    span = max(timed(lambda: cs.write_session(probe, cleared_result(probe), dry_run=False, now=FUTURE)), 0.005)
+    span = max(timed(lambda: css.write_session(probe, cleared_result(probe), dry_run=False, now=FUTURE)), 0.005)
     outcomes: dict[str, int] = {"written": 0, "refused": 0}
     lost = wrong = 0
     for run_no in range(RUNS):
@@ -101,7 +101,7 @@ def test_an_agent_appending_during_a_jsonl_write_loses_no_line(agent: str, tmp_p
         agent_thread = appender(path, lines, start=rng.uniform(0, 1.2 * span), gap=rng.uniform(0, span / 4))
         agent_thread.start()
         try:
-            cs.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
+            css.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
             outcomes["written"] += 1
             written = True
         except cs.ContextShrinkError as exc:
@@ -124,14 +124,14 @@ def test_an_agent_appending_during_a_compaction_is_refused_or_kept(tmp_path: Pat
     for run_no in range(40):
         home = tmp_path / f"r{run_no}"
         path = claude_store(home, "/x")
-        found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(home))
+        found = css.read_session("claude:s1", ["claude"], Path("/x"), environ(home))
         summary = {"role": "system", "content": f"{cs.SUMMARY_MARKER} fixed a.py"}
         line = json.dumps(appended_record("claude", 0)) + "\n"
         agent_thread = appender(path, [line], start=rng.uniform(0, 0.03), gap=0)
         agent_thread.start()
         with_suppressed = True
         try:
-            cs.write_session(found, [summary, found.messages[-1]], dry_run=False, now=FUTURE)
+            css.write_session(found, [summary, found.messages[-1]], dry_run=False, now=FUTURE)
         except cs.ContextShrinkError as exc:
             with_suppressed = "nothing written" in str(exc) or "restored from" in str(exc)
         agent_thread.join()
@@ -169,19 +169,19 @@ def test_opencode_writing_during_a_write_loses_no_row(tmp_path: Path) -> None:
     OpenCode committed is there afterwards; a write that succeeded is there too."""
     rng = random.Random(18)
     probe = wal_store(tmp_path / "probe")
-    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path / "probe"))
-    span = max(timed(lambda: cs.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)), 0.005)
+    found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path / "probe"))
+    span = max(timed(lambda: css.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)), 0.005)
     assert probe.exists()
     written = lost = wrong = 0
     for run_no in range(RUNS):
         home = tmp_path / f"r{run_no}"
         path = wal_store(home)
-        found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(home))
+        found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(home))
         writer = opencode_writer(path, 3, start=rng.uniform(0, 1.2 * span), gap=rng.uniform(0, span / 4))
         writer.start()
         succeeded = False
         try:
-            cs.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
+            css.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
             written, succeeded = written + 1, True
         except cs.ContextShrinkError as exc:
             assert "nothing written" in str(exc) or "locked" in str(exc), exc
@@ -200,15 +200,16 @@ import sys, dataclasses
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import context_shrink as cs
+import context_shrink_sessions as css
 path = Path(sys.argv[2]) / ".claude" / "projects" / "-x" / "s1.jsonl"
-store = cs.AGENT_STORES["claude"]
+store = css.AGENT_STORES["claude"]
 read = store.read
 store.read = lambda *a: dataclasses.replace(read(*a), messages=[])  # every read-back fails: undone each time
 print("ready", flush=True)
 while True:
-    found = cs.ClaudeStore().read(path, "s1")
+    found = css.ClaudeStore().read(path, "s1")
     try:
-        cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=1e12)
+        css.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=1e12)
     except cs.ContextShrinkError:
         pass
 """
@@ -220,10 +221,10 @@ def test_kill_9_during_an_undo_never_leaves_a_broken_session(tmp_path: Path) -> 
     never empty or half a file."""
     path = claude_store(tmp_path, "/x")
     original = path.read_bytes()
-    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    found = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
     changed_home = tmp_path / "changed"
     changed = claude_store(changed_home, "/x")
-    cs.write_session(cs.read_session("claude:s1", ["claude"], Path("/x"), environ(changed_home)),
+    css.write_session(css.read_session("claude:s1", ["claude"], Path("/x"), environ(changed_home)),
                      found.messages[:2] + found.messages[4:], dry_run=False, now=FUTURE)  # fmt: skip
     whole = {original, changed.read_bytes()}
     root = str(Path(cs.__file__).parent)
@@ -245,11 +246,11 @@ def test_a_full_disk_is_refused_before_anything_is_written(tmp_path: Path, monke
     """Not enough room for the backup and the new file: a clear error, the session as it was, no backup."""
     path = claude_store(tmp_path, "/x")
     original = path.read_bytes()
-    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    found = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=1000))
     with pytest.raises(cs.ContextShrinkError, match=r"not enough free space .* nothing written"):
-        cs.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
+        css.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
     assert path.read_bytes() == original and list(path.parent.glob("*.pre-shrink-*")) == []
 
 
@@ -285,8 +286,8 @@ def test_a_killed_writes_temporary_file_is_swept(tmp_path: Path) -> None:
     for leftover in (stale, fresh):
         leftover.write_text("half")
     os.utime(stale, (time.time() - 600, time.time() - 600))
-    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
-    cs.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
+    found = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    css.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
     assert not stale.exists() and fresh.exists()  # a fresh one may belong to a write in progress
 
 
@@ -294,22 +295,22 @@ def test_reading_an_opencode_database_does_not_make_it_look_busy(tmp_path: Path)
     """The quiet rule reads the session's own rows: the tool's own read (which touches SQLite's files) does
     not make the next write wait."""
     wal_store(tmp_path)
-    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
-    cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
-    report = cs.write_session(found, cleared_result(found), dry_run=False)  # now: just after the reads
+    found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    report = css.write_session(found, cleared_result(found), dry_run=False)  # now: just after the reads
     assert report["tool_results_replaced"] == 1
 
 
 def test_a_locked_opencode_database_says_so_and_leaves_no_backup(tmp_path: Path) -> None:
     path = opencode_store(tmp_path, "/x")  # a rollback journal: a writer's lock also blocks readers
-    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     writer = sqlite3.connect(path, isolation_level=None)
     writer.execute("BEGIN EXCLUSIVE")
     try:
         with pytest.raises(cs.ContextShrinkError, match="locked"):
-            cs.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
+            css.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
         with pytest.raises(cs.ContextShrinkError, match="locked"):
-            cs.read_session("opencode:latest", ["opencode"], Path("/x"), environ(tmp_path))
+            css.read_session("opencode:latest", ["opencode"], Path("/x"), environ(tmp_path))
     finally:
         writer.execute("ROLLBACK")
         writer.close()
@@ -324,10 +325,10 @@ def test_a_session_that_is_a_symlink_is_not_written_through(tmp_path: Path) -> N
     target.write_bytes(path.read_bytes())
     path.unlink()
     path.symlink_to(target)
-    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    found = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
     before = target.read_bytes()
     with pytest.raises(cs.ContextShrinkError, match="nothing written"):
-        cs.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
+        css.write_session(found, cleared_result(found), dry_run=False, now=FUTURE)
     assert path.is_symlink() and target.read_bytes() == before and list(path.parent.glob("*.pre-shrink-*")) == []
 
 
@@ -343,9 +344,9 @@ def test_symlinks_leading_out_of_a_store_are_not_followed(tmp_path: Path) -> Non
     (path.parent / "evil.jsonl").symlink_to(outside / "evil.jsonl")
     (path.parent.parent / "linked").symlink_to(outside / "proj", target_is_directory=True)
     (path.parent / "alias.jsonl").symlink_to(path)  # inside the store: followed
-    listed = [s["session"] for s in cs.list_sessions(["claude"], environ(tmp_path))]
+    listed = [s["session"] for s in css.list_sessions(["claude"], environ(tmp_path))]
     assert sorted(listed) == ["claude:alias", "claude:s1"]
     for ident in ("evil", "evil2"):
         with pytest.raises(cs.ContextShrinkError, match="no claude session"):
-            cs.read_session(f"claude:{ident}", ["claude"], Path("/x"), environ(tmp_path))
-    assert cs.read_session("claude:alias", ["claude"], Path("/x"), environ(tmp_path)).messages
+            css.read_session(f"claude:{ident}", ["claude"], Path("/x"), environ(tmp_path))
+    assert css.read_session("claude:alias", ["claude"], Path("/x"), environ(tmp_path)).messages

@@ -29,6 +29,8 @@ from tiny_llama import free_port
 from upstreams import PROXY_KEY, SECRET, SUMMARY, Recorder, proxied, raw_upstream
 
 import context_shrink as cs
+import context_shrink_proxy as csp
+import context_shrink_state as cst
 
 
 def compact_args(**extra: Any) -> dict[str, Any]:
@@ -75,7 +77,7 @@ def test_a_client_credential_in_any_scheme_is_redacted(credential: str) -> None:
 
     async def attempt() -> str:
         async with httpx2.AsyncClient(transport=httpx2.MockTransport(echo)) as http:
-            state = cs.ProxyState(cs.ProxyConfig(upstream="http://up/v1"), http, cs.resolve_tokenizer("heuristic"))
+            state = csp.ProxyState(csp.ProxyConfig(upstream="http://up/v1"), http, cs.resolve_tokenizer("heuristic"))
             with pytest.raises(cs.BackendError) as raised:
                 await state.backend("http://up/v1", credential).chat("m", [{"role": "user", "content": "hi"}], 10)
             return str(raised.value)
@@ -158,7 +160,7 @@ def test_a_streamed_reply_that_breaks_off_ends_with_an_error_event(
 def test_a_large_reply_is_streamed_through_not_held(monkeypatch: pytest.MonkeyPatch, chunked: bool) -> None:
     """Above the buffer size a non-streamed reply is relayed as it arrives, with or without a content-length:
     the client reads its first bytes while the upstream is still holding back the rest."""
-    monkeypatch.setattr(cs, "PROXY_BUFFER_BYTES", 64 * 1024)
+    monkeypatch.setattr(csp, "PROXY_BUFFER_BYTES", 64 * 1024)
     part = b"x" * (256 * 1024)
     client_reading = threading.Event()
 
@@ -278,9 +280,9 @@ def test_output_to_a_folder_writes_nothing_outside_the_root(tmp_path: Path) -> N
 def test_the_state_store_is_private(tmp_path: Path) -> None:
     """The archive lives in the store: a new folder 0700, the file and its WAL files 0600 (test_state.py has the
     store's bounds)."""
-    store = cs.SqliteStore(tmp_path / "state" / "state.sqlite3")
+    store = cst.SqliteStore(tmp_path / "state" / "state.sqlite3")
     history = conversation(3, size=5)
-    assert store.archive(cs.archive_entries(history, history[-1:], "trim"), 1 << 30, 30) == len(history) - 1
+    assert store.archive(cst.archive_entries(history, history[-1:], "trim"), 1 << 30, 30) == len(history) - 1
     assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
     assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "state").iterdir()} == {0o600}
     store.close()
@@ -291,23 +293,23 @@ def test_the_state_store_is_private(tmp_path: Path) -> None:
 )
 def test_archive_limits_are_settings_checked_at_start(variable: str, value: str) -> None:
     args = argparse.Namespace(upstream="http://127.0.0.1:1/v1", no_archive=False)
-    config = cs.proxy_config(
+    config = csp.proxy_config(
         args, {"CONTEXT_SHRINK_ARCHIVE_MAX_BYTES": "2097152", "CONTEXT_SHRINK_ARCHIVE_MAX_DAYS": "7"}
     )
     assert (config.archive_max_bytes, config.archive_max_days) == (2097152, 7)
     with pytest.raises(cs.ConfigError, match=variable) as caught:
-        cs.proxy_config(args, {variable: value})
+        csp.proxy_config(args, {variable: value})
     assert caught.value.variable == variable
 
 
 @contextlib.contextmanager
 def listening(header_timeout: float, idle_timeout: float) -> Iterator[int]:
-    """The proxy's uvicorn settings (:func:`cs.listening`) around a tiny app, in a thread; yields the port."""
+    """The proxy's uvicorn settings (:func:`csp.listening`) around a tiny app, in a thread; yields the port."""
     import uvicorn
 
     port = free_port()
     app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])
-    server = uvicorn.Server(cs.listening(app, "127.0.0.1", port, header_timeout, idle_timeout))
+    server = uvicorn.Server(csp.listening(app, "127.0.0.1", port, header_timeout, idle_timeout))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

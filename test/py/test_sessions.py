@@ -25,14 +25,15 @@ from agents import binary, run_session
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mcp import Client
-from stores import claude_store, environ, plain, write_jsonl
+from stores import claude_store, environ, opencode_store, plain, write_jsonl
 
 import context_shrink as cs
+import context_shrink_sessions as css
 
 
 def test_a_claude_code_session(tmp_path: Path) -> None:
     claude_store(tmp_path, "/x")
-    found = cs.read_session("claude:latest", ["claude"], Path("/x"), environ(tmp_path))
+    found = css.read_session("claude:latest", ["claude"], Path("/x"), environ(tmp_path))
     assert found.id == "s1" and found.cwd == "/x" and found.skipped_lines == 1 and not found.compacted
     assert found.messages == [
         {"role": "user", "content": "fix it"},
@@ -80,7 +81,7 @@ def claude_parallel_store(home: Path, results_written: list[int]) -> Path:
 def test_claude_code_parallel_calls_are_read_as_claude_code_sends_them(order: list[int], tmp_path: Path) -> None:
     """All three results, in call order, after the one response that made the calls; not compacted."""
     claude_parallel_store(tmp_path, order)
-    found = cs.read_session("claude:latest", ["claude"], Path("/x"), environ(tmp_path))
+    found = css.read_session("claude:latest", ["claude"], Path("/x"), environ(tmp_path))
     roles = [m["role"] for m in found.messages]
     assert roles == ["user", "assistant", "tool", "tool", "tool", "assistant"] and not found.compacted
     assert [c["id"] for c in found.messages[1]["tool_calls"]] == ["tu0", "tu1", "tu2"]
@@ -89,10 +90,10 @@ def test_claude_code_parallel_calls_are_read_as_claude_code_sends_them(order: li
     assert found.sources[1] == ["r0", "r1", "r2"] and cs.api_problems(found.messages) == []
 
 
-@pytest.mark.parametrize("agent", list(cs.AGENT_STORES))
+@pytest.mark.parametrize("agent", list(css.AGENT_STORES))
 def test_a_session_result_says_what_the_agent_adds_on_top(agent: str) -> None:
     """Each store's measured fixed part is the README's (checked against the real agent in test_agents.py)."""
-    store = cs.AGENT_STORES[agent]
+    store = css.AGENT_STORES[agent]
     assert agents.readme_fixed_parts()[agent][0] == store.fixed_tokens and store.release in agents.README.read_text()
 
 
@@ -114,7 +115,7 @@ def test_a_trimmed_session_says_whether_the_agents_request_will_fit(
 
 def test_after_a_claude_code_compaction_only_the_summary_and_what_follows(tmp_path: Path) -> None:
     claude_store(tmp_path, "/x", compacted=True)
-    found = cs.read_session("claude:s1", ["claude"], Path("/elsewhere"), environ(tmp_path))
+    found = css.read_session("claude:s1", ["claude"], Path("/elsewhere"), environ(tmp_path))
     assert found.compacted and found.messages[0] == {
         "role": "user",
         "content": "Summary: the old question was answered.",
@@ -136,7 +137,7 @@ def test_a_codex_rollout_and_its_compaction(tmp_path: Path) -> None:
     path = tmp_path / ".codex" / "sessions" / "2026" / "12" / "01" / "rollout-2026-12-01T00-00-00-c1.jsonl"
     records = [meta, *({"type": "response_item", "payload": i} for i in items), {"type": "event_msg", "payload": {}}]
     write_jsonl(path, records)
-    found = cs.read_session("codex:latest", ["codex"], Path("/x"), environ(tmp_path))
+    found = css.read_session("codex:latest", ["codex"], Path("/x"), environ(tmp_path))
     kinds = [cs.message_kind(m) for m in found.messages]
     assert kinds == ["user", "tool_call", "tool_result", "tool_call", "tool_result"] and found.sources[1] == ["line 3"]
     assert found.messages[3]["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": "*** Begin Patch"}
@@ -144,52 +145,10 @@ def test_a_codex_rollout_and_its_compaction(tmp_path: Path) -> None:
     summary = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Summary so far."}]}
     compaction = {"type": "compacted", "payload": {"message": "", "replacement_history": [summary]}}
     write_jsonl(path, [*records, compaction, {"type": "response_item", "payload": user}])
-    again = cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path))
+    again = css.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path))
     assert again.compacted and [plain(m["content"]) for m in again.messages] == [
         "Summary so far.", "list the files"]  # fmt: skip
     assert again.sources[0] == ["line 8 replacement_history[0]"]
-
-
-OPENCODE_ROWS = [
-    ("m1", {"role": "user"}, [("p1", {"type": "text", "text": "an old question"})]),
-    ("m1c", {"role": "user"}, [("p1c", {"type": "compaction", "auto": True})]),
-    ("m2", {"role": "assistant", "summary": True, "finish": "stop", "parentID": "m1c"},
-     [("p2", {"type": "text", "text": "Summary: answered."})]),
-    ("m3", {"role": "user"}, [("p3", {"type": "text", "text": "read a.py"})]),
-    ("m4", {"role": "assistant"}, [("p4", {"type": "step-start"}), ("p5", {"type": "tool", "callID": "c1",
-     "tool": "read", "state": {"status": "completed", "input": {"filePath": "a.py"}, "output": "print(1)"}}),
-     ("p6", {"type": "text", "text": "It prints 1."})]),
-]  # fmt: skip
-
-
-def opencode_store(home: Path, cwd: str, rows: list[Any] = OPENCODE_ROWS) -> Path:
-    """OpenCode's database (its tables as 1.18 has them) holding session ses_1: ``rows`` of (message id,
-    message JSON, [(part id, part JSON)]), each write told in the event log."""
-    path = home / "data" / "opencode" / "opencode.db"
-    path.parent.mkdir(parents=True)
-    with sqlite3.connect(path) as db:
-        db.execute("CREATE TABLE session (id text, directory text, title text, time_updated integer)")
-        db.execute("CREATE TABLE message (id text, session_id text, time_created integer, time_updated integer, "
-                   "data text)")  # fmt: skip
-        db.execute("CREATE TABLE part (id text, message_id text, session_id text, time_created integer, "
-                   "time_updated integer, data text)")  # fmt: skip
-        db.execute("CREATE TABLE event_sequence (aggregate_id text PRIMARY KEY, seq integer NOT NULL, owner_id text)")
-        db.execute("CREATE TABLE event (id text PRIMARY KEY, aggregate_id text NOT NULL, seq integer NOT NULL, "
-                   "type text NOT NULL, data text NOT NULL)")  # fmt: skip
-        db.execute("INSERT INTO session VALUES ('ses_1', ?, 'title', 1000)", (cwd,))
-        events = []
-        for t, (mid, info, parts) in enumerate(rows):
-            db.execute("INSERT INTO message VALUES (?, 'ses_1', ?, ?, ?)", (mid, t, t, json.dumps(info)))
-            events.append(("message.updated.1", {"info": {"id": mid, "sessionID": "ses_1", **info}}))
-            for pid, part in parts:
-                db.execute("INSERT INTO part VALUES (?, ?, 'ses_1', ?, ?, ?)", (pid, mid, t, t, json.dumps(part)))
-                whole = {"id": pid, "sessionID": "ses_1", "messageID": mid, **part}
-                events.append(("message.part.updated.1", {"part": whole, "time": t}))
-        for seq, (kind, data) in enumerate(events):
-            db.execute("INSERT INTO event VALUES (?, 'ses_1', ?, ?, ?)",
-                       (f"evt_{seq:03}", seq, kind, json.dumps({"sessionID": "ses_1", **data})))  # fmt: skip
-        db.execute("INSERT INTO event_sequence VALUES ('ses_1', ?, NULL)", (len(events) - 1,))
-    return path
 
 
 @st.composite
@@ -234,12 +193,12 @@ def test_an_opencode_compaction_keeps_exactly_the_tail_it_names(
     log replays to the rows."""
     home = tmp_path_factory.mktemp("opencode")
     path = opencode_store(home, "/x", rows)
-    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(home))
+    found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(home))
     start = data.draw(st.sampled_from([*(s for s in found.tail_starts if s > 0), len(found.messages)]))
     summary = {"role": "system", "content": f"{cs.SUMMARY_MARKER} Summary of {start} earlier messages:\nall of it"}
     kept = found.messages[start:]
-    cs.write_session(found, [summary, *kept], dry_run=False, now=later(found))
-    again = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(home))
+    css.write_session(found, [summary, *kept], dry_run=False, now=later(found))
+    again = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(home))
     assert [(m["role"], m["content"]) for m in again.messages[:2]] == [("user", "What did we do so far?"),
                                                                        ("assistant", summary["content"])]  # fmt: skip
     assert again.messages[2:] == kept and again.compacted
@@ -249,7 +208,7 @@ def test_an_opencode_compaction_keeps_exactly_the_tail_it_names(
 
 def test_an_opencode_session_from_its_last_compaction(tmp_path: Path) -> None:
     opencode_store(tmp_path, "/x")
-    found = cs.read_session("opencode:latest", ["opencode"], Path("/x"), environ(tmp_path))
+    found = css.read_session("opencode:latest", ["opencode"], Path("/x"), environ(tmp_path))
     seen = [(m["role"], plain(m.get("content"))) for m in found.messages]
     expected = [("user", "What did we do so far?"), ("assistant", "Summary: answered."), ("user", "read a.py"),
                 ("assistant", "It prints 1."), ("tool", "print(1)")]  # fmt: skip
@@ -261,12 +220,12 @@ def test_an_opencode_session_from_its_last_compaction(tmp_path: Path) -> None:
 def test_sessions_are_reachable_only_when_allowed(tmp_path: Path) -> None:
     claude_store(tmp_path, "/x")
     with pytest.raises(cs.ContextShrinkError, match="CONTEXT_SHRINK_SESSION_STORES=claude"):
-        cs.read_session("claude:latest", ["codex"], Path("/x"), environ(tmp_path))
+        css.read_session("claude:latest", ["codex"], Path("/x"), environ(tmp_path))
     for bad in ("claude", "gemini:1", "claude:../../etc/passwd", "claude:" + "x" * 300):
         with pytest.raises(cs.ContextShrinkError, match="session must be"):
-            cs.read_session(bad, ["claude"], Path("/x"), environ(tmp_path))
+            css.read_session(bad, ["claude"], Path("/x"), environ(tmp_path))
     with pytest.raises(cs.ContextShrinkError, match="no claude session ran in /y"):
-        cs.read_session("claude:latest", ["claude"], Path("/y"), environ(tmp_path))
+        css.read_session("claude:latest", ["claude"], Path("/y"), environ(tmp_path))
     with pytest.raises(cs.ConfigError, match="unknown agents"):
         cs.Config.from_env({"CONTEXT_SHRINK_SESSION_STORES": "claude,gemini"})
     assert cs.Config.from_env({"CONTEXT_SHRINK_SESSION_STORES": "codex, claude"}).session_stores == ("codex", "claude")
@@ -329,7 +288,7 @@ def test_a_real_agents_session_reads_as_the_request_it_sent(agent: str, tmp_path
     binary(agent)
     session = run_session(agent, tmp_path, proxied=False, steps=3)
     assert session.returncode == 0, session.output[-2000:]
-    found = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", environ(tmp_path / "home"))
+    found = css.read_session(f"{agent}:latest", [agent], tmp_path / "project", environ(tmp_path / "home"))
     path, body = [entry for entry in session.upstream.log if entry[1].get("tools")][-1]
     sent = request_view(path, body).messages
     view, request = signature(found.messages), signature(sent)
@@ -369,7 +328,7 @@ def test_any_store_content_reads_or_says_why(records: list[Any], tmp_path: Path)
     for agent, path in (("claude", tmp_path / ".claude" / "projects" / "-x" / "f.jsonl"), ("codex", codex)):
         write_jsonl(path, [{"type": "session_meta", "payload": {"id": "f", "cwd": "/x"}}, *records])
         try:
-            found = cs.read_session(f"{agent}:latest", [agent], Path("/x"), environ(tmp_path))
+            found = css.read_session(f"{agent}:latest", [agent], Path("/x"), environ(tmp_path))
         except cs.ContextShrinkError:
             continue
         assert cs.validate_messages(found.messages) == found.messages
@@ -388,44 +347,44 @@ def make_idle(path: Path, when: float) -> None:
             os.utime(store, (when, when))
 
 
-def later(found: cs.AgentSession) -> float:
+def later(found: css.AgentSession) -> float:
     """A moment when the store has been idle long enough to be written."""
-    return found.path.stat().st_mtime + cs.SESSION_QUIET_SECONDS + 1
+    return found.path.stat().st_mtime + css.SESSION_QUIET_SECONDS + 1
 
 
 def test_a_claude_code_session_written_back(tmp_path: Path) -> None:
     path = claude_store(tmp_path, "/x")
     original = path.read_bytes()
-    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    found = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
     cleared = [*found.messages[:3], {**found.messages[3], "content": "[cleared]"}, found.messages[4]]
-    report = cs.write_session(found, cleared, dry_run=False, now=later(found))
+    report = css.write_session(found, cleared, dry_run=False, now=later(found))
     assert report["tool_results_replaced"] == 1 and Path(report["backup"]).read_bytes() == original
-    again = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    again = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
     assert again.messages == cleared and again.skipped_lines == 1  # the broken line is kept as it was
     records = [json.loads(line) for line in path.read_text().splitlines() if line.startswith('{"')]
     assert next(r for r in records if r.get("uuid") == "t1")["message"]["content"][0]["content"] == "[cleared]"
     without = [m for k, m in enumerate(again.messages) if k not in (2, 3)]  # the tool call with its result
-    cs.write_session(again, without, dry_run=False, now=later(again))
+    css.write_session(again, without, dry_run=False, now=later(again))
     records = [json.loads(line) for line in path.read_text().splitlines() if line.startswith('{"')]
     assert {"r1", "r2", "t1"}.isdisjoint(r.get("uuid") for r in records)
     assert next(r for r in records if r.get("uuid") == "r3")["parentUuid"] == "a2"  # re-pointed past them
-    assert cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path)).messages == without
+    assert css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path)).messages == without
     assert sum(1 for r in records if r.get("type") == "api-request") == 1  # bookkeeping untouched
 
 
 def test_what_cannot_be_written_is_refused_and_nothing_changes(tmp_path: Path) -> None:
     path = claude_store(tmp_path, "/x")
     original = path.read_bytes()
-    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    found = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
     edited = [{**found.messages[0], "content": "fix it, and the tests"}, *found.messages[1:]]
     with pytest.raises(cs.ContextShrinkError, match="cannot be written to a claude session yet: a new user"):
-        cs.write_session(found, edited, dry_run=False, now=later(found))
+        css.write_session(found, edited, dry_run=False, now=later(found))
     two = [{"role": "system", "content": f"{cs.SUMMARY_MARKER} a"}, found.messages[2], found.messages[1]]
     with pytest.raises(cs.ContextShrinkError, match="kept unchanged and in order"):
-        cs.write_session(found, two, dry_run=False, now=later(found))
+        css.write_session(found, two, dry_run=False, now=later(found))
     with pytest.raises(cs.ContextShrinkError, match="the agent may be writing it"):
-        cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=path.stat().st_mtime + 1)
-    dry = cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=True, now=later(found))
+        css.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=path.stat().st_mtime + 1)
+    dry = css.write_session(found, found.messages[:2] + found.messages[4:], dry_run=True, now=later(found))
     assert dry["removed"] == 2 and dry["backup"] is None and path.read_bytes() == original
     assert list(path.parent.glob("*.pre-shrink-*")) == []
 
@@ -435,10 +394,10 @@ def test_identical_messages_are_told_apart_by_order() -> None:
     from the end (the kept tail is the newest)."""
     a, b, c = ({"role": "user", "content": t} for t in "abc")
     summary = {"role": "system", "content": f"{cs.SUMMARY_MARKER} s"}
-    assert cs.kept_origins([a, b, a], [b, a]) == [1, 2]  # the first a removed, not the last
-    assert cs.kept_origins([a, b, a, c], [summary, a, c]) == [None, 2, 3]
-    assert cs.kept_origins([a, b, a], [a, summary, a]) == [0, None, 2]
-    assert cs.kept_origins([a, b], [{**a, "content": "new"}, b]) == [None, 1]
+    assert css.kept_origins([a, b, a], [b, a]) == [1, 2]  # the first a removed, not the last
+    assert css.kept_origins([a, b, a, c], [summary, a, c]) == [None, 2, 3]
+    assert css.kept_origins([a, b, a], [a, summary, a]) == [0, None, 2]
+    assert css.kept_origins([a, b], [{**a, "content": "new"}, b]) == [None, 1]
 
 
 def test_a_codex_rollout_written_back_inside_its_compaction(tmp_path: Path) -> None:
@@ -453,15 +412,15 @@ def test_a_codex_rollout_written_back_inside_its_compaction(tmp_path: Path) -> N
     path = write_jsonl(tmp_path / ".codex" / "sessions" / "2026" / "12" / "01" / "rollout-c1.jsonl", [
         {"type": "session_meta", "payload": {"id": "c1", "cwd": "/x"}}, compaction,
         {"type": "response_item", "payload": later_call}, {"type": "response_item", "payload": later_out}])  # fmt: skip
-    found = cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path))
+    found = css.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path))
     # the first call dropped with its output, the second's output cleared
     new = [found.messages[0], found.messages[3], {**found.messages[4], "content": "[cleared]"}]
-    cs.write_session(found, new, dry_run=False, now=later(found))
+    css.write_session(found, new, dry_run=False, now=later(found))
     records = [json.loads(line) for line in path.read_text().splitlines()]
     payload = records[1]["payload"]
     assert payload["replacement_history"] == [user] and payload["replacement_history_metadata"] == ["m0"]
     assert records[3]["payload"]["output"] == "[cleared]"
-    assert cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path)).messages == new
+    assert css.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path)).messages == new
 
 
 def test_an_opencode_session_written_back_in_one_transaction(tmp_path: Path) -> None:
@@ -470,19 +429,19 @@ def test_an_opencode_session_written_back_in_one_transaction(tmp_path: Path) -> 
     path = opencode_store(tmp_path, "/x")
     with sqlite3.connect(path) as db:
         assert replayed(db) == rows_of(db)
-    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     new = [*found.messages[:4], {**found.messages[4], "content": "[cleared]"}]
-    report = cs.write_session(found, new, dry_run=False, now=later(found))
+    report = css.write_session(found, new, dry_run=False, now=later(found))
     with sqlite3.connect(path) as db:
         part = json.loads(db.execute("SELECT data FROM part WHERE id = 'p5'").fetchone()[0])
     assert part["state"]["output"] == "[cleared]" and part["state"]["input"] == {"filePath": "a.py"}
     with sqlite3.connect(path) as db:
         assert replayed(db) == rows_of(db)
-    assert cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path)).messages == new
+    assert css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path)).messages == new
     with sqlite3.connect(report["backup"]) as db:  # the backup holds the original
         assert "print(1)" in db.execute("SELECT data FROM part WHERE id = 'p5'").fetchone()[0]
-    again = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
-    cs.write_session(again, again.messages[:2], dry_run=False, now=later(again) + 60)
+    again = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    css.write_session(again, again.messages[:2], dry_run=False, now=later(again) + 60)
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT count(*) FROM part WHERE message_id IN ('m3', 'm4')").fetchone()[0] == 0
         assert db.execute("SELECT count(*) FROM part WHERE message_id IN ('m1c', 'm2')").fetchone()[0] == 2
@@ -496,15 +455,15 @@ def test_an_opencode_compaction_written_as_its_own(tmp_path: Path) -> None:
     (no pinned request ahead of it); right after a compaction, not inside the tail it kept (OpenCode would
     send the older summary inside it), so a second compaction then keeps no tail."""
     path = opencode_store(tmp_path, "/x")
-    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     assert found.tail_starts == (0, 1, 2, 3)  # not the tool result (its call's message)
     tokenizer = cs.resolve_tokenizer("tiktoken")
     plan = cs.compact_messages(found.messages, tokenizer, summary="the user wants a.py read", force=True,
                                keep_last=2, tail_starts=found.tail_starts)  # fmt: skip
     assert plan["kept_from_index"] == 3 and plan["pinned_indices"] == []  # without tail_starts, "read a.py" pinned
-    report = cs.write_session(found, plan["messages"], dry_run=False, now=later(found))
+    report = css.write_session(found, plan["messages"], dry_run=False, now=later(found))
     assert report["folded_into_summary"] == 3
-    again = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    again = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     assert again.compacted and again.messages[2:] == found.messages[3:]
     assert [(m["role"], plain(m["content"])) for m in again.messages[:2]] == [
         ("user", "What did we do so far?"), ("assistant", plan["messages"][0]["content"])]  # fmt: skip
@@ -516,11 +475,11 @@ def test_an_opencode_compaction_written_as_its_own(tmp_path: Path) -> None:
     second = cs.compact_messages(again.messages, tokenizer, summary="still a.py", force=True, keep_last=2,
                                  tail_starts=again.tail_starts)  # fmt: skip
     assert second["kept_from_index"] == len(again.messages)
-    cs.write_session(again, second["messages"], dry_run=False, now=later(again) + 60)
-    last = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    css.write_session(again, second["messages"], dry_run=False, now=later(again) + 60)
+    last = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     assert [m["role"] for m in last.messages] == ["user", "assistant"] and "still a.py" in last.messages[1]["content"]
     with pytest.raises(cs.ContextShrinkError, match="only the newest messages"):  # a tail OpenCode cannot keep
-        cs.write_session(found, [found.messages[0], plan["messages"][0], *found.messages[3:]], dry_run=True)
+        css.write_session(found, [found.messages[0], plan["messages"][0], *found.messages[3:]], dry_run=True)
 
 
 def rows_of(db: sqlite3.Connection) -> dict[str, Any]:
@@ -553,7 +512,7 @@ def replayed(db: sqlite3.Connection) -> dict[str, Any]:
 
 def real_session(
     agent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> tuple[cs.AgentSession, dict[str, str], Any]:
+) -> tuple[css.AgentSession, dict[str, str], Any]:
     """A real session of ``agent`` (three file reads) under ``tmp_path`` read from its store, the environment
     pointing at the agent's home, and a server allowed to write the session."""
     binary(agent)
@@ -561,7 +520,7 @@ def real_session(
     env = environ(tmp_path / "home")
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    found = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    found = css.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
     server = cs.build_server(cs.Config(root=tmp_path / "project", tokenizer="tiktoken", session_stores=(agent,)))
     return found, env, server
 
@@ -592,7 +551,7 @@ def test_a_real_agent_goes_on_from_its_shrunk_session(
     assert done["session_write"]["removed"] == 2 and Path(done["session_write"]["backup"]).exists()
     if agent != "opencode":  # a JSONL store's backup is the file as it was (OpenCode's is a SQLite backup)
         assert Path(done["session_write"]["backup"]).read_bytes() == before
-    pruned = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    pruned = css.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
     assert signature(pruned.messages) == signature(found.messages[:first] + found.messages[first + 2 :])
     assert "file 0 line 7:" not in store_text(agent, tmp_path / "home", found.path)  # scrubbed: no copy left
     tokens = cs.count_messages(pruned.messages, cs.resolve_tokenizer("tiktoken"))[1]
@@ -605,7 +564,7 @@ def test_a_real_agent_goes_on_from_its_shrunk_session(
 
     trimmed = anyio.run(trim).structured_content
     assert trimmed["session_write"]["tool_results_replaced"] >= 1 and trimmed["session_write"]["removed"] == 0
-    pruned = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    pruned = css.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
     shortened = [m["content"] for m in pruned.messages if m["role"] == "tool" and ("elided" in m["content"] or
                  "[tool result cleared:" in m["content"])]  # fmt: skip
     assert shortened, "trim_context wrote no shortened tool result"
@@ -651,7 +610,7 @@ def test_a_real_agent_goes_on_from_a_compaction_in_its_own_records(
             assert set(before.execute(kept)) < set(after.execute(kept))
     else:  # the file as it was, then the compaction's records
         assert Path(written["backup"]).read_bytes() in found.path.read_bytes()
-    compacted = cs.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
+    compacted = css.read_session(f"{agent}:latest", [agent], tmp_path / "project", env)
     assert compacted.compacted and SUMMARY_TEXT in json.dumps(compacted.messages)
     again = run_session(agent, tmp_path, proxied=False, steps=1, resume=found.id)
     assert again.returncode == 0, again.output[-2000:]
@@ -670,15 +629,15 @@ def test_a_compaction_written_as_the_agents_own(tmp_path: Path) -> None:
     session is the summary and the kept messages."""
     path = claude_store(tmp_path, "/x")
     before = path.read_text()
-    found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    found = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
     summary = {"role": "system", "content": f"{cs.SUMMARY_MARKER} the user wants it fixed"}
-    report = cs.write_session(found, [summary, *found.messages[2:]], dry_run=False, now=later(found))
+    report = css.write_session(found, [summary, *found.messages[2:]], dry_run=False, now=later(found))
     assert report["folded_into_summary"] == 2 and path.read_text().startswith(before)
     records = [json.loads(line) for line in path.read_text()[len(before) :].splitlines()]
     assert [r.get("subtype") or r["type"] for r in records] == ["compact_boundary", "user", "assistant", "assistant",
                                                                 "user", "assistant", "last-prompt"]  # fmt: skip
     assert records[1]["isCompactSummary"] and records[-1]["leafUuid"] == records[-2]["uuid"]
-    again = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
+    again = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path))
     assert again.compacted and again.messages[1:] == found.messages[2:]
     assert again.messages[0] == {"role": "user", "content": summary["content"]}
     codex = tmp_path / ".codex" / "sessions" / "2026" / "12" / "01" / "rollout-c1.jsonl"
@@ -687,15 +646,15 @@ def test_a_compaction_written_as_the_agents_own(tmp_path: Path) -> None:
     out = {"type": "function_call_output", "call_id": "k1", "output": "a.py"}
     items = [{"type": "response_item", "payload": i, "ordinal": k} for k, i in enumerate([user, call, out], 1)]
     write_jsonl(codex, [{"type": "session_meta", "payload": {"id": "c1", "cwd": "/x"}, "ordinal": 0}, *items])
-    found = cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path))
-    cs.write_session(found, [summary, *found.messages[1:]], dry_run=False, now=later(found))
+    found = css.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path))
+    css.write_session(found, [summary, *found.messages[1:]], dry_run=False, now=later(found))
     last = json.loads(codex.read_text().splitlines()[-1])
     assert (
         last["type"] == "compacted"
         and last["ordinal"] == 4
         and last["payload"]["replacement_history"][1:] == [call, out]
     )
-    assert cs.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path)).compacted
+    assert css.read_session("codex:c1", ["codex"], Path("/x"), environ(tmp_path)).compacted
 
 
 def test_a_hostile_store_is_read_or_refused_never_a_crash(tmp_path: Path) -> None:
@@ -705,13 +664,13 @@ def test_a_hostile_store_is_read_or_refused_never_a_crash(tmp_path: Path) -> Non
     os.mkfifo(path.parent / "fifo.jsonl")
     with path.open("ab") as handle:
         handle.write(b"[" * 100_000 + b"\n" + b'{"type": "x", "bad": "\xff\xfe"}\n')
-    found = cs.read_session("claude:latest", ["claude"], Path("/x"), environ(tmp_path))
+    found = css.read_session("claude:latest", ["claude"], Path("/x"), environ(tmp_path))
     assert found.skipped_lines == 2 and len(found.messages) == 5
-    assert "claude:s1" in [s["session"] for s in cs.list_sessions(["claude"], environ(tmp_path))]
+    assert "claude:s1" in [s["session"] for s in css.list_sessions(["claude"], environ(tmp_path))]
     with pytest.raises(cs.ContextShrinkError, match="not a regular file"):
-        cs.read_session("claude:fifo", ["claude"], Path("/x"), environ(tmp_path))
+        css.read_session("claude:fifo", ["claude"], Path("/x"), environ(tmp_path))
     with pytest.raises(cs.ContextShrinkError, match="not UTF-8"):
-        cs.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=later(found))
+        css.write_session(found, found.messages[:2] + found.messages[4:], dry_run=False, now=later(found))
     assert not list(path.parent.glob("*.pre-shrink-*"))  # refused before the backup: nothing left behind
 
 
@@ -728,9 +687,9 @@ def test_scrub_erases_the_hidden_copies(tmp_path: Path) -> None:
                 record["toolUseResult"] = {"stdout": secret}
         records.append({"type": "api-request-blob", "content": [{"type": "text", "text": secret}]})
         write_jsonl(path, records)
-        found = cs.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path / str(scrub)))
+        found = css.read_session("claude:s1", ["claude"], Path("/x"), environ(tmp_path / str(scrub)))
         new = [m for k, m in enumerate(found.messages) if k not in (2, 3)]
-        cs.write_session(found, new, dry_run=False, now=later(found), scrub=scrub)
+        css.write_session(found, new, dry_run=False, now=later(found), scrub=scrub)
         text = path.read_text()
         assert (secret in text) is not scrub
         assert '"leafUuid": "r3"' in text.replace('":"', '": "') and '"api-request"' in text  # unrelated kept
@@ -760,9 +719,9 @@ def test_a_write_that_does_not_read_back_is_undone_from_the_backup(
         with sqlite3.connect(path) as db:
             return list(db.iterdump())
 
-    found = cs.read_session(spec, [agent], Path("/x"), environ(tmp_path))
+    found = css.read_session(spec, [agent], Path("/x"), environ(tmp_path))
     before = dump()
-    store = cs.AGENT_STORES[agent]
+    store = css.AGENT_STORES[agent]
     read, reads = store.read, itertools.count()
     wrong = 1 if agent == "opencode" else 0  # OpenCode reads the session once inside its transaction first
     monkeypatch.setattr(store, "read", lambda *a: dataclasses.replace(read(*a), messages=[])
@@ -771,7 +730,7 @@ def test_a_write_that_does_not_read_back_is_undone_from_the_backup(
         [m for k, m in enumerate(found.messages) if k not in (2, 3)]  # fmt: skip
     undone = "nothing changed .the transaction was rolled back" if agent == "opencode" else "restored from"
     with pytest.raises(cs.ContextShrinkError, match=f"did not read back as written; {undone}"):
-        cs.write_session(found, new, dry_run=False, now=later(found))
+        css.write_session(found, new, dry_run=False, now=later(found))
     assert dump() == before
     assert len(list(path.parent.glob("*.pre-shrink-*"))) == (agent != "opencode")  # a rolled-back write: none
 
@@ -782,12 +741,12 @@ def test_an_opencode_database_without_an_event_log_is_written_too(tmp_path: Path
     with sqlite3.connect(path) as db:
         db.execute("DROP TABLE event")
         db.execute("DROP TABLE event_sequence")
-    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
-    cs.write_session(found, found.messages[:3], dry_run=False, now=later(found), scrub=True)
-    again = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    css.write_session(found, found.messages[:3], dry_run=False, now=later(found), scrub=True)
+    again = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     summary = {"role": "system", "content": f"{cs.SUMMARY_MARKER} read a.py"}
-    cs.write_session(again, [summary, again.messages[2]], dry_run=False, now=later(again) + 60)
-    last = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    css.write_session(again, [summary, again.messages[2]], dry_run=False, now=later(again) + 60)
+    last = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     assert [plain(m["content"]) for m in last.messages] == ["What did we do so far?", summary["content"], "read a.py"]
 
 
@@ -797,9 +756,9 @@ def test_an_opencode_part_with_broken_json_is_skipped_and_counted(tmp_path: Path
     path = opencode_store(tmp_path, "/x")
     with sqlite3.connect(path) as db:
         db.execute("INSERT INTO part VALUES ('pbad', 'm3', 'ses_1', 3, 3, '{\"type\": \"text\", \"te')")
-    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     assert found.skipped_lines == 1 and [plain(m["content"]) for m in found.messages][2] == "read a.py"
-    cs.write_session(found, [*found.messages[:4], {**found.messages[4], "content": "[x]"}], dry_run=False,
+    css.write_session(found, [*found.messages[:4], {**found.messages[4], "content": "[x]"}], dry_run=False,
                      now=later(found))  # fmt: skip
 
     def broken(data: str) -> bool:
@@ -817,16 +776,16 @@ def test_an_opencode_database_held_by_a_writer_is_not_written(tmp_path: Path) ->
     """Another connection holding the write lock (the agent mid-write): refused, nothing changed, the
     backup taken before it left beside the database."""
     path = opencode_store(tmp_path, "/x")
-    found = cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
+    found = css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path))
     writer = sqlite3.connect(path, isolation_level=None)
     writer.execute("BEGIN IMMEDIATE")
     try:
         with pytest.raises(cs.ContextShrinkError, match="locked"):
-            cs.write_session(found, found.messages[:1], dry_run=False, now=later(found))
+            css.write_session(found, found.messages[:1], dry_run=False, now=later(found))
     finally:
         writer.execute("ROLLBACK")
         writer.close()
-    assert cs.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path)).messages == found.messages
+    assert css.read_session("opencode:ses_1", ["opencode"], Path("/x"), environ(tmp_path)).messages == found.messages
 
 
 def test_a_real_opencode_session_after_its_own_compactions_reads_as_sent(
@@ -838,7 +797,7 @@ def test_a_real_opencode_session_after_its_own_compactions_reads_as_sent(
     monkeypatch.setattr(agents, "WINDOW", 11_000)  # OpenCode's limit: it compacts between the reads
     session = run_session("opencode", tmp_path, proxied=False, steps=3)
     assert session.returncode == 0, session.output[-2000:]
-    found = cs.read_session("opencode:latest", ["opencode"], tmp_path / "project", environ(tmp_path / "home"))
+    found = css.read_session("opencode:latest", ["opencode"], tmp_path / "project", environ(tmp_path / "home"))
     _, body = [entry for entry in session.upstream.log if entry[1].get("tools")][-1]
     assert found.compacted and signature(found.messages)[:-1] == signature(body["messages"])[1:]
     assert ("user", "What did we do so far?") in signature(found.messages)

@@ -29,6 +29,7 @@ from state_runs import summary_call, turns
 from tiny_llama import free_port
 
 import context_shrink as cs
+import context_shrink_state as cst
 
 KINDS = ("memory", "sqlite", "redis")
 
@@ -37,20 +38,20 @@ KINDS = ("memory", "sqlite", "redis")
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[cs.Store]:
     """Each kind of store, fresh."""
     if request.param == "memory":
-        yield cs.MemoryStore()
+        yield cst.MemoryStore()
     elif request.param == "sqlite":
-        opened = cs.SqliteStore(tmp_path / "state" / "state.sqlite3", "test")
+        opened = cst.SqliteStore(tmp_path / "state" / "state.sqlite3", "test")
         yield opened
         opened.close()
     else:
         with redis_server(tmp_path) as url:
-            opened = cs.RedisStore(url, "test")
+            opened = cst.RedisStore(url, "test")
             yield opened
             opened.close()
 
 
 def folded(history: list[dict[str, Any]], keep: int = 1, action: str = "trim") -> list[dict[str, Any]]:
-    return cs.archive_entries(history, history[-keep:], action)
+    return cst.archive_entries(history, history[-keep:], action)
 
 
 # --------------------------------------------------------------------------- the contract, on every store
@@ -104,7 +105,7 @@ def test_the_archive_keeps_each_message_once_and_finds_it_by_words_phrase_prefix
     assert store.search(entries[2]["id"], None, 5)[1][0]["message"] == entries[2]["message"]
     assert store.search("no such words", None, 5)[1] == []
     assert store.search("file_0.py", "0" * 16, 5) == (0, [])  # another conversation's
-    assert set(found[0]) == set(cs.ARCHIVE_FIELDS)
+    assert set(found[0]) == set(cst.ARCHIVE_FIELDS)
     with pytest.raises(cs.ContextShrinkError, match="query"):
         store.search("  ", None, 5)
 
@@ -139,7 +140,7 @@ def test_every_store_answers_a_query_alike(
     entries = folded(history)
     text = " ".join(f'"{w}"' if mark == '"' else w + mark for w, mark in query)
     namespace = os.urandom(4).hex()
-    stores = [cs.MemoryStore(), cs.SqliteStore(tmp_path / f"{namespace}.db"), cs.RedisStore(redis_url, namespace)]
+    stores = [cst.MemoryStore(), cst.SqliteStore(tmp_path / f"{namespace}.db"), cst.RedisStore(redis_url, namespace)]
     answers = []
     for store in stores:
         store.archive(entries, 1 << 30, 30)
@@ -157,8 +158,8 @@ def test_every_store_answers_a_query_alike(
 
 def test_the_default_store_is_a_private_sqlite_file_in_the_state_folder(tmp_path: Path) -> None:
     env = {"XDG_STATE_HOME": str(tmp_path / "xdg")}
-    assert cs.default_state_path(env) == tmp_path / "xdg" / "context-shrink" / "state.sqlite3"
-    store = cs.open_store(None, "default", env)
+    assert cst.default_state_path(env) == tmp_path / "xdg" / "context-shrink" / "state.sqlite3"
+    store = cst.open_store(None, "default", env)
     assert store.name == f"sqlite:{tmp_path / 'xdg' / 'context-shrink' / 'state.sqlite3'}" and store.down is None
     store.put("windows", '"m"', 4096)
     store.archive(folded(conversation(2, size=3)), 1 << 30, 30)
@@ -168,8 +169,8 @@ def test_the_default_store_is_a_private_sqlite_file_in_the_state_folder(tmp_path
     assert [p.name for p in files] == ["state.sqlite3", "state.sqlite3-shm", "state.sqlite3-wal"]  # WAL mode
     assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
     store.close()
-    again = cs.open_store(f"sqlite:{folder / 'state.sqlite3'}", "default")
-    assert again.get("windows", '"m"') == 4096 and cs.open_store(f"sqlite:{folder / 'state.sqlite3'}", "other").get(
+    again = cst.open_store(f"sqlite:{folder / 'state.sqlite3'}", "default")
+    assert again.get("windows", '"m"') == 4096 and cst.open_store(f"sqlite:{folder / 'state.sqlite3'}", "other").get(
         "windows", '"m"') is None  # fmt: skip
     again.close()
 
@@ -203,7 +204,7 @@ def test_redis_without_its_client_is_an_error_at_start(monkeypatch: pytest.Monke
 def test_an_unreachable_store_serves_from_memory_and_comes_back(tmp_path: Path) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    store = cs.open_store(f"sqlite:{blocked}/state.sqlite3")  # a folder that cannot be made
+    store = cst.open_store(f"sqlite:{blocked}/state.sqlite3")  # a folder that cannot be made
     assert store.down is not None and "NotADirectoryError" in store.down
     store.put("windows", '"m"', 4096)
     assert store.get("windows", '"m"') == 4096  # kept in memory meanwhile
@@ -291,7 +292,7 @@ def test_recall_finds_what_the_proxy_archived_through_the_mcp_tool(tmp_path: Pat
         reply = httpx2.post(f"{url}/chat/completions", json={"model": "m", "messages": history, "max_tokens": 200},
                             timeout=120)  # fmt: skip
     assert reply.status_code == 200 and "action=compact" in reply.headers["x-context-shrink"]
-    conversation_id = cs.conversation_id(history)
+    conversation_id = cst.conversation_id(history)
     assert f"conversation={conversation_id}" in reply.headers["x-context-shrink"]
     config = cs.Config.from_env({"CONTEXT_SHRINK_STATE": state, "CONTEXT_SHRINK_ROOT": str(tmp_path)})
     server = cs.build_server(config)
@@ -312,7 +313,7 @@ def test_an_old_jsonl_archive_is_imported_once(tmp_path: Path) -> None:
     archive, state = tmp_path / "archive", f"sqlite:{tmp_path / 'state.sqlite3'}"
     archive.mkdir()
     old = [{"role": "user", "content": f"old note {n}: zebra{n}"} for n in range(5)]
-    lines = [json.dumps({"id": cs.message_hash(m)[:12], "hash": cs.message_hash(m), "index": n, "action": "trim",
+    lines = [json.dumps({"id": cst.message_hash(m)[:12], "hash": cst.message_hash(m), "index": n, "action": "trim",
                          "time": int(time.time()), "message": m}) for n, m in enumerate(old)]  # fmt: skip
     broken = [json.dumps({"id": "x", "hash": "y" * 64, "message": {"role": "user"}}), json.dumps({"message": 3})]
     (archive / ("a" * 16 + ".jsonl")).write_text("\n".join([*lines, *broken]) + "\nnot json\n")
@@ -321,7 +322,7 @@ def test_an_old_jsonl_archive_is_imported_once(tmp_path: Path) -> None:
         with serve(fake) as upstream, proxy(upstream, "--state", state, "--archive-dir", str(archive),
                                             log=tmp_path / "log"):  # fmt: skip
             pass
-    store = cs.SqliteStore(tmp_path / "state.sqlite3")
+    store = cst.SqliteStore(tmp_path / "state.sqlite3")
     searched, found = store.search("zebra3", None, 5)
     assert searched == 5 and found[0]["message"] == old[3] and found[0]["conversation"] == "a" * 16
     assert (tmp_path / "log").read_text().count("imported 5 message(s)") == 1
@@ -340,7 +341,7 @@ def test_recall_over_stdio_searches_the_store_the_environment_names(tmp_path: Pa
 
     path = tmp_path / "state.sqlite3"
     history = conversation(3, size=5)
-    store = cs.SqliteStore(path, "team")
+    store = cst.SqliteStore(path, "team")
     store.archive(folded(history), 1 << 30, 30)
     store.close()
     env = {**os.environ, "CONTEXT_SHRINK_STATE": f"sqlite:{path}", "CONTEXT_SHRINK_NAMESPACE": "team"}

@@ -22,6 +22,7 @@ from fake_openai import serve
 from mcp_calls import call, ok, run
 
 import context_shrink as cs
+import context_shrink_proxy as csp
 
 pytestmark = pytest.mark.llama
 
@@ -97,8 +98,8 @@ def test_the_proxy_compacts_without_overflowing_the_summariser(
 ) -> None:
     if not counting:
         no_counting(monkeypatch)
-    settings = cs.ProxyConfig(upstream=llama_2k, archive_dir=None, state="memory")
-    app = cs.build_proxy(settings, cs.resolve_tokenizer("tiktoken:cl100k_base"))
+    settings = csp.ProxyConfig(upstream=llama_2k, archive_dir=None, state="memory")
+    app = csp.build_proxy(settings, cs.resolve_tokenizer("tiktoken:cl100k_base"))
     refusals(capfd)
     with serve(types.SimpleNamespace(app=app)) as url:  # type: ignore[arg-type]
         body = {"model": "tiny", "messages": history(), "max_tokens": 16}

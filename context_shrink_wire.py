@@ -1,0 +1,681 @@
+"""context_shrink_wire: the Responses API and Anthropic Messages seen as chat, and written back.
+
+A companion of :mod:`context_shrink` (it imports the core; the core never imports it at load time). Each wire
+API is one :class:`Wire`: a view of its request body as the chat messages the core shrinks
+(:class:`ChatView`), the body written back from the shrunk messages, its overflow and usage fields, and the
+recall tool in its own shape. Pure: no I/O. The proxy (:mod:`context_shrink_proxy`) and the sessions of Codex
+CLI and Claude Code (:mod:`context_shrink_sessions`) use it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "WIRES",
+    "ChatView",
+    "messages_body",
+    "messages_view",
+    "recall_lines",
+    "responses_body",
+    "responses_view",
+]
+
+
+import collections
+import contextlib
+import dataclasses
+import json
+import re
+from collections.abc import (
+    Callable,
+    Mapping,
+    Sequence,
+)
+from typing import Any, Protocol
+
+from context_shrink import (
+    LEDGER_MARKER,
+    RECALL_TOOL,
+    SUMMARY_MARKER,
+    ContextShrinkError,
+    _plain_content,
+    assistant_message,
+    chat_content,
+    fingerprint,
+    pseudo_tool,
+    tool_call,
+    validate_messages,
+    validate_tools,
+)
+
+# =============================================================================
+# 2. The Responses API and Anthropic Messages seen as chat (pure): views, bodies, the recall tool
+# =============================================================================
+
+# --- the Responses API (Codex CLI): its input items seen as chat messages, and written back --------------
+
+
+@dataclasses.dataclass
+class ChatView:
+    """A request of another wire API seen as a chat request: ``messages`` and ``tools`` in the chat shape,
+    and for each message where it came from in the original body (``origins``: for the Responses API the
+    indices of its input items, for Anthropic Messages the index of its message; -1 is the instructions or
+    system field)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    origins: list[Any]
+
+    def matcher(self) -> Callable[[Mapping[str, Any]], Any]:
+        """Called on the shrunk messages in order: the origin of one the pipeline left as it was, else None."""
+        unchanged: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
+        for message, origin in zip(self.messages, self.origins, strict=True):
+            unchanged[fingerprint(message)].append(origin)
+
+        def origin(message: Mapping[str, Any]) -> Any:
+            found = unchanged.get(fingerprint(message))
+            return found.popleft() if found else None
+
+        return origin
+
+
+def _chat_parts(content: Any) -> str | list[dict[str, Any]]:
+    """Responses content (a string or typed parts) in the chat shape; a part it does not know raises."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ContextShrinkError(f"message content must be text or a list of parts, got {type(content).__name__}")
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url") or "", "detail": "auto"}})
+        else:
+            raise ContextShrinkError(f"content part type {kind!r} is not understood")
+    return parts
+
+
+def responses_view(body: Mapping[str, Any]) -> ChatView:
+    """The chat view of a Responses request body (a reasoning item travels with the item after it). Raises
+    :class:`ContextShrinkError` naming what it does not understand, or when the request continues a stored
+    response (``previous_response_id``: the server holds the earlier turns); such a request is relayed as
+    it is."""
+    if body.get("previous_response_id"):
+        raise ContextShrinkError("it continues a stored response (previous_response_id): the server holds the rest")
+    items = body.get("input")
+    items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ContextShrinkError("input must be text or a list of items")
+    messages: list[dict[str, Any]] = []
+    origins: list[list[int]] = []
+    if isinstance(body.get("instructions"), str) and body["instructions"]:
+        messages.append({"role": "system", "content": body["instructions"]})
+        origins.append([-1])
+    pending: list[int] = []  # reasoning items, waiting for the item they precede
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            pending.append(i)
+            continue
+        if kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or ""}}  # fmt: skip
+            if messages and messages[-1].get("tool_calls") and items[origins[-1][-1]].get("type") == "function_call":
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant message, as in chat
+                origins[-1] += [*pending, i]
+                pending = []
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _chat_parts(output)})  # fmt: skip
+        elif kind == "message":
+            messages.append({"role": item.get("role"), "content": _chat_parts(item.get("content"))})
+        else:
+            raise ContextShrinkError(f"input item type {kind!r} is not understood")
+        origins.append([*pending, i])
+        pending = []
+    if pending and origins:
+        origins[-1] += pending
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+             if t.get("type") == "function" else pseudo_tool(t)
+             for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
+    return ChatView(validate_messages(messages), tools, origins)
+
+
+def _as_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat message the pipeline wrote or changed (a summary, a cleared result), as Responses items."""
+    if message.get("role") == "tool":
+        return [{"type": "function_call_output", "call_id": message.get("tool_call_id"),
+                 "output": _plain_content(message.get("content"))}]  # fmt: skip
+    items = []
+    if text := _plain_content(message.get("content")):
+        kind = "output_text" if message.get("role") == "assistant" else "input_text"
+        items.append({"type": "message", "role": message.get("role"), "content": [{"type": kind, "text": text}]})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        items.append({"type": "function_call", "call_id": call.get("id"), "name": function.get("name"),
+                      "arguments": function.get("arguments") or ""})  # fmt: skip
+    return items
+
+
+def responses_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``body`` with ``sent`` (the shrunk chat messages) written back as its input: a message the pipeline
+    left as it was goes out as the very items it came from; a changed or new one in the Responses shape."""
+    items = body["input"] if isinstance(body["input"], list) else [{"type": "message", "role": "user",
+                                                                     "content": body["input"]}]  # fmt: skip
+    origin_of = view.matcher()
+    out: dict[str, Any] = {k: v for k, v in body.items() if k != "instructions"}
+    written: list[dict[str, Any]] = []
+    for message in sent:
+        origin = origin_of(message)
+        if origin == [-1]:
+            out["instructions"] = body["instructions"]
+        elif origin is not None:
+            written += [items[i] for i in origin]
+        else:
+            written += _as_items(message)
+    return {**out, "input": written}
+
+
+# --- the Anthropic Messages API (Claude Code): its messages seen as chat messages, and written back -------
+
+
+def _anthropic_parts(content: Any) -> list[dict[str, Any]]:
+    """Text and image blocks in the chat shape; a block type it does not know raises."""
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(blocks, list):
+        raise ContextShrinkError(f"content must be text or a list of blocks, got {type(content).__name__}")
+    parts = []
+    for block in blocks:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            source = block.get("source") or {}
+            url = source.get("url") or f"data:{source.get('media_type')};base64,{source.get('data', '')}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise ContextShrinkError(f"content block type {kind!r} is not understood")
+    return parts
+
+
+def _anthropic_message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages one Anthropic message stands for."""
+    role, content = message.get("role"), message.get("content")
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if role not in ("user", "assistant", "system") or not isinstance(blocks, list):
+        raise ContextShrinkError(f"messages[{i}] must be a user, assistant or system message with content")
+    if role == "system":  # Claude Code sends its environment so, between the turns
+        return [{"role": "system", "content": chat_content(_anthropic_parts(blocks))}]
+    if role == "assistant":
+        known = {"text", "tool_use", "thinking", "redacted_thinking"}
+        if unknown := [b.get("type") for b in blocks if not isinstance(b, dict) or b.get("type") not in known]:
+            raise ContextShrinkError(f"content block type {unknown[0]!r} is not understood")
+        text = _plain_content([b for b in blocks if b.get("type") == "text"])
+        calls = [tool_call(b.get("id"), b.get("name"), json.dumps(b.get("input") or {}, ensure_ascii=False))
+                 for b in blocks if b.get("type") == "tool_use"]  # fmt: skip
+        thinking = "\n".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
+        return [assistant_message(text, calls, thinking if thinking.strip("\n") else "")]
+    results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
+    rest = [b for b in blocks if not (isinstance(b, dict) and b.get("type") == "tool_result")]
+    out_messages: list[dict[str, Any]] = []
+    for block in results:
+        content = block.get("content")
+        content = content if isinstance(content, str) else chat_content(_anthropic_parts(content or []))
+        out_messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
+    if rest:
+        out_messages.append({"role": "user", "content": chat_content(_anthropic_parts(rest))})
+    return out_messages
+
+
+def messages_view(body: Mapping[str, Any]) -> ChatView:
+    """The chat view of an Anthropic Messages request body: the ``system`` field first; a user message's
+    ``tool_result`` blocks become tool messages, its other blocks one user message; an assistant message's
+    ``tool_use`` blocks become tool calls, its thinking reasoning. Raises :class:`ContextShrinkError` naming
+    what it does not understand (such a request is relayed as it is)."""
+    if not isinstance(body.get("messages"), list):
+        raise ContextShrinkError("messages must be a list")
+    messages: list[dict[str, Any]] = []
+    origins: list[int] = []
+    system = body.get("system")
+    if system:
+        messages.append({"role": "system", "content": system if isinstance(system, str) else _anthropic_parts(system)})
+        origins.append(-1)
+    for i, message in enumerate(body["messages"]):
+        if not isinstance(message, dict):
+            raise ContextShrinkError(f"messages[{i}] must be an object")
+        converted = _anthropic_message(i, message)
+        messages += converted
+        origins += [i] * len(converted)
+    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+              "parameters": t.get("input_schema") or {}}}
+             if t.get("type") in (None, "custom") and "input_schema" in t else pseudo_tool(t)
+             for t in body.get("tools") or [] if isinstance(t, dict)]  # fmt: skip
+    return ChatView(validate_messages(messages), tools, origins)
+
+
+def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat message the pipeline wrote or changed, as Anthropic content blocks."""
+    if message.get("role") == "tool":
+        return [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                 "content": _plain_content(message.get("content"))}]  # fmt: skip
+    blocks: list[dict[str, Any]] = []
+    if text := _plain_content(message.get("content")):
+        blocks.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = {"arguments": function.get("arguments")}
+        blocks.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
+                       "input": arguments if isinstance(arguments, dict) else {"value": arguments}})  # fmt: skip
+    return blocks
+
+
+def _view_places(view: ChatView, sent: Sequence[Mapping[str, Any]]) -> list[int | None]:
+    """For each shrunk message, the chat message of ``view`` it stands for (unchanged, or changed in place),
+    else None (a message the pipeline wrote). Unchanged ones by their fingerprint in order; a changed tool
+    result by its call id, an assistant turn by its calls; any other changed message when it is the one
+    message of its role missing between its placed neighbours."""
+    unchanged: dict[str, collections.deque[int]] = collections.defaultdict(collections.deque)
+    by_call: dict[tuple[str, Any], int] = {}
+
+    def calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
+        ids = [message.get("tool_call_id")] + [c.get("id") for c in message.get("tool_calls") or []]
+        return [(message["role"], i) for i in ids if i is not None]
+
+    for k, message in enumerate(view.messages):
+        unchanged[fingerprint(message)].append(k)
+        for key in calls(message):
+            by_call.setdefault(key, k)
+    places: list[int | None] = []
+    for message in sent:
+        found = unchanged.get(fingerprint(message))
+        places.append(found.popleft() if found else next((by_call[c] for c in calls(message) if c in by_call), None))
+    taken = {k for k in places if k is not None}
+    for j, message in enumerate(sent):
+        text = _plain_content(message.get("content"))
+        if places[j] is not None or text.startswith((SUMMARY_MARKER, LEDGER_MARKER)):
+            continue
+        low = next((places[i] for i in range(j - 1, -1, -1) if places[i] is not None), -1)
+        high = next((places[i] for i in range(j + 1, len(sent)) if places[i] is not None), len(view.messages))
+        between = [k for k in range(low + 1, high) if k not in taken and view.origins[k] != -1
+                   and view.messages[k]["role"] == message["role"]]  # fmt: skip
+        if len(between) == 1:
+            places[j] = between[0]
+            taken.add(between[0])
+    return places
+
+
+def _anthropic_content(content: Any) -> list[dict[str, Any]]:
+    """Chat content as Anthropic blocks: text, and images back as image blocks."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+    blocks: list[dict[str, Any]] = []
+    for part in parts:
+        if part.get("type") == "image_url":
+            url = str((part.get("image_url") or {}).get("url") or "")
+            head, _, data = url.partition(";base64,")
+            source = ({"type": "base64", "media_type": head.removeprefix("data:"), "data": data}
+                      if url.startswith("data:") and data else {"type": "url", "url": url})  # fmt: skip
+            blocks.append({"type": "image", "source": source})
+        elif part.get("text"):
+            blocks.append({"type": "text", "text": part["text"]})
+    return blocks
+
+
+def _edited_message(original: Mapping[str, Any], view: ChatView, origin: int,
+                    sent: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:  # fmt: skip
+    """The Anthropic message ``original`` (body message ``origin``) with only what the pipeline changed
+    changed, block by block: every block whose chat message went out unchanged is kept as sent (images,
+    ``is_error``, ``cache_control``, citations and all); a changed tool result keeps its block with the new
+    content; a changed text or call is rebuilt in its place; a dropped one goes. None when nothing is left
+    (an assistant turn that held only thinking, its reasoning removed)."""
+    mine = [k for k, o in enumerate(view.origins) if o == origin]
+    results = iter(k for k in mine if view.messages[k]["role"] == "tool")
+    rest = next((k for k in mine if view.messages[k]["role"] != "tool"), None)
+    out: list[dict[str, Any]] = []
+    rebuilt: set[int] = set()
+    for block in _as_blocks(original.get("content")):
+        kind = block.get("type")
+        k = next(results, None) if kind == "tool_result" else rest
+        if k is None or k not in sent:
+            continue
+        new, old = sent[k], view.messages[k]
+        if fingerprint(new) == fingerprint(old):
+            out.append(block)
+        elif kind == "tool_result":
+            content = new.get("content")
+            out.append({**block, "content": content if isinstance(content, str) else _anthropic_content(content)})
+        elif old["role"] == "assistant":
+            out += _edited_assistant_block(block, new, old, first=k not in rebuilt)  # first: its new text here
+            if block.get("type") == "text":
+                rebuilt.add(k)
+        elif k not in rebuilt:
+            rebuilt.add(k)
+            out += _edited_blocks([b for b in _as_blocks(original.get("content")) if b.get("type") != "tool_result"],
+                                  new.get("content"))  # fmt: skip
+    return {**original, "content": out} if out else None
+
+
+def _edited_blocks(blocks: Sequence[Mapping[str, Any]], content: Any) -> list[dict[str, Any]]:
+    """Text and image blocks whose chat message the pipeline changed (an image removed, lines dropped):
+    each block whose text or image is still in ``content`` kept as sent (citations, cache_control); what is
+    new in ``content`` in the place of the first block that is not."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    text = "\n".join(p.get("text", "") for p in parts if p.get("type") == "text")
+    images = [p for p in parts if p.get("type") == "image_url"]
+    out: list[dict[str, Any]] = []
+    at = None
+    for block in blocks:
+        own = _anthropic_parts([block])[0] if block.get("type") in ("text", "image") else None
+        if own is not None and own.get("type") == "text" and own["text"] and own["text"] in text:
+            text = text.replace(own["text"], "", 1)
+            out.append(dict(block))
+        elif own is not None and own in images:
+            images.remove(own)
+            out.append(dict(block))
+        elif at is None:
+            at = len(out)
+    rest = _anthropic_content([*([{"type": "text", "text": text.strip()}] if text.strip() else []), *images])
+    at = len(out) if at is None else at
+    return [*out[:at], *rest, *out[at:]]
+
+
+def _edited_assistant_block(block: Mapping[str, Any], new: Mapping[str, Any], old: Mapping[str, Any],
+                            first: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """One block of an assistant turn the pipeline changed: thinking kept only with its reasoning, the text
+    kept where it is the same (else the new text in the first text block's place), a call kept as sent
+    where its arguments are the same."""
+    kind = block.get("type")
+    if kind in ("thinking", "redacted_thinking"):
+        return [dict(block)] if new.get("reasoning_content") == old.get("reasoning_content") else []
+    if kind == "text":
+        if _plain_content(new.get("content")) == _plain_content(old.get("content")):
+            return [dict(block)]
+        text = _plain_content(new.get("content"))
+        return [{"type": "text", "text": text}] if first and text else []
+    calls = {c.get("id"): c for c in new.get("tool_calls") or []}
+    before = {c.get("id"): c for c in old.get("tool_calls") or []}
+    call = calls.get(block.get("id"))
+    if call is None:
+        return []
+    if call == before.get(block.get("id")):
+        return [dict(block)]
+    return _anthropic_blocks({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def messages_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``body`` with ``sent`` (the shrunk chat messages) written back: an Anthropic message all of whose chat
+    messages went out unchanged goes out as the client sent it; one the pipeline changed in part is edited
+    block by block (:func:`_edited_message`); a message the pipeline wrote (a summary, the ledger) goes into a
+    user turn. No message leaves with empty content; adjacent turns of one role are joined."""
+    places = _view_places(view, sent)
+    out: dict[str, Any] = {k: v for k, v in body.items() if k != "system"}
+    groups: list[tuple[int | None, dict[int, Mapping[str, Any]], list[Mapping[str, Any]]]] = []
+    for message, k in zip(sent, places, strict=True):
+        origin = None if k is None else view.origins[k]
+        if origin == -1:
+            out["system"] = body["system"]
+            continue
+        if groups and origin is not None and groups[-1][0] == origin:
+            groups[-1][1][k] = message  # type: ignore[index]
+        else:
+            groups.append((origin, {} if k is None else {k: message}, [message]))
+    written: list[dict[str, Any]] = []
+    for origin, placed, messages in groups:
+        if origin is None:
+            role = "assistant" if messages[0].get("role") == "assistant" else "user"
+            blocks = [b for m in messages for b in _anthropic_blocks(m)]
+            message: dict[str, Any] | None = {"role": role, "content": blocks} if blocks else None
+        else:
+            message = _edited_message(body["messages"][origin], view, origin, placed)
+            if message is not None and all(fingerprint(m) == fingerprint(view.messages[k]) for k, m in placed.items()) \
+                    and len(placed) == view.origins.count(origin):  # fmt: skip
+                message = dict(body["messages"][origin])  # all of it went out unchanged: as the client sent it
+        if message is not None:
+            _join_turn(written, message)
+    return {**out, "messages": written}
+
+
+def _join_turn(written: list[dict[str, Any]], message: dict[str, Any]) -> None:
+    """``message`` added to ``written`` so that the turns alternate: joined to the last turn when that has its
+    role, with only system messages (the environment Claude Code sends between turns) after it, which stay
+    after the joined turn."""
+    last = next((k for k in range(len(written) - 1, -1, -1) if written[k]["role"] != "system"), None)
+    if message["role"] == "system" or last is None or written[last]["role"] != message["role"]:
+        written.append(message)
+        return
+    joined = _as_blocks(written[last]["content"]) + _as_blocks(message["content"])
+    written[last] = {**written[last], "content": joined}
+
+
+def _as_blocks(content: Any) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+# --- the recall tool: what the proxy offers the model over what it folded away, in each API's format ---------
+
+
+RECALL_DESCRIPTION = (
+    "Fetch back, verbatim, what was folded away from this conversation to fit the model's window (earlier "
+    "messages, tool results, files read): the lines that match the query, with context. Query by a file name, "
+    "a command, an identifier or words."
+)
+RECALL_SCHEMA = {"type": "object", "properties": {"query": {"type": "string", "description": "Words or an id."}},
+                 "required": ["query"], "additionalProperties": False}  # fmt: skip
+RECALL_CONTEXT = 2  # lines around each matching line
+RECALL_TOKENS = 1500  # the most one recall returns
+
+
+def recall_lines(
+    messages: Sequence[Mapping[str, Any]],
+    query: str,
+    limit: int,
+    count: Callable[[str], int],
+    calls: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """What ``messages`` (those folded away) hold that matches ``query``, within ``limit`` tokens, newest
+    message first as ``[message N, role]`` blocks: the results of a tool call (among ``messages`` and
+    ``calls``, the request's messages: a call may be kept while its result was folded) whose name and
+    arguments hold every word (a file read by its name, a command), from their head; else every line holding
+    all the words (or, when none does, any of them) with :data:`RECALL_CONTEXT` lines around it. A sentence says so when
+    nothing matches."""
+    words = [w for w in re.findall(r"[\w.:/@-]+", query.lower()) if len(w) > 1]
+    if not words:
+        return "The query holds no word to search for."
+    called = {c.get("id") for m in [*messages, *calls] for c in m.get("tool_calls") or []
+              if all(w in json.dumps(c.get("function") or {}).lower() for w in words)}  # fmt: skip
+    texts = []
+    for m in messages:
+        calls = [f"{c['function'].get('name')} {c['function'].get('arguments')}" for c in m.get("tool_calls") or []]
+        texts.append("\n".join([_plain_content(m.get("content")), *calls]).split("\n"))
+    for needed in (len(words), 1):  # all the words on a line, else any of them
+        blocks, room = [], limit
+        for i in range(len(messages) - 1, -1, -1):
+            lines = texts[i]
+            if messages[i].get("tool_call_id") in called and needed == len(words):
+                shown = list(range(len(lines)))  # the result of a matching call: whole, from its head
+            else:
+                hits = [k for k, line in enumerate(lines) if sum(w in line.lower() for w in words) >= needed]
+                shown = sorted({j for k in hits for j in range(k - RECALL_CONTEXT, k + RECALL_CONTEXT + 1)
+                                if 0 <= j < len(lines)})  # fmt: skip
+            if not shown:
+                continue
+            block = [f"[message {i}, {messages[i]['role']}]"]
+            room -= count(block[0]) + 1
+            for j in shown:
+                if (cost := count(lines[j]) + 1) > room - 16:
+                    block.append("[... cut: the recall's limit]")
+                    room = 0
+                    break
+                block.append(lines[j])
+                room -= cost
+            blocks.append("\n".join(block))
+            if room <= 32:
+                break
+        if blocks:
+            return "\n\n".join(blocks)
+    return f"Nothing folded away matches {query!r}."
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A tool call a model made: its id, the tool's name, its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def query(self) -> str:
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            return str(json.loads(self.arguments or "{}").get("query") or "")
+        return ""
+
+
+def sse_events(data: bytes) -> list[dict[str, Any]]:
+    """The JSON payloads of a server-sent event stream (``[DONE]`` and what does not parse left out)."""
+    events = []
+    for line in data.decode("utf-8", "replace").splitlines():
+        if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+            with contextlib.suppress(ValueError):
+                if isinstance(event := json.loads(line[5:]), dict):
+                    events.append(event)
+    return events
+
+
+class Wire(Protocol):
+    """One wire API as the proxy sees it: its body as a chat view and written back, and what recall needs: its
+    tool format, the calls in a reply (whole or streamed), and a request answering them."""
+
+    def view(self, body: Mapping[str, Any]) -> ChatView: ...
+
+    def write(self, body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]: ...
+
+    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def calls(self, reply: bytes, streamed: bool) -> list[Call]: ...
+
+    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]: ...
+
+
+class ChatWire:
+    """Chat Completions (OpenCode and most clients): the body is its own chat view."""
+
+    def view(self, body: Mapping[str, Any]) -> ChatView:
+        messages = validate_messages(body.get("messages"))
+        return ChatView(messages, validate_tools(body.get("tools") or []), list(range(len(messages))))
+
+    def write(self, body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {**body, "messages": list(sent)}
+
+    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        tool = {"type": "function", "function": {"name": RECALL_TOOL, "description": RECALL_DESCRIPTION,
+                                                 "parameters": RECALL_SCHEMA}}  # fmt: skip
+        return {**body, "tools": [*(body.get("tools") or []), tool]}
+
+    def calls(self, reply: bytes, streamed: bool) -> list[Call]:
+        if not streamed:
+            with contextlib.suppress(ValueError, TypeError, AttributeError, IndexError, KeyError):
+                found = json.loads(reply)["choices"][0]["message"].get("tool_calls") or []
+                return [Call(str(c.get("id")), str(c["function"].get("name")), c["function"].get("arguments") or "")
+                        for c in found]  # fmt: skip
+            return []
+        parts: dict[int, dict[str, str]] = {}
+        for event in sse_events(reply):
+            for choice in event.get("choices") or []:
+                for delta in ((choice or {}).get("delta") or {}).get("tool_calls") or []:
+                    part = parts.setdefault(delta.get("index", 0), {"id": "", "name": "", "arguments": ""})
+                    function = delta.get("function") or {}
+                    part["id"] = delta.get("id") or part["id"]
+                    part["name"] += function.get("name") or ""
+                    part["arguments"] += function.get("arguments") or ""
+        return [Call(p["id"], p["name"], p["arguments"]) for _, p in sorted(parts.items())]
+
+    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
+        turn = assistant_message("", [tool_call(c.id, c.name, c.arguments) for c in calls])
+        answers = [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results, strict=True)]
+        return {**body, "messages": [*body["messages"], turn, *answers]}
+
+
+class ResponsesWire:
+    """The Responses API (Codex CLI)."""
+
+    view = staticmethod(responses_view)
+    write = staticmethod(responses_body)
+
+    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        tool = {"type": "function", "name": RECALL_TOOL, "description": RECALL_DESCRIPTION,
+                "parameters": RECALL_SCHEMA, "strict": False}  # fmt: skip
+        return {**body, "tools": [*(body.get("tools") or []), tool]}
+
+    def calls(self, reply: bytes, streamed: bool) -> list[Call]:
+        items: list[Any] = []
+        if streamed:
+            for event in sse_events(reply):
+                if event.get("type") == "response.output_item.done":
+                    items.append(event.get("item"))
+                elif event.get("type") == "response.completed" and not items:
+                    items = list((event.get("response") or {}).get("output") or [])
+        else:
+            with contextlib.suppress(ValueError, AttributeError):
+                items = list(json.loads(reply).get("output") or [])
+        return [Call(str(i.get("call_id")), str(i.get("name")), i.get("arguments") or "")
+                for i in items if isinstance(i, dict) and i.get("type") == "function_call"]  # fmt: skip
+
+    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
+        items = body["input"] if isinstance(body.get("input"), list) else [
+            {"type": "message", "role": "user", "content": body.get("input") or ""}]  # fmt: skip
+        made = [{"type": "function_call", "call_id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+        outputs = [{"type": "function_call_output", "call_id": c.id, "output": r}
+                   for c, r in zip(calls, results, strict=True)]  # fmt: skip
+        return {**body, "input": [*items, *made, *outputs]}
+
+
+class MessagesWire:
+    """Anthropic Messages (Claude Code)."""
+
+    view = staticmethod(messages_view)
+    write = staticmethod(messages_body)
+
+    def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        tool = {"name": RECALL_TOOL, "description": RECALL_DESCRIPTION, "input_schema": RECALL_SCHEMA}
+        return {**body, "tools": [*(body.get("tools") or []), tool]}
+
+    def calls(self, reply: bytes, streamed: bool) -> list[Call]:
+        if not streamed:
+            with contextlib.suppress(ValueError, AttributeError):
+                blocks = json.loads(reply).get("content") or []
+                return [Call(str(b.get("id")), str(b.get("name")), json.dumps(b.get("input") or {}))
+                        for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
+            return []
+        parts: dict[int, dict[str, str]] = {}
+        for event in sse_events(reply):
+            block, delta = event.get("content_block") or {}, event.get("delta") or {}
+            if event.get("type") == "content_block_start" and block.get("type") == "tool_use":
+                parts[event.get("index", 0)] = {"id": str(block.get("id")), "name": str(block.get("name")),
+                                                "arguments": ""}  # fmt: skip
+            elif delta.get("type") == "input_json_delta" and (part := parts.get(event.get("index", 0))) is not None:
+                part["arguments"] += delta.get("partial_json") or ""
+        return [Call(p["id"], p["name"], p["arguments"] or "{}") for _, p in sorted(parts.items())]
+
+    def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
+        uses = []
+        for c in calls:
+            try:
+                arguments = json.loads(c.arguments or "{}")
+            except ValueError:
+                arguments = {"query": c.arguments}
+            uses.append({"type": "tool_use", "id": c.id, "name": c.name, "input": arguments})
+        answers = [{"type": "tool_result", "tool_use_id": c.id, "content": r}
+                   for c, r in zip(calls, results, strict=True)]  # fmt: skip
+        turns = [{"role": "assistant", "content": uses}, {"role": "user", "content": answers}]
+        return {**body, "messages": [*body["messages"], *turns]}
+
+
+WIRES: dict[str, Wire] = {"chat": ChatWire(), "responses": ResponsesWire(), "messages": MessagesWire()}
