@@ -971,12 +971,20 @@ def _opencode_ids(prefix: str, count: int) -> list[str]:
             for k in range(1, count + 1)]  # fmt: skip
 
 
-def _busy(exc: sqlite3.Error) -> bool:
-    """SQLite said the database is locked or busy (another connection is writing)."""
+def _busy(exc: sqlite3.Error) -> bool | None:
+    """SQLite said the database is locked or busy (another connection is writing), read from its result code,
+    never from its message; None where Python has no code (3.10) and the error is an OperationalError, which a
+    lock raises among others."""
     code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
-    if code is None:  # pragma: no cover (3.10: the code is not exposed)
-        return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+    if code is None:  # pragma: no cover (3.10)
+        return None if isinstance(exc, sqlite3.OperationalError) else False
     return code & 0xFF in (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED
+
+
+def _locked(exc: sqlite3.Error, busy: bool | None) -> ContextShrinkError:
+    """The error for a database SQLite would not read: locked (``busy``), or maybe locked (``busy`` None)."""
+    said = "is locked (the agent is writing it)" if busy else "is locked (the agent is writing it) or unreadable"
+    return ContextShrinkError(f"OpenCode's database {said}: {exc}")
 
 
 @contextlib.contextmanager
@@ -1021,8 +1029,8 @@ class OpenCodeStore(AgentStore):
             with _read_only(place) as db:
                 rows = db.execute("SELECT id, directory, title, time_updated FROM session").fetchall()
         except sqlite3.Error as exc:
-            if _busy(exc):  # not "no session": say why
-                raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
+            if (busy := _busy(exc)) is not False:  # not "no session": say why
+                raise _locked(exc, busy) from None
             return []
         return [{"id": i, "cwd": d, "title": t, "path": place, "updated_ms": u} for i, d, t, u in rows]
 
@@ -1039,8 +1047,8 @@ class OpenCodeStore(AgentStore):
                      "WHERE session_id = ?1)")  # fmt: skip
             total = db.execute(count, (session,)).fetchone()[0]
         except sqlite3.Error as exc:
-            if _busy(exc):
-                raise ContextShrinkError(f"OpenCode's database is locked (the agent is writing it): {exc}") from None
+            if (busy := _busy(exc)) is not False:
+                raise _locked(exc, busy) from None
             raise ContextShrinkError(f"OpenCode's database has a layout this version does not know: {exc}") from None
         by_message: dict[str, list[tuple[str, dict[str, Any]]]] = collections.defaultdict(list)
         for message_id, part_id, part in parts:
