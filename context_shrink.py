@@ -4100,7 +4100,12 @@ STRICT_NOTE = (
 class Reply(str):
     """A model's reply text that also says why generation stopped (``length``: cut off by max_tokens)."""
 
-    finish_reason: str | None = None
+    finish_reason: str | None
+
+    def __new__(cls, text: str, finish_reason: str | None = None) -> Reply:
+        reply = super().__new__(cls, text)
+        reply.finish_reason = finish_reason
+        return reply
 
 
 def guard_summary(

@@ -102,8 +102,8 @@ def main() -> int:
                 answer = httpx2.post(f"{url}/chat/completions", json=body, timeout=900).json()
                 if "choices" not in answer:  # e.g. the whole transcript is over the model's window
                     raise SystemExit(f"plain prompt refused for {shape}: {str(answer)[:300]}")
-                text = cs.Reply(answer["choices"][0]["message"]["content"] or "")
-                text.finish_reason = answer["choices"][0].get("finish_reason")
+                choice = answer["choices"][0]
+                text = cs.Reply(choice["message"]["content"] or "", choice.get("finish_reason"))
                 problems = cs.guard_summary(text, transcript, args.summary_tokens, tokenizer.count)[1]
                 rows["plain"].append(
                     {

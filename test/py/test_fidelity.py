@@ -131,11 +131,9 @@ def test_guard_trims_repetition() -> None:
 def test_guard_flags_copies_and_cut_off_replies() -> None:
     source = " ".join(f"word{k} appears in the transcript number {k}" for k in range(60))
     assert cs.guard_summary(source, source, 100_000, len)[1:] == (["copy"], False)
-    cut = cs.Reply("- The user wants the parser fixed and the tests to")
-    cut.finish_reason = "length"
+    cut = cs.Reply("- The user wants the parser fixed and the tests to", "length")
     assert cs.guard_summary(cut, "x", 512, len)[1:] == (["truncated"], False)
-    done = cs.Reply("- The user wants the parser fixed.")
-    done.finish_reason = "length"
+    done = cs.Reply("- The user wants the parser fixed.", "length")
     assert cs.guard_summary(done, "x", 512, len)[1:] == ([], True)
     assert cs.guard_summary("- a short and complete summary.", "x", 512, len)[1:] == ([], True)
 
