@@ -5878,14 +5878,6 @@ class BackendCaches:
     windows: dict[tuple[str, str | None], tuple[int, str, float]] = dataclasses.field(default_factory=dict)
 
 
-COUNT_METHODS = (
-    "llama.cpp /v1/chat/completions/input_tokens",
-    "llama.cpp /apply-template + /tokenize",
-    "vLLM /tokenize",
-    "TGI /chat_tokenize",
-)
-
-
 class Backend:
     """One OpenAI-compatible backend, reached through the server's shared :class:`httpx2.AsyncClient`.
 
@@ -5998,26 +5990,12 @@ class Backend:
         called = isinstance(message, dict) and bool(message.get("tool_calls"))
         if not called and (not isinstance(content, str) or not content.strip()):
             raise BackendError("backend 200: the reply holds no text, not a summary", url=self.base_url, status=200)
-        text = Reply(content if isinstance(content, str) else "")
-        text.finish_reason = "tool_calls" if called else reply["choices"][0].get("finish_reason")
-        return text
+        finish = "tool_calls" if called else reply["choices"][0].get("finish_reason")
+        return Reply(content if isinstance(content, str) else "", finish)
 
-    async def _count_with(self, method: str, body: dict[str, Any]) -> int:
-        probe = {"retries": 0, "wait": self.probe_wait}
-        if method == COUNT_METHODS[0]:
-            return int(
-                (await self._send("POST", f"{self.base_url}/chat/completions/input_tokens", body, **probe))[
-                    "input_tokens"
-                ]
-            )
-        if method == COUNT_METHODS[1]:
-            prompt = (await self._send("POST", f"{self.root}/apply-template", body, **probe))["prompt"]
-            tokenize = {"content": prompt, "add_special": True, "parse_special": True}
-            return len((await self._send("POST", f"{self.root}/tokenize", tokenize, **probe))["tokens"])
-        if method == COUNT_METHODS[2]:
-            extra = {"add_generation_prompt": True, "add_special_tokens": False}
-            return int((await self._send("POST", f"{self.root}/tokenize", {**body, **extra}, **probe))["count"])
-        return len((await self._send("POST", f"{self.root}/chat_tokenize", body, **probe))["tokenize_response"])
+    async def probe(self, method: str, url: str, body: Any = None) -> Any:
+        """One request of a count or a window probe: no retries, :attr:`probe_wait` at most."""
+        return await self._send(method, url, body, retries=0, wait=self.probe_wait)
 
     async def count_tokens(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, model: str | None = None
@@ -6031,7 +6009,7 @@ class Backend:
         reasons, unsupported = [], True
         for method in [known] if known else COUNT_METHODS:
             try:
-                tokens = await self._count_with(method, body)
+                tokens = await COUNTERS[method](self, body)
             except BackendError as exc:
                 reasons.append(f"{method}: {exc}")
                 if exc.down:  # no point probing the other endpoints
@@ -6050,47 +6028,6 @@ class Backend:
             self.caches.counting[self.base_url] = (None, now + WINDOW_CACHE_SECONDS, reason)
         raise ContextShrinkError(reason)
 
-    async def _window_from(self, probe: str, model: str | None) -> int | None:
-        get = {"retries": 0, "wait": self.probe_wait}
-
-        def pick(entries: Any, *keys: str) -> Any:
-            entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
-            named = [e for e in entries if model and model in (e.get(k) for k in keys)]
-            return named[0] if named else entries[0] if len(entries) == 1 or (entries and not model) else None
-
-        if probe == "llama.cpp /props":
-            return (await self._send("GET", f"{self.root}/props", **get))["default_generation_settings"]["n_ctx"]
-        if probe == "/v1/models":
-            reply = await self._send("GET", f"{self.base_url}/models", **get)
-            entry = pick(reply.get("data") or reply.get("models"), "id", "name", "model") or {}
-            for value in (
-                (entry.get("meta") or {}).get("n_ctx"),  # llama.cpp (per slot)
-                entry.get("max_model_len"),  # vLLM, SGLang
-                entry.get("loaded_context_length"),  # LM Studio
-                (entry.get("top_provider") or {}).get("context_length"),  # OpenRouter
-                entry.get("context_length"),  # OpenRouter, Together
-                entry.get("context_window"),  # Groq
-                entry.get("max_context_length"),  # Mistral, LM Studio
-            ):
-                if isinstance(value, int) and value > 0:
-                    return value
-            return None
-        if probe == "Ollama /api/ps":
-            entry = pick((await self._send("GET", f"{self.root}/api/ps", **get)).get("models"), "name", "model")
-            return (entry or {}).get("context_length")
-        if probe == "Ollama /api/show":
-            if not model:
-                return None
-            reply = await self._send("POST", f"{self.root}/api/show", {"model": model}, **get)
-            if found := re.search(r"num_ctx\s+(\d+)", str(reply.get("parameters") or "")):
-                return int(found.group(1))
-            info = reply.get("model_info") or {}
-            return info.get(f"{info.get('general.architecture')}.context_length")
-        if probe == "TGI /info":
-            return (await self._send("GET", f"{self.root}/info", **get)).get("max_input_tokens")
-        entry = pick((await self._send("GET", f"{self.root}/api/v0/models", **get)).get("data"), "id")
-        return (entry or {}).get("loaded_context_length") or (entry or {}).get("max_context_length")
-
     async def context_window(self, model: str | None = None) -> tuple[int, str]:
         """The backend's context window for ``model`` and where it came from; cached for a few minutes."""
         now = time.monotonic()
@@ -6098,10 +6035,9 @@ class Backend:
         if cached and cached[2] > now:
             return cached[0], cached[1]
         reasons = []
-        for probe in ("llama.cpp /props", "/v1/models", "Ollama /api/ps", "Ollama /api/show", "TGI /info",
-                      "LM Studio /api/v0/models"):  # fmt: skip
+        for probe, discover in WINDOW_PROBES.items():
             try:
-                window = await self._window_from(probe, model)
+                window = await discover(self, model)
             except BackendError as exc:
                 reasons.append(f"{probe}: {exc}")
                 if exc.down:  # no server answers there: the other probes would fail the same way
@@ -6119,6 +6055,101 @@ class Backend:
                 return window, probe
             reasons.append(f"{probe}: no window in the reply")
         raise ContextShrinkError(f"no context window found at {self.base_url} ({'; '.join(reasons)})")
+
+
+# --- the servers' own endpoints: one function per way of counting a prompt or finding a window ------------------
+# A new server is one function and one entry below (shared/docs/backends.md lists what each serves).
+
+
+async def _count_input_tokens(backend: Backend, body: dict[str, Any]) -> int:
+    return int((await backend.probe("POST", f"{backend.base_url}/chat/completions/input_tokens", body))["input_tokens"])
+
+
+async def _count_by_template(backend: Backend, body: dict[str, Any]) -> int:
+    prompt = (await backend.probe("POST", f"{backend.root}/apply-template", body))["prompt"]
+    tokenize = {"content": prompt, "add_special": True, "parse_special": True}
+    return len((await backend.probe("POST", f"{backend.root}/tokenize", tokenize))["tokens"])
+
+
+async def _count_vllm(backend: Backend, body: dict[str, Any]) -> int:
+    extra = {"add_generation_prompt": True, "add_special_tokens": False}
+    return int((await backend.probe("POST", f"{backend.root}/tokenize", {**body, **extra}))["count"])
+
+
+async def _count_tgi(backend: Backend, body: dict[str, Any]) -> int:
+    return len((await backend.probe("POST", f"{backend.root}/chat_tokenize", body))["tokenize_response"])
+
+
+COUNTERS: dict[str, Callable[[Backend, dict[str, Any]], Awaitable[int]]] = {
+    "llama.cpp /v1/chat/completions/input_tokens": _count_input_tokens,
+    "llama.cpp /apply-template + /tokenize": _count_by_template,
+    "vLLM /tokenize": _count_vllm,
+    "TGI /chat_tokenize": _count_tgi,
+}  # tried in this order until one answers; the one that did is remembered per server
+COUNT_METHODS = tuple(COUNTERS)
+
+
+def _pick(entries: Any, model: str | None, *keys: str) -> Any:
+    """The entry of a model list that names ``model`` under one of ``keys``; the only one, or the first when no
+    model is asked for; else None."""
+    entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    named = [e for e in entries if model and model in (e.get(k) for k in keys)]
+    return named[0] if named else entries[0] if len(entries) == 1 or (entries and not model) else None
+
+
+async def _window_llama_props(backend: Backend, model: str | None) -> int | None:
+    return (await backend.probe("GET", f"{backend.root}/props"))["default_generation_settings"]["n_ctx"]
+
+
+async def _window_models(backend: Backend, model: str | None) -> int | None:
+    reply = await backend.probe("GET", f"{backend.base_url}/models")
+    entry = _pick(reply.get("data") or reply.get("models"), model, "id", "name", "model") or {}
+    for value in (
+        (entry.get("meta") or {}).get("n_ctx"),  # llama.cpp (per slot)
+        entry.get("max_model_len"),  # vLLM, SGLang
+        entry.get("loaded_context_length"),  # LM Studio
+        (entry.get("top_provider") or {}).get("context_length"),  # OpenRouter
+        entry.get("context_length"),  # OpenRouter, Together
+        entry.get("context_window"),  # Groq
+        entry.get("max_context_length"),  # Mistral, LM Studio
+    ):
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+async def _window_ollama_ps(backend: Backend, model: str | None) -> int | None:
+    entry = _pick((await backend.probe("GET", f"{backend.root}/api/ps")).get("models"), model, "name", "model")
+    return (entry or {}).get("context_length")
+
+
+async def _window_ollama_show(backend: Backend, model: str | None) -> int | None:
+    if not model:
+        return None
+    reply = await backend.probe("POST", f"{backend.root}/api/show", {"model": model})
+    if found := re.search(r"num_ctx\s+(\d+)", str(reply.get("parameters") or "")):
+        return int(found.group(1))
+    info = reply.get("model_info") or {}
+    return info.get(f"{info.get('general.architecture')}.context_length")
+
+
+async def _window_tgi(backend: Backend, model: str | None) -> int | None:
+    return (await backend.probe("GET", f"{backend.root}/info")).get("max_input_tokens")
+
+
+async def _window_lm_studio(backend: Backend, model: str | None) -> int | None:
+    entry = _pick((await backend.probe("GET", f"{backend.root}/api/v0/models")).get("data"), model, "id")
+    return (entry or {}).get("loaded_context_length") or (entry or {}).get("max_context_length")
+
+
+WINDOW_PROBES: dict[str, Callable[[Backend, str | None], Awaitable[int | None]]] = {
+    "llama.cpp /props": _window_llama_props,
+    "/v1/models": _window_models,
+    "Ollama /api/ps": _window_ollama_ps,
+    "Ollama /api/show": _window_ollama_show,
+    "TGI /info": _window_tgi,
+    "LM Studio /api/v0/models": _window_lm_studio,
+}  # asked in this order until one names a window; the answer is cached per server and model
 
 
 async def _sleep(seconds: float) -> None:
