@@ -110,6 +110,7 @@ __all__ = [
     "anchored_in",
     "api_problems",
     "assistant_message",
+    "backend_summariser",
     "build_server",
     "cached_count",
     "canonical_json",
@@ -6157,6 +6158,24 @@ async def _sleep(seconds: float) -> None:
     await anyio.sleep(max(0.0, seconds))
 
 
+def backend_summariser(
+    backend: Backend, model: str | None, window: int, spent: collections.Counter[str] | None = None
+) -> Summariser:
+    """``model`` on ``backend`` as a summariser (both front doors bind theirs here): named by the model and the
+    server, which files its summaries and failures; it counts with that server when the server can count. Each
+    call is counted in ``spent["calls"]``, when given, whether it succeeds or not."""
+
+    async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
+        if spent is not None:
+            spent["calls"] += 1
+        return await backend.chat(model, prompt, max_tokens)
+
+    async def count(prompt: list[dict[str, Any]]) -> int:
+        return (await backend.count_tokens(prompt, [], model))[0]
+
+    return Summariser(f"model {model} @ {backend.base_url}", call, window, count)
+
+
 # =============================================================================
 # 11. Files (disk I/O for the MCP tools, the command line and the companions)
 # =============================================================================
@@ -6901,21 +6920,18 @@ def sampling_round(needed: InputNeeded, max_tokens: int) -> InputRequiredResult:
     return InputRequiredResult(input_requests=asks, request_state=json.dumps({"replies": needed.replies}))
 
 
-async def tool_summariser(ctx: Context, req: Prepared, mode: str, model: str | None, window: int | None) -> Summariser:
-    """The summariser of a compact_context call: the backend's model (window given, else discovered, else the
-    conversation's), or the client's model by sampling (deferred to rounds on a 2026-era connection)."""
-    if mode == "model":
-        if window is None:
-            with contextlib.suppress(ContextShrinkError):
-                window = (await req.backend.context_window(model))[0]
+async def model_summariser(ctx: Context, req: Prepared, model: str | None, window: int | None) -> Summariser:
+    """compact_context's ``model`` mode: the backend's model (its window given, else discovered, else the
+    conversation's)."""
+    if window is None:
+        with contextlib.suppress(ContextShrinkError):
+            window = (await req.backend.context_window(model))[0]
+    return backend_summariser(req.backend, model, window or req.window)
 
-        async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
-            return await req.backend.chat(model, prompt, max_tokens)
 
-        async def count(prompt: list[dict[str, Any]]) -> int:
-            return (await req.backend.count_tokens(prompt, [], model))[0]
-
-        return Summariser(f"model {model} @ {req.backend.base_url}", call, window or req.window, count)
+async def sampling_summariser(ctx: Context, req: Prepared, model: str | None, window: int | None) -> Summariser:
+    """compact_context's ``sampling`` mode: the client's model, by sampling (deferred to rounds on a 2026-era
+    connection)."""
     deferred = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
     call = None if deferred else functools.partial(sample_once, ctx)
     return Summariser("client sampling", call, window or req.window)
@@ -6955,9 +6971,9 @@ async def compact_request(
     if diet:
         plan.update(diet=diet, tokens_before=before + plan["tools_tokens"])
     result = {**plan, **COMPACT_STATS, "mode": mode, "guard": {}}
-    if mode in ("summary", "plan") or not plan["needs_summary"]:
+    if mode not in SUMMARISERS or not plan["needs_summary"]:  # summary (the caller's) or plan: no model writes
         return await recount(req, result, o.reserve_tokens)
-    summariser = await tool_summariser(ctx, req, mode, model, call.summary_context_tokens)
+    summariser = await SUMMARISERS[mode](ctx, req, model, call.summary_context_tokens)
     result["summariser"] = summariser.name
 
     async def progress(done: int, total: int, what: str) -> None:
@@ -7018,6 +7034,9 @@ def read_text(config: Config, text: str | None, path: str | None) -> str:
     if (text is None) == (path is None):
         raise ContextShrinkError("give exactly one of text or path")
     return load_text(text, resolve_path(config.root, path) if path is not None else None, config)
+
+
+SUMMARISERS = {"model": model_summariser, "sampling": sampling_summariser}  # the modes a model writes in
 
 
 @dataclasses.dataclass(frozen=True)

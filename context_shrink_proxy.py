@@ -109,7 +109,6 @@ from context_shrink import (
     SpanSummary,
     Store,
     StoredTable,
-    Summariser,
     SummaryCache,
     SummaryOptions,
     Tables,
@@ -119,6 +118,7 @@ from context_shrink import (
     _plain_content,
     _text_size,
     _thawed,
+    backend_summariser,
     build_server,
     canonical_json,
     count_message,
@@ -927,8 +927,8 @@ async def proxy_summariser(
     model = config.summary_model or model
     if not model:
         raise ContextShrinkError("no model to summarise with: the request names none and no summary model is set")
-    url = config.summary_url or config.base
-    backend = state.backend(url, authorization)
+    backend = state.backend(config.summary_url or config.base, authorization)
+    url = backend.base_url  # the summariser's name: its failures are filed under it
     if config.summary_url:
         key = f"summariser {url} {model}"
         if key not in state.windows:  # probed once, whatever the answer
@@ -943,14 +943,7 @@ async def proxy_summariser(
             state.remember(state.windows, key, found)
         window = state.windows[key] or window
 
-    async def call(prompt: list[dict[str, Any]], max_tokens: int) -> str:
-        spent["calls"] += 1
-        return await backend.chat(model, prompt, max_tokens)
-
-    async def count(prompt: list[dict[str, Any]]) -> int:
-        return (await backend.count_tokens(prompt, [], model))[0]
-
-    summariser = Summariser(f"model {model} @ {url}", call, window, count)  # the name its failures are filed by
+    summariser = backend_summariser(backend, model, window, spent)
 
     async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int, grown: int) -> dict[str, Any]:
         options = dataclasses.replace(config.summary_options, max_summary_tokens=limit, min_new_tokens=grown)
