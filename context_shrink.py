@@ -122,6 +122,7 @@ __all__ = [
     "compact_messages",
     "compact_schema",
     "companion",
+    "content_text",
     "count_message",
     "count_messages",
     "count_tools",
@@ -1336,8 +1337,9 @@ def _template_call(call: Any) -> tuple[str, Any]:
     return str(function.get("name", "")), arguments
 
 
-def _template_text(content: Any) -> str:
-    """A message's content as one string: text parts joined by newlines (what vLLM hands a string template)."""
+def content_text(content: Any) -> str:
+    """A message content's text: a string, or its text parts' texts joined by newlines (what vLLM hands a
+    string template); images and other parts are left out (:func:`_plain_content` marks images instead)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -1378,7 +1380,7 @@ class Qwen25Template:
     name = "qwen2.5"
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> str:
-        texts = [_template_text(m.get("content")) for m in messages]
+        texts = [content_text(m.get("content")) for m in messages]
         system = texts[0] if messages and messages[0].get("role") == "system" else _QWEN_SYSTEM
         out = [f"<|im_start|>system\n{system}\n\n{_hermes_tools(tools)}" if tools else
                f"<|im_start|>system\n{system}<|im_end|>\n"]  # fmt: skip
@@ -1404,7 +1406,7 @@ class Qwen3Template:
     name = "qwen3"
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> str:
-        texts = [_template_text(m.get("content")) for m in messages]
+        texts = [content_text(m.get("content")) for m in messages]
         system = bool(messages) and messages[0].get("role") == "system"
         out = [("<|im_start|>system\n" + (texts[0] + "\n\n" if system else "") + _hermes_tools(tools)) if tools else
                f"<|im_start|>system\n{texts[0]}<|im_end|>\n" if system else ""]  # fmt: skip
@@ -1966,6 +1968,8 @@ def count_tools(tools: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> int
 
 
 def _plain_content(content: Any) -> str:
+    """A message content as readable text: a string, or its parts' texts with ``[image omitted]`` for each image
+    (:func:`content_text` leaves images out)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -2340,8 +2344,7 @@ def text_and_images(content: Any) -> tuple[str, str]:
     if isinstance(content, str):
         return content, ""
     parts = content if isinstance(content, list) else []
-    text = "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str) and p.get("type") == "text")
-    return text, "\n".join(_image_description(p) for p in parts if p.get("type") in IMAGE_PART_TYPES)
+    return content_text(parts), "\n".join(_image_description(p) for p in parts if p.get("type") in IMAGE_PART_TYPES)
 
 
 def with_text(message: Mapping[str, Any], text: str, images: str) -> dict[str, Any]:
@@ -6318,6 +6321,21 @@ def load_messages_file(path: Path, root: Path | None = None) -> tuple[list[dict[
     return data, None
 
 
+def parsed_record(line: Any) -> dict[str, Any] | None:
+    """A JSONL line's (or a database row's) record, or None when it is not a JSON object (blank, broken, nested
+    too deeply, or not text)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def jsonl_lines(text: str) -> list[tuple[str, dict[str, Any] | None]]:
+    """A JSONL text's lines (each with its line ending), each with its record (:func:`parsed_record`)."""
+    return [(line, parsed_record(line) if line.strip() else None) for line in _lines(text)]
+
+
 def read_jsonl_lines(path: Path, root: Path | None = None) -> list[tuple[str, dict[str, Any] | None]] | None:
     """A JSONL file's lines, each with its parsed message (None for a line that does not parse or is blank).
 
@@ -6330,14 +6348,23 @@ def read_jsonl_lines(path: Path, root: Path | None = None) -> list[tuple[str, di
         return None
     except ValueError:
         pass
-    lines: list[tuple[str, dict[str, Any] | None]] = []
-    for line in _lines(text):
-        try:
-            parsed = json.loads(line) if line.strip() else None
-        except ValueError:
-            parsed = None
-        lines.append((line, parsed if isinstance(parsed, dict) else None))
-    return lines
+    return jsonl_lines(text)
+
+
+def rewrite_jsonl(
+    lines: Sequence[tuple[str, dict[str, Any] | None]], change: Callable[[int, dict[str, Any]], dict[str, Any] | None]
+) -> str:
+    """JSONL ``lines`` (:func:`jsonl_lines`) with ``change(line number from 1, record)`` applied to every record:
+    the record itself keeps the line byte for byte, None drops the line, another dict replaces it (keeping the
+    line's ending, CRLF included); lines without a record stay as they are."""
+    out = []
+    for number, (raw, record) in enumerate(lines, 1):
+        new = record if record is None else change(number, record)
+        if new is record:
+            out.append(raw)
+        elif new is not None:
+            out.append(json.dumps(new, ensure_ascii=False) + raw[len(raw.rstrip("\r\n")) :])
+    return "".join(out)
 
 
 def render_jsonl(
@@ -6350,15 +6377,14 @@ def render_jsonl(
     changed messages are re-encoded, removed ones (indices into ``originals``) disappear."""
     kept = iter(result)
     fate = {k: None if k in removed else next(kept) for k in range(len(originals))}
-    out, k = [], 0
-    for raw, parsed in lines:
-        if parsed is None:
-            out.append(raw)
-            continue
-        new, original, k = fate[k], originals[k], k + 1
-        if new is not None:  # a changed line keeps the ending it had (CRLF included)
-            out.append(raw if new is original else json.dumps(new, ensure_ascii=False) + raw[len(raw.rstrip("\r\n")) :])
-    return "".join(out)
+    numbers = [n for n, (_, record) in enumerate(lines, 1) if record is not None]
+    index = {n: k for k, n in enumerate(numbers)}  # a message's index by its line
+
+    def change(number: int, record: dict[str, Any]) -> dict[str, Any] | None:
+        k = index[number]
+        return record if fate[k] is originals[k] else fate[k]
+
+    return rewrite_jsonl(lines, change)
 
 
 TEMP_MARK = ".context-shrink-"  # this module's temporary files: .<file>.context-shrink-XXXX.tmp beside it

@@ -61,18 +61,21 @@ from context_shrink import (
     SUMMARY_MARKER,
     ContextShrinkError,
     Folder,
-    _lines,
     _one_line,
     _plain_content,
     _read_from,
     assistant_message,
     canonical_json,
+    content_text,
     decoded,
     ensure_room,
     fingerprint,
+    jsonl_lines,
     message_ids,
     message_kind,
+    parsed_record,
     read_file_bytes,
+    rewrite_jsonl,
     tool_call,
     without_reasoning,
 )
@@ -243,42 +246,11 @@ class SessionChanges:
 # --- what every store shares ---------------------------------------------------------------------------------
 
 
-def _parsed_record(line: Any) -> dict[str, Any] | None:
-    """A store line's (or row's) record, or None when it is not a JSON object (nested too deeply included)."""
-    try:
-        record = json.loads(line)
-    except (ValueError, TypeError, RecursionError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _jsonl_records(text: str) -> tuple[list[tuple[int, dict[str, Any]]], int]:
     """A JSONL store's records with their line numbers (from 1), and how many lines did not parse."""
-    records, skipped = [], 0
-    for number, line in enumerate(_lines(text), 1):
-        if not line.strip():
-            continue
-        record = _parsed_record(line)
-        if record is None:
-            skipped += 1
-        else:
-            records.append((number, record))
-    return records, skipped
-
-
-def _jsonl_rewrite(text: str, change: Callable[[int, dict[str, Any]], dict[str, Any] | None]) -> str:
-    """A JSONL store's ``text`` with ``change(line number, record)`` applied to every record: None drops the
-    line, another dict replaces it (keeping the line's ending); other lines and untouched records stay byte
-    for byte."""
-    out = []
-    for number, raw in enumerate(_lines(text), 1):
-        record = _parsed_record(raw)
-        new = record if record is None else change(number, record)
-        if new is record:
-            out.append(raw)
-        elif new is not None:
-            out.append(json.dumps(new, ensure_ascii=False) + raw[len(raw.rstrip("\r\n")) :])
-    return "".join(out)
+    lines = jsonl_lines(text)
+    records = [(number, record) for number, (_, record) in enumerate(lines, 1) if record is not None]
+    return records, sum(1 for raw, record in lines if record is None and raw.strip())
 
 
 def _appended(text: str, records: Sequence[Mapping[str, Any]]) -> str:
@@ -288,12 +260,11 @@ def _appended(text: str, records: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _text_of(content: Any) -> str:
-    """The text of a tool result or rendered block: a string, or the text parts of a list."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
-    return "" if content is None else json.dumps(content, ensure_ascii=False)
+    """The text of a tool result or rendered block an agent stored: its content's text, or JSON for a value
+    that is neither a string nor a list of parts."""
+    if content is None or isinstance(content, str | list):
+        return content_text(content)
+    return json.dumps(content, ensure_ascii=False)
 
 
 def store_files(place: Path, pattern: str) -> list[Path]:
@@ -312,7 +283,7 @@ def _first_cwd(path: Path) -> str | None:
     try:
         with path.open(encoding="utf-8", errors="replace") as handle:
             for line in itertools.islice(iter(lambda: handle.readline(1 << 20), ""), 50):
-                if isinstance(cwd := (_parsed_record(line) or {}).get("cwd"), str):
+                if isinstance(cwd := (parsed_record(line) or {}).get("cwd"), str):
                     return cwd
     except OSError:
         return None
@@ -424,7 +395,7 @@ class JsonlStore(AgentStore):
                 return self.scrubbed_kept(record, holds)
             return self.scrubbed_unsent(record)
 
-        return _jsonl_rewrite(text, change)
+        return rewrite_jsonl(jsonl_lines(text), change)
 
     def scrubbed_kept(self, record: dict[str, Any], holds: Callable[[Any], bool]) -> dict[str, Any]:
         return record
@@ -647,7 +618,7 @@ class ClaudeStore(JsonlStore):
                 new = {**new, "message": {**record["message"], "content": self.results(blocks, results)}}
             return new
 
-        return _jsonl_rewrite(text, change)
+        return rewrite_jsonl(jsonl_lines(text), change)
 
     @staticmethod
     def only_results(record: Mapping[str, Any]) -> bool:
@@ -825,7 +796,7 @@ class CodexStore(JsonlStore):
                 payload["replacement_history_metadata"] = [metadata[k] for k, new in keep if new is not None]
             return {**record, "payload": payload}
 
-        return _jsonl_rewrite(text, change)
+        return rewrite_jsonl(jsonl_lines(text), change)
 
     def compact(self, found: AgentSession, compaction: Compaction, text: str) -> str:
         """Codex's own compaction appended: a ``compacted`` record (with the next ``ordinal`` where the rollout
@@ -872,7 +843,7 @@ class CodexStore(JsonlStore):
 
 def _json_rows(db: Any, query: str, *args: Any) -> list[tuple[Any, ...]]:
     """The rows of ``query`` whose last column, JSON, reads as an object: the other columns, then it."""
-    rows = [(*keys, _parsed_record(data)) for *keys, data in db.execute(query, args).fetchall()]
+    rows = [(*keys, parsed_record(data)) for *keys, data in db.execute(query, args).fetchall()]
     return [row for row in rows if row[-1] is not None]
 
 
