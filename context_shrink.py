@@ -68,6 +68,7 @@ __all__ = [
     "REPLAYS",
     "RESULT_ROLES",
     "SDK_NAMES",
+    "SESSION_AGENTS",
     "STATE_TABLES",
     "SUMMARY_GROWTH",
     "SUMMARY_MARKER",
@@ -654,14 +655,17 @@ def _tools_setting(read: Settings) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
+SESSION_AGENTS = ("claude", "codex", "opencode")  # the agents whose stores context_shrink_sessions reads, one each
+
+
 def _stores_setting(read: Settings) -> tuple[str, ...] | None:
-    """``CONTEXT_SHRINK_SESSION_STORES``: the agents (claude, codex, opencode) whose session stores may be read."""
+    """``CONTEXT_SHRINK_SESSION_STORES``: the agents (:data:`SESSION_AGENTS`) whose session stores may be read."""
     if (found := read.find("SESSION_STORES")) is None:
         return None
     names = [n.strip().lower() for n in found[1].split(",") if n.strip()]
-    if unknown := [n for n in names if n not in ("claude", "codex", "opencode")]:
+    if unknown := [n for n in names if n not in SESSION_AGENTS]:
         raise ConfigError(
-            f"{found[0]} names unknown agents ({', '.join(unknown)}); known: claude, codex, opencode",
+            f"{found[0]} names unknown agents ({', '.join(unknown)}); known: {', '.join(SESSION_AGENTS)}",
             variable=found[0],
         )
     return tuple(dict.fromkeys(names))
@@ -7306,13 +7310,13 @@ def session_tools(tool: Callable[..., Any], config: Config) -> None:
 
     @tool("list_sessions", read_only=True)
     async def list_sessions_tool(
-        agent: Annotated[Literal["claude", "codex", "opencode"] | None, Field()] = None,
+        agent: Annotated[Literal[SESSION_AGENTS] | None, Field()] = None,
         limit: Annotated[int, Field(ge=1, le=SESSION_LIST_LIMIT)] = 50,
     ) -> dict[str, Any]:
         """List the coding agents' sessions, newest first."""
         if not config.session_stores:
             raise ContextShrinkError("no agent's session store may be read: set CONTEXT_SHRINK_SESSION_STORES to "
-                                     "claude, codex, opencode or a list of them")  # fmt: skip
+                                     f"{', '.join(SESSION_AGENTS)} or a list of them")  # fmt: skip
         agents = [a for a in config.session_stores if agent in (None, a)]
         sessions = companion("sessions")
         found = await anyio.to_thread.run_sync(sessions.list_sessions, agents)

@@ -1215,7 +1215,6 @@ class OpenCodeStore(AgentStore):
 
 
 AGENT_STORES: dict[str, AgentStore] = {store.agent: store for store in (ClaudeStore(), CodexStore(), OpenCodeStore())}
-SESSION_AGENTS = tuple(AGENT_STORES)
 
 
 # --- finding and reading a session --------------------------------------------------------------------------

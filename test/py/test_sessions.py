@@ -801,3 +801,10 @@ def test_a_real_opencode_session_after_its_own_compactions_reads_as_sent(
     _, body = [entry for entry in session.upstream.log if entry[1].get("tools")][-1]
     assert found.compacted and signature(found.messages)[:-1] == signature(body["messages"])[1:]
     assert ("user", "What did we do so far?") in signature(found.messages)
+
+
+def test_the_core_names_the_agents_the_stores_serve() -> None:
+    """A new agent is one AgentStore here and its name in ``SESSION_AGENTS`` (the core reads the setting and
+    offers the tool's ``agent`` values without importing the stores)."""
+    assert tuple(css.AGENT_STORES) == cs.SESSION_AGENTS
+    assert all(store.agent == name for name, store in css.AGENT_STORES.items())
