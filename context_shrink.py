@@ -65,6 +65,7 @@ __all__ = [
     "QWEN_TEMPLATES",
     "REASONING_KEYS",
     "RECALL_TOOL",
+    "REDUCTION_KINDS",
     "REPLAYS",
     "RESULT_ROLES",
     "SDK_NAMES",
@@ -147,6 +148,7 @@ __all__ = [
     "history_shape",
     "image_tokens",
     "jsonrpc_id",
+    "least_form",
     "load_messages_file",
     "load_sdk",
     "lowlevel_server",
@@ -1347,7 +1349,11 @@ def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+        return "\n".join(
+            p["text"]
+            for p in content
+            if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
     return ""
 
 
@@ -2281,6 +2287,9 @@ def _scan_values(text: str) -> tuple[str, ...]:
 VALUES = _TextMemo(_scan_values, COUNT_CACHE_CHARS, follows=True)  # bounded like the count cache
 
 
+CLEARED_PREFIX = "[tool result cleared: "  # how a cleared result's placeholder begins
+
+
 def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
     """A tool result with its content replaced by a placeholder naming the tool, what was cleared and the
     values it held (:func:`text_values`, up to :data:`VALUE_CHARS`), so a fact read in an old result is still
@@ -2290,7 +2299,14 @@ def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
     result gives the same bytes on every turn (and is worked out once: :data:`CLEARED`).
     """
     text = _plain_content(message.get("content"))
-    return {**message, "content": f"[tool result cleared: {tool}, {CLEARED[text]}]"}
+    return {**message, "content": f"{CLEARED_PREFIX}{tool}, {CLEARED[text]}]"}
+
+
+def is_cleared(message: Mapping[str, Any]) -> bool:
+    """A tool result an earlier call cleared (:func:`cleared_result`): the history it came back in carries no
+    other trace of that than its placeholder, so it is not cleared again."""
+    content = message.get("content")
+    return message.get("role") in RESULT_ROLES and isinstance(content, str) and content.startswith(CLEARED_PREFIX)
 
 
 def held_note(text: str) -> str:
@@ -2374,23 +2390,28 @@ def _elided_field(
     return None
 
 
-def elided_to(
-    message: Mapping[str, Any], tokens: int, size: Callable[[Mapping[str, Any]], int]
-) -> dict[str, Any] | None:
+Reduction = tuple[dict[str, Any], str]  # a reduced message and what was done to it (:data:`REDUCTION_KINDS`)
+REDUCTION_KINDS = ("cleared", "elided", "image", "reasoning")  # a result's placeholder, a head and tail, ...
+
+
+def elided_to(message: Mapping[str, Any], tokens: int, size: Callable[[Mapping[str, Any]], int]) -> Reduction | None:
     """The longest form of a message within ``tokens`` tokens (by ``size``): images described, then its text
-    elided in the middle, or, when the whole text fits, its reasoning elided (or replaced by its marker).
-    None when not even a short head and tail of the text fit."""
+    elided in the middle, or, when the whole text fits, its reasoning elided (or replaced by its marker); with
+    what it did (``elided`` the text, else ``image`` where images were described, else ``reasoning``). None
+    when not even a short head and tail of the text fit."""
     reasoning = [k for k in REASONING_KEYS if isinstance(message.get(k), str) and message[k]]
     text, images = text_and_images(message.get("content"))
     plain = with_text(message, text, images) if images else dict(message)
     bare = without_reasoning(plain) if reasoning else plain
+    kind = "image" if images else "reasoning"
     if size(bare) > tokens:
-        return _elided_field(text, lambda t: with_text(bare, t, images), tokens, size)
+        elided = _elided_field(text, lambda t: with_text(bare, t, images), tokens, size)
+        return None if elided is None else (elided, "elided")
     if not reasoning or size(plain) <= tokens:
-        return plain if size(plain) <= tokens else bare
+        return (plain if size(plain) <= tokens else bare), kind
     key = reasoning[0]
     longer = _elided_field(plain[key], lambda t: {**bare, key: t}, tokens, size)
-    return longer or bare
+    return longer or bare, kind
 
 
 def without_reasoning(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -2925,13 +2946,14 @@ ZONE_LEVELS = 1 + len(ELISION_LEVELS) + 1  # the protected tail's reductions: re
 ESTIMATED_MARKER = 12  # tokens allowed for a marker or a placeholder's words (stable mode's estimates)
 
 
-def least_form(message: Mapping[str, Any], tool: str, light: bool = False) -> dict[str, Any] | None:
-    """The smallest form of an old message, or None when it has none: a tool result cleared to a placeholder;
-    otherwise reasoning replaced by a marker, images by a description of them and (unless ``light``) a long
-    text by its head and tail. Depends only on the message, so the same old message is reduced to the same
-    bytes every time. The light form loses what matters least (tool output, reasoning, pixels) and goes first."""
+def least_form(message: Mapping[str, Any], tool: str, light: bool = False) -> Reduction | None:
+    """The smallest form of an old message and what was done (:data:`Reduction`), or None when it has none: a
+    tool result cleared to a placeholder; otherwise reasoning replaced by a marker, images by a description of
+    them and (unless ``light``) a long text or long tool-call arguments by their head and tail. Depends only on
+    the message, so the same old message is reduced to the same bytes every time. The light form loses what
+    matters least (tool output, reasoning, pixels) and goes first."""
     if message["role"] in RESULT_ROLES:
-        return cleared_result(message, tool)
+        return cleared_result(message, tool), "cleared"
     out = dict(message)
     if message["role"] == "assistant" and any(isinstance(message.get(k), str) and message[k] for k in REASONING_KEYS):
         out = without_reasoning(out)
@@ -2941,7 +2963,10 @@ def least_form(message: Mapping[str, Any], tool: str, light: bool = False) -> di
         out = with_text(out, shorter or text, images)
     if message.get("tool_calls") and not light:
         out["tool_calls"] = [_shorter_call(call) for call in message["tool_calls"]]
-    return out if out != message else None
+    if out == message:
+        return None
+    calls_shorter = out.get("tool_calls") != message.get("tool_calls")
+    return out, "elided" if shorter is not None else "image" if images else "elided" if calls_shorter else "reasoning"
 
 
 def _shorter_call(call: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -2963,16 +2988,18 @@ def _shorter_call(call: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**call, "function": {**call["function"], "arguments": json.dumps(shorter, ensure_ascii=False)}}
 
 
-def zone_form(message: Mapping[str, Any], tool: str, level: int) -> dict[str, Any] | None:
-    """A protected message reduced at ``level``: 0 drops reasoning, 1-5 also elide a tool result from gentle to
-    strong, 6 clears it. None when the level changes nothing. Depends only on the message and the level."""
+def zone_form(message: Mapping[str, Any], tool: str, level: int) -> Reduction | None:
+    """A protected message reduced at ``level`` and what was done: 0 drops reasoning, 1-5 also elide a tool
+    result from gentle to strong, 6 clears it. None when the level changes nothing. Depends only on the message
+    and the level."""
     if message["role"] == "assistant":
-        return without_reasoning(message) if any(message.get(k) for k in REASONING_KEYS) else None
+        return (without_reasoning(message), "reasoning") if any(message.get(k) for k in REASONING_KEYS) else None
     if message["role"] not in RESULT_ROLES or level == 0:
         return None
     if level > len(ELISION_LEVELS):
-        return cleared_result(message, tool)
-    return elided_result(message, level - 1)
+        return cleared_result(message, tool), "cleared"
+    elided = elided_result(message, level - 1)
+    return None if elided is None else (elided, "elided")
 
 
 class Sizes:
@@ -2996,13 +3023,28 @@ class Sizes:
         self._tail = [0]  # _tail[j] = least sizes of the newest j messages, summed
         self._estimates: dict[tuple[int, Any], int] = {}
         self._parts: dict[int, Sizes.Parts] = {}
+        self._kinds: dict[int, Reduction] = {}  # by the reduced form's id (the form held, so the id stays its own)
 
     def size(self, message: Mapping[str, Any]) -> int:
         return count_messages([message], self.tokenizer)[0][0]
 
-    def _form(self, i: int, form: dict[str, Any] | None, saving: int) -> tuple[dict[str, Any] | None, int]:
-        size = self.size(form) if form is not None else self.full[i]
-        return (form, size) if self.full[i] - size >= saving else (None, self.full[i])
+    def _form(self, i: int, made: Reduction | None, saving: int) -> tuple[dict[str, Any] | None, int]:
+        if made is None:
+            return None, self.full[i]
+        form, size = made[0], self.size(made[0])
+        if self.full[i] - size < saving:
+            return None, self.full[i]
+        self._kinds[id(form)] = made
+        return form, size
+
+    def kind(self, form: Mapping[str, Any]) -> str:
+        """What was done to make ``form``, a reduced message these sizes made (:data:`REDUCTION_KINDS`)."""
+        return self._kinds[id(form)][1]
+
+    def elided(self, i: int, tokens: int) -> tuple[dict[str, Any] | None, int]:
+        """Message ``i``'s longest form within ``tokens`` (:func:`elided_to`) and its size; (None, 0) when none."""
+        made = elided_to(self.messages[i], tokens, self.size)
+        return self._form(i, made, -math.inf) if made is not None else (None, 0)
 
     def least(self, i: int, light: bool = False) -> tuple[dict[str, Any] | None, int]:
         """Message ``i``'s least (or light) form (None: kept as it is) and its size."""
@@ -3312,8 +3354,7 @@ def give_back(sizes: Sizes, forms: dict[int, tuple[dict[str, Any], int]], room: 
             room -= sizes.full[i] - reduced
             continue
         tries -= 1
-        longer = elided_to(sizes.messages[i], reduced + room, sizes.size)
-        size = sizes.size(longer) if longer is not None else 0
+        longer, size = sizes.elided(i, reduced + room)
         if reduced < size <= reduced + room:
             forms[i], room = (longer, size), room - size + reduced
 
@@ -3585,8 +3626,8 @@ class StableReplay:
         forms: dict[int, tuple[dict[str, Any], int]] = {}
         for i, (how, _) in self.reduced.items():
             if isinstance(how, tuple):
-                longer = elided_to(sizes.messages[i], how[1], sizes.size)
-                form, size = (longer, sizes.size(longer)) if longer is not None else sizes.least(i)
+                longer, size = sizes.elided(i, how[1])
+                form, size = (longer, size) if longer is not None else sizes.least(i)
             else:
                 form, size = sizes.least(i, how == "light") if how in ("least", "light") else sizes.zone(i, how)
             if form is not None:
@@ -3606,17 +3647,6 @@ class StableReplay:
         if total < self.floor and pl.feasible(n):  # the estimates were generous: back up to the target
             give_back(sizes, forms, self.target - total, indices[::-1])
         return CutPlan(self.cut, pins, max(self.cut, pl.protected(n)[0]), forms)
-
-
-def change_kind(original: Mapping[str, Any], reduced: Mapping[str, Any]) -> str:
-    """What a reduction did to a message (its marker says so too): ``cleared`` (a tool result's placeholder),
-    ``elided`` (a head and tail kept), ``image`` (images described) or ``reasoning`` (reasoning replaced)."""
-    content = str(reduced.get("content"))
-    if content == str(original.get("content")):
-        return "reasoning" if reduced.get("tool_calls") == original.get("tool_calls") else "elided"
-    if content.startswith("[tool result cleared:"):
-        return "cleared"
-    return "elided" if "tokens elided …]" in content else "image"
 
 
 TRIM_STRATEGIES = ("auto", "drop")
@@ -3640,7 +3670,7 @@ def trim_changes(original: Sequence[Mapping[str, Any]], plan: CutPlan, sizes: Si
         if messages[i] is not original[i]
     }
     for i, (form, size) in plan.forms.items():
-        changed[i] = {"index": i, "change": change_kind(messages[i], form), "tokens": sizes.full[i] - size}
+        changed[i] = {"index": i, "change": sizes.kind(form), "tokens": sizes.full[i] - size}
     return [changed[i] for i in sorted(changed)]
 
 
@@ -3955,8 +3985,7 @@ def prune_messages(
         k = clear_tool_results_before
         boundary = len(out) if k == 0 else users[-k] if len(users) >= k else 0
         for i in range(boundary):
-            content = out[i].get("content")
-            if out[i]["role"] in RESULT_ROLES and not str(content).startswith("[tool result cleared:"):
+            if out[i]["role"] in RESULT_ROLES and not is_cleared(out[i]):
                 tool = names.get(out[i].get("tool_call_id", ""), out[i].get("name", "tool"))
                 out[i] = cleared_result(out[i], tool)
                 cleared += 1
@@ -6967,6 +6996,9 @@ async def sampling_summariser(ctx: Context, req: Prepared, model: str | None, wi
     return Summariser("client sampling", call, window or req.window)
 
 
+SUMMARISERS = {"model": model_summariser, "sampling": sampling_summariser}  # the modes a model writes in
+
+
 @dataclasses.dataclass(frozen=True)
 class CompactCall:
     """compact_context as the tool was called: the core's options (the plan's and the summary's) and what only
@@ -7064,9 +7096,6 @@ def read_text(config: Config, text: str | None, path: str | None) -> str:
     if (text is None) == (path is None):
         raise ContextShrinkError("give exactly one of text or path")
     return load_text(text, resolve_path(config.root, path) if path is not None else None, config)
-
-
-SUMMARISERS = {"model": model_summariser, "sampling": sampling_summariser}  # the modes a model writes in
 
 
 @dataclasses.dataclass(frozen=True)

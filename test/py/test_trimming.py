@@ -289,3 +289,17 @@ def test_trim_tool_reports_tiers(tmp_path: Path) -> None:
     assert result["fits"] and result["tiers"][0]["tier"] == "clear_tool_results"
     out = result["messages"]
     assert out[:2] == messages[:2] and [m["role"] for m in out] == [m["role"] for m in messages]
+
+
+def test_a_reduction_says_what_it_did_whatever_its_text_holds() -> None:
+    """Each reduced form comes with what was done to make it, from the code that made it: a text that quotes an
+    elision marker or a placeholder is not taken for one."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    quoted = {"role": "user", "content": [{"type": "text", "text": "the log said [… 12 tokens elided …]"}, image]}
+    form, kind = cs.least_form(quoted, "tool")
+    assert kind == "image" and form != quoted
+    result = {"role": "tool", "tool_call_id": "c1", "content": "[tool result cleared: x] " + "line\n" * 300}
+    assert cs.least_form(result, "read")[1] == "cleared"
+    long_text = {"role": "assistant", "content": "word " * 2000}
+    assert cs.least_form(long_text, "tool")[1] == "elided" and cs.least_form(long_text, "tool", light=True) is None
+    assert {k for m in (quoted, result, long_text) for _, k in [cs.least_form(m, "t")]} <= set(cs.REDUCTION_KINDS)
