@@ -6737,11 +6737,11 @@ def __getattr__(name: str) -> Any:
     return globals()[name]
 
 
-# --- where this module leans on the SDK's and uvicorn's internals: here only, each checked by test_patches.py ----
+# --- where the code leans on the SDK's internals (here) and uvicorn's (context_shrink_proxy, section 3) ---------
 
 PATCHED_FOR = {"mcp": "2.3.0", "uvicorn": "0.54.0", "h11": "0.16.0"}
-"""The versions the code below was written against; test_patches.py checks what it relies on in the versions
-installed, and fails naming the part that moved."""
+"""The versions the code below and context_shrink_proxy's HTTP server were written against; test_patches.py
+checks what they rely on in the versions installed, and fails naming the part that moved."""
 
 
 def tool_result(result: Any) -> Any:

@@ -2,9 +2,10 @@
 
 A companion of :mod:`context_shrink` (it imports the core, :mod:`context_shrink_wire` and
 :mod:`context_shrink_state`; the core's command line reaches it through :func:`context_shrink.companion`).
-Every chat request (Chat Completions, Responses, Anthropic Messages) is shrunk with the core's
-:func:`context_shrink.shrink_request` to fit the upstream's window before it is forwarded; the live page,
-the stats and the metrics say what was done. The HTTP stack (starlette, uvicorn) is imported with this module.
+Every chat request (Chat Completions, Responses, Anthropic Messages) is shrunk to fit the upstream's window
+before it is forwarded: :func:`shrink_request` reads and measures it, then runs the core's ladder,
+:func:`context_shrink.shrink`; the live page, the stats and the metrics say what was done. The HTTP stack
+(starlette, uvicorn) is imported with this module.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A companion of :mod:`context_shrink` (it imports the core; the core reaches it through
 :func:`context_shrink.companion` when a tool is given ``session`` or asked to ``list_sessions``). One
 :class:`AgentStore` per agent (Claude Code, Codex CLI, OpenCode) in :data:`AGENT_STORES`: a fourth agent is one
-class here. Writes are atomic, keep what the agent appended meanwhile, and leave a session in use alone.
+class here and its name in :data:`context_shrink.SESSION_AGENTS`. Writes are atomic, keep what the agent appended
+meanwhile, and leave a session in use alone.
 """
 
 from __future__ import annotations

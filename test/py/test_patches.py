@@ -21,7 +21,8 @@ import context_shrink_proxy as csp
 
 def moved(part: str) -> str:
     versions = {name: importlib.metadata.version(name) for name in cs.PATCHED_FOR}
-    return f"{part} moved: written for {cs.PATCHED_FOR}, installed {versions}; see the subsection in context_shrink.py"
+    where = "PATCHED_FOR's subsection in context_shrink.py, the HTTP server section of context_shrink_proxy.py"
+    return f"{part} moved: written for {cs.PATCHED_FOR}, installed {versions}; see {where}"
 
 
 def test_tool_run_and_from_function_are_as_strict_tool_uses_them() -> None:
