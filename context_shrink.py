@@ -200,6 +200,7 @@ import collections
 import contextlib
 import dataclasses
 import difflib
+import dis  # loaded with inspect already
 import functools
 import hashlib
 import importlib.metadata
@@ -6687,44 +6688,8 @@ def load_sdk() -> None:
     SessionArg = Annotated[str | None, Field()]  # explained once, in SERVER_INSTRUCTIONS
 
 
-SDK_NAMES = frozenset(  # what load_sdk puts in this module (its global statement names the same)
-    [
-        "MCPServer",
-        "Context",
-        "ToolError",
-        "Tool",
-        "StrictTool",
-        "stdio_server",
-        "TransportSecuritySettings",
-        "create_context_streams",
-        "MCPDeprecationWarning",
-        "SessionMessage",
-        "INVALID_REQUEST",
-        "PARSE_ERROR",
-        "CallToolResult",
-        "CreateMessageRequest",
-        "CreateMessageRequestParams",
-        "ErrorData",
-        "InputRequiredResult",
-        "JSONRPCError",
-        "SamplingMessage",
-        "TextContent",
-        "ToolAnnotations",
-        "MODERN_PROTOCOL_VERSIONS",
-        "MessagesArg",
-        "PathArg",
-        "OutputArg",
-        "WindowArg",
-        "KeepLastArg",
-        "ToolsArg",
-        "ReserveArg",
-        "ModelArg",
-        "TargetRatioArg",
-        "SessionArg",
-        "pydantic",
-        "Field",
-        "WithJsonSchema",
-    ]
+SDK_NAMES = frozenset(  # what load_sdk puts in this module: the names its global statement binds, read off its code
+    i.argval for i in dis.get_instructions(load_sdk.__wrapped__) if i.opname == "STORE_GLOBAL"
 )
 
 

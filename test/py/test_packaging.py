@@ -127,15 +127,23 @@ assert "mcp.server.mcpserver" in sys.modules and cs.StrictTool.__name__ == "Stri
 
 
 def test_load_sdk_declares_every_name_it_lends() -> None:
-    """The names a module attribute can load (``SDK_NAMES``) are the ones load_sdk's global statement binds."""
+    """The names a module attribute can load (``SDK_NAMES``) are the ones load_sdk's global statement binds,
+    every one of them loads, and any other name is an AttributeError without loading anything."""
     import inspect
     import re
 
     source = inspect.getsource(cs.load_sdk)
     declared = {n for line in source.splitlines() if line.strip().startswith("global ")
                 for n in re.findall(r"\w+", line.split("global", 1)[1])}  # fmt: skip
-    assert declared == cs.SDK_NAMES
-    assert all(hasattr(cs, name) for name in cs.SDK_NAMES)
+    assert declared == cs.SDK_NAMES and len(declared) > 30
+    script = (
+        "import sys, context_shrink as cs\n"
+        "try:\n    cs.__path__\nexcept AttributeError:\n    pass\n"
+        "assert 'mcp' not in sys.modules, 'a probe loaded the SDK'\n"
+        "[getattr(cs, name) for name in cs.SDK_NAMES]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
 
 
 def raw_calls(command: list[str], cwd: Path, env: dict[str, str], calls: list[dict[str, object]]) -> list[dict]:
