@@ -116,7 +116,6 @@ __all__ = [
     "build_server",
     "cached_count",
     "canonical_json",
-    "chat_content",
     "check_opened",
     "check_text",
     "clean_summary",
@@ -674,9 +673,6 @@ def _stores_setting(read: Settings) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
-PROXY_PORT = 8787  # the proxy's and serve's defaults (the command line's flags say them)
-PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
-PROXY_TIMEOUT = 600.0
 SESSION_LIST_LIMIT = 200  # sessions listed, newest first
 
 
@@ -2006,14 +2002,6 @@ def assistant_message(text: str, calls: Sequence[Mapping[str, Any]] = (), reason
     message.update({"tool_calls": list(calls)} if calls else {})
     message.update({"reasoning_content": reasoning} if reasoning else {})
     return message
-
-
-def chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """Content parts as chat content: text parts only are their text (joined by newlines, as
-    :func:`_plain_content` reads them); with an image, the parts."""
-    if all(p.get("type") == "text" for p in parts):
-        return "\n".join(p.get("text", "") for p in parts)
-    return parts
 
 
 def message_problem(m: Any) -> str | None:
@@ -7619,40 +7607,20 @@ def _cli(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _proxy_flags(sub: argparse.ArgumentParser) -> None:
-    """The proxy's flags beside ``--upstream``, ``--host`` and ``--port`` (for ``proxy`` and ``serve``)."""
-    sub.add_argument("--window", help="the upstream's context window in tokens, or auto (default: discovered)")
-    sub.add_argument("--summary-url", help="base URL of the summariser (default: the upstream)")
-    sub.add_argument("--summary-model", help="summariser model (default: the request's model)")
-    sub.add_argument("--state", help="where what is learnt and archived is kept: memory, sqlite:PATH or "
-                     "redis://HOST:PORT/DB (default CONTEXT_SHRINK_STATE, else sqlite: in $XDG_STATE_HOME/"
-                     "context-shrink)")  # fmt: skip
-    sub.add_argument("--namespace", help="the deployment's name in the store (default CONTEXT_SHRINK_NAMESPACE, "
-                     "else default)")  # fmt: skip
-    sub.add_argument("--archive-dir", help="an earlier version's JSONL archive, imported once (default "
-                     "CONTEXT_SHRINK_ARCHIVE_DIR)")  # fmt: skip
-    sub.add_argument("--archive-max-bytes", type=int, help="the archive's size limit (default 256 MiB)")
-    sub.add_argument("--archive-max-days", type=int, help="days an archived message is kept (default 30)")
-    sub.add_argument("--no-archive", action="store_true", help="keep no archive of folded-away messages")
-    sub.add_argument("--max-body-bytes", help=f"request body cap (default {PROXY_MAX_BODY_BYTES})")
-    sub.add_argument("--keep-last", help=f"newest messages always kept (default {DEFAULT_KEEP_LAST})")
-    sub.add_argument(
-        "--max-summary-tokens",
-        help=f"summary size cap (default {DEFAULT_MAX_SUMMARY_TOKENS}, and at most 1/16 of the window)",
-    )
-    defaults = Policy()
-    sub.add_argument("--rungs", help=f"the ladder's rungs, in order (default {','.join(defaults.rungs)}; "
-                     "without compact nothing is summarised)")  # fmt: skip
-    sub.add_argument("--trigger", help=f"shrink above this share of the budget (default {defaults.trigger})")
-    sub.add_argument("--trim-ratio", help=f"a trimmed request's share of the trigger (default {defaults.trim_ratio})")
-    sub.add_argument("--compact-ratio", help=f"a compacted request's share of the budget (default "
-                     f"{defaults.compact_ratio})")  # fmt: skip
-    sub.add_argument(
-        "--summary-concurrency", help=f"summary requests at a time (default {DEFAULT_SUMMARY_CONCURRENCY})"
-    )
-    sub.add_argument("--recall", help=f"on or off: offer the model the {RECALL_TOOL} tool over what was folded "
-                     "away (default on)")  # fmt: skip
-    sub.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
+def log_level_flag() -> argparse.ArgumentParser:
+    """``--log-level``, as a parent parser: every subcommand takes it, before or after its name."""
+    levels = argparse.ArgumentParser(add_help=False)
+    levels.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                        help="what goes to stderr (default CONTEXT_SHRINK_LOG_LEVEL or INFO; TRACE adds the "
+                        "libraries' own lines)")  # fmt: skip
+    return levels
+
+
+PROXY_COMMANDS = {  # run by context_shrink_proxy.command, which reads their flags (context_shrink_proxy.command_parser)
+    "proxy": "an OpenAI-compatible HTTP proxy that shrinks every chat request",
+    "serve": "the MCP tools over streamable HTTP at /mcp, and with --upstream the proxy at /v1, in one process",
+    "doctor": "what the proxy would learn about an upstream: window, counting, token ratio, wire APIs",
+}
 
 
 def _parser() -> tuple[argparse.ArgumentParser, Any]:
@@ -7663,10 +7631,7 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
         "a subcommand it serves the MCP tools. Configured by CONTEXT_SHRINK_* environment variables (README).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    levels = argparse.ArgumentParser(add_help=False)  # --log-level, before or after the subcommand
-    levels.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=argparse.SUPPRESS,
-                        help="what goes to stderr (default CONTEXT_SHRINK_LOG_LEVEL or INFO; TRACE adds the "
-                        "libraries' own lines)")  # fmt: skip
+    levels = log_level_flag()
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", metavar="{count,dedupe,extract,pack,check,proxy,serve,doctor}")
     for name, purpose in (
@@ -7691,45 +7656,8 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
             sub.add_argument("--markers", nargs="*", default=[], help="pass markers, e.g. PASSED ok")
             sub.add_argument("--fail-markers", nargs="*", help="fail markers (default FAIL)")
             sub.add_argument("--skipped", nargs="*", default=[], help="items declared skipped")
-    proxy = commands.add_parser(
-        "proxy",
-        parents=[levels],
-        help="an OpenAI-compatible HTTP proxy that shrinks every chat request",
-        description="Serve http://HOST:PORT/v1: chat requests are shrunk to fit the upstream's window, "
-        "everything else is relayed unchanged. Flags override CONTEXT_SHRINK_PROXY_* variables.",
-    )
-    proxy.add_argument("--upstream", help="the upstream's base URL, e.g. http://127.0.0.1:8080/v1 (required)")
-    proxy.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    proxy.add_argument("--port", help=f"port to listen on (default {PROXY_PORT})")
-    proxy.add_argument("--allow-origin", action="append", help="a browser origin allowed beside this machine's")
-    _proxy_flags(proxy)
-    serve = commands.add_parser(
-        "serve",
-        parents=[levels],
-        help="the MCP tools over streamable HTTP at /mcp, and with --upstream the proxy at /v1, in one process",
-        description="Serve the MCP tools at http://HOST:PORT/mcp (streamable HTTP) and, with --upstream, the proxy "
-        "at /v1, so recall_context reads what this proxy archived; GET /health answers without a token. Off "
-        "this machine a bearer token is required (--token or CONTEXT_SHRINK_HTTP_TOKEN).",
-    )
-    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; another needs a token)")
-    serve.add_argument("--port", help=f"port to listen on (default {PROXY_PORT})")
-    serve.add_argument("--token", help="bearer token every request must carry (default CONTEXT_SHRINK_HTTP_TOKEN)")
-    serve.add_argument("--allow-origin", action="append", help="a browser origin allowed beside this machine's")
-    serve.add_argument("--stateless", action="store_true", help="no MCP sessions: each request stands alone")
-    serve.add_argument("--upstream", help="serve the proxy at /v1 in front of this base URL")
-    _proxy_flags(serve)
-    check = commands.add_parser(
-        "doctor",
-        parents=[levels],
-        help="what the proxy would learn about an upstream: window, counting, token ratio, wire APIs",
-        description="Probe an OpenAI-compatible upstream the way the proxy does (no generation) and print "
-        "its context window, how it counts tokens, its tokens per local token and which wire APIs it serves.",
-    )
-    check.add_argument("--upstream", help="the upstream's base URL (default CONTEXT_SHRINK_PROXY_UPSTREAM)")
-    check.add_argument("--model", help="the model to ask about (default: the only one loaded)")
-    check.add_argument("--proxy", help="a running proxy (or serve) to check, e.g. 127.0.0.1:8787")
-    check.add_argument("--token", help="serve's token, for --proxy (default CONTEXT_SHRINK_HTTP_TOKEN)")
-    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    for name, purpose in PROXY_COMMANDS.items():  # their flags are the proxy companion's (its command_parser)
+        commands.add_parser(name, help=purpose, parents=[levels], add_help=False)
     return parser, commands
 
 
@@ -7756,14 +7684,11 @@ def start_logging(args: argparse.Namespace, config: Config) -> Config:
     return config
 
 
-PROXY_COMMANDS = ("proxy", "serve", "doctor")  # run by context_shrink_proxy.command
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``context-shrink``: serve the MCP tools over stdio, or run a text subcommand."""
     parser, commands = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # told by the subcommand's own parser, with its usage
+    if extra and args.command not in PROXY_COMMANDS:  # told by the subcommand's own parser, with its usage
         (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:  # every setting is read and checked here, at start-up, for the server and the proxy alike
         config = Config.from_env()
@@ -7771,8 +7696,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"context-shrink: {exc}", file=sys.stderr)
         return 2
-    if front is not None:
-        return front.command(args, config)
+    if front is not None:  # the companion reads the command's own flags
+        return front.command(front.command_parser(args.command).parse_args(extra, args), config)
     config = start_logging(args, config)
     if args.command:
         try:

@@ -13,7 +13,10 @@ from __future__ import annotations
 __all__ = [
     "CALIBRATION_LIMITS",
     "LIVE_PAGE",
+    "PROXY_MAX_BODY_BYTES",
     "PROXY_MAX_RESERVE",
+    "PROXY_PORT",
+    "PROXY_TIMEOUT",
     "RECALL_ROUNDS",
     "ChatRequest",
     "HeaderDeadline",
@@ -25,6 +28,7 @@ __all__ = [
     "build_proxy",
     "calibrated",
     "command",
+    "command_parser",
     "listening",
     "measure",
     "model_of",
@@ -88,13 +92,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import context_shrink as cs
 from context_shrink import (
+    DEFAULT_KEEP_LAST,
+    DEFAULT_MAX_SUMMARY_TOKENS,
     DEFAULT_SUMMARY_CONCURRENCY,
     MAX_CONTEXT_TOKENS_LIMIT,
     MAX_FILE_BYTES,
     PROBE_TIMEOUT,
-    PROXY_MAX_BODY_BYTES,
-    PROXY_PORT,
-    PROXY_TIMEOUT,
     RECALL_TOOL,
     TEXT_LABELS,
     Backend,
@@ -127,6 +130,7 @@ from context_shrink import (
     count_tools,
     fingerprint,
     log,
+    log_level_flag,
     off_loop,
     parse_overflow,
     parsed,
@@ -163,9 +167,12 @@ from context_shrink_wire import (
 )
 
 # =============================================================================
-# 2. Constants: the HTTP fronts' deadlines, the calibration's text classes
+# 2. Constants: the proxy's and serve's defaults, the HTTP fronts' deadlines, the calibration's text classes
 # =============================================================================
 
+PROXY_PORT = 8787  # the proxy's and serve's defaults (the command line's flags say them)
+PROXY_MAX_BODY_BYTES = 64 * 1024 * 1024
+PROXY_TIMEOUT = 600.0
 HEADER_TIMEOUT = 30.0  # seconds an HTTP client has to send a request's headers (slow-header clients are cut off)
 IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
 BODY_TIMEOUT = 30.0  # seconds a request's body may take, plus one per BODY_MIN_RATE bytes it has sent
@@ -2165,6 +2172,80 @@ def run_serve(
 # =============================================================================
 # 6. The command line's proxy, serve and doctor
 # =============================================================================
+
+
+def _proxy_flags(sub: argparse.ArgumentParser) -> None:
+    """The proxy's flags beside ``--upstream``, ``--host`` and ``--port`` (for ``proxy`` and ``serve``)."""
+    sub.add_argument("--window", help="the upstream's context window in tokens, or auto (default: discovered)")
+    sub.add_argument("--summary-url", help="base URL of the summariser (default: the upstream)")
+    sub.add_argument("--summary-model", help="summariser model (default: the request's model)")
+    sub.add_argument("--state", help="where what is learnt and archived is kept: memory, sqlite:PATH or "
+                     "redis://HOST:PORT/DB (default CONTEXT_SHRINK_STATE, else sqlite: in $XDG_STATE_HOME/"
+                     "context-shrink)")  # fmt: skip
+    sub.add_argument("--namespace", help="the deployment's name in the store (default CONTEXT_SHRINK_NAMESPACE, "
+                     "else default)")  # fmt: skip
+    sub.add_argument("--archive-dir", help="an earlier version's JSONL archive, imported once (default "
+                     "CONTEXT_SHRINK_ARCHIVE_DIR)")  # fmt: skip
+    sub.add_argument("--archive-max-bytes", type=int, help="the archive's size limit (default 256 MiB)")
+    sub.add_argument("--archive-max-days", type=int, help="days an archived message is kept (default 30)")
+    sub.add_argument("--no-archive", action="store_true", help="keep no archive of folded-away messages")
+    sub.add_argument("--max-body-bytes", help=f"request body cap (default {PROXY_MAX_BODY_BYTES})")
+    sub.add_argument("--keep-last", help=f"newest messages always kept (default {DEFAULT_KEEP_LAST})")
+    sub.add_argument(
+        "--max-summary-tokens",
+        help=f"summary size cap (default {DEFAULT_MAX_SUMMARY_TOKENS}, and at most 1/16 of the window)",
+    )
+    defaults = Policy()
+    sub.add_argument("--rungs", help=f"the ladder's rungs, in order (default {','.join(defaults.rungs)}; "
+                     "without compact nothing is summarised)")  # fmt: skip
+    sub.add_argument("--trigger", help=f"shrink above this share of the budget (default {defaults.trigger})")
+    sub.add_argument("--trim-ratio", help=f"a trimmed request's share of the trigger (default {defaults.trim_ratio})")
+    sub.add_argument("--compact-ratio", help=f"a compacted request's share of the budget (default "
+                     f"{defaults.compact_ratio})")  # fmt: skip
+    sub.add_argument(
+        "--summary-concurrency", help=f"summary requests at a time (default {DEFAULT_SUMMARY_CONCURRENCY})"
+    )
+    sub.add_argument("--recall", help=f"on or off: offer the model the {RECALL_TOOL} tool over what was folded "
+                     "away (default on)")  # fmt: skip
+    sub.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
+
+
+COMMANDS = {  # the description of each command context_shrink.PROXY_COMMANDS names
+    "proxy": "Serve http://HOST:PORT/v1: chat requests are shrunk to fit the upstream's window, everything else "
+    "is relayed unchanged. Flags override CONTEXT_SHRINK_PROXY_* variables.",
+    "serve": "Serve the MCP tools at http://HOST:PORT/mcp (streamable HTTP) and, with --upstream, the proxy at /v1, "
+    "so recall_context reads what this proxy archived; GET /health answers without a token. Off this machine a "
+    "bearer token is required (--token or CONTEXT_SHRINK_HTTP_TOKEN).",
+    "doctor": "Probe an OpenAI-compatible upstream the way the proxy does (no generation) and print its context "
+    "window, how it counts tokens, its tokens per local token and which wire APIs it serves.",
+}
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The flags of ``context-shrink proxy``, ``serve`` or ``doctor``: the core's parser reads the command's
+    name and ``--log-level``, and hands the rest of the line to this one."""
+    sub = argparse.ArgumentParser(prog=f"context-shrink {name}", description=COMMANDS[name], parents=[log_level_flag()])
+    if name == "doctor":
+        sub.add_argument("--upstream", help="the upstream's base URL (default CONTEXT_SHRINK_PROXY_UPSTREAM)")
+        sub.add_argument("--model", help="the model to ask about (default: the only one loaded)")
+        sub.add_argument("--proxy", help="a running proxy (or serve) to check, e.g. 127.0.0.1:8787")
+        sub.add_argument("--token", help="serve's token, for --proxy (default CONTEXT_SHRINK_HTTP_TOKEN)")
+        sub.add_argument("--json", action="store_true", help="print the report as JSON")
+        return sub
+    if name == "proxy":
+        sub.add_argument("--upstream", help="the upstream's base URL, e.g. http://127.0.0.1:8080/v1 (required)")
+        sub.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    else:
+        sub.add_argument("--host", help="address to listen on (default 127.0.0.1; another needs a token)")
+    sub.add_argument("--port", help=f"port to listen on (default {PROXY_PORT})")
+    if name == "serve":
+        sub.add_argument("--token", help="bearer token every request must carry (default CONTEXT_SHRINK_HTTP_TOKEN)")
+    sub.add_argument("--allow-origin", action="append", help="a browser origin allowed beside this machine's")
+    if name == "serve":
+        sub.add_argument("--stateless", action="store_true", help="no MCP sessions: each request stands alone")
+        sub.add_argument("--upstream", help="serve the proxy at /v1 in front of this base URL")
+    _proxy_flags(sub)
+    return sub
 
 
 def as_url(given: str, flag: str) -> tuple[str, str | None]:

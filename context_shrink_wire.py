@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "WIRES",
     "ChatView",
+    "chat_content",
     "messages_body",
     "messages_view",
     "recall_lines",
@@ -39,7 +40,6 @@ from context_shrink import (
     ContextShrinkError,
     _plain_content,
     assistant_message,
-    chat_content,
     fingerprint,
     pseudo_tool,
     tool_call,
@@ -50,6 +50,15 @@ from context_shrink import (
 # =============================================================================
 # 2. The Responses API and Anthropic Messages seen as chat (pure): views, bodies, the recall tool
 # =============================================================================
+
+
+def chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Content parts as chat content: text parts only are their text (joined by newlines, as the core's
+    ``_plain_content`` reads them); with an image, the parts."""
+    if all(p.get("type") == "text" for p in parts):
+        return "\n".join(p.get("text", "") for p in parts)
+    return parts
+
 
 # --- the Responses API (Codex CLI): its input items seen as chat messages, and written back --------------
 

@@ -111,8 +111,7 @@ def test_every_tool_argument_reaches_the_core(door: str, tmp_path: Path, monkeyp
 
 
 def proxy_settings(command: str, flags: list[str], environ: dict[str, str]) -> csp.ProxyConfig:
-    parser, _ = cs._parser()
-    args = parser.parse_args([command, "--upstream", "http://127.0.0.1:9/v1", *flags])
+    args = csp.command_parser(command).parse_args(["--upstream", "http://127.0.0.1:9/v1", *flags])
     return csp.proxy_config(args, environ) if command == "proxy" else csp.serve_config(args, environ).proxy
 
 

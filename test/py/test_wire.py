@@ -23,9 +23,9 @@ def test_one_assistant_message_builder() -> None:
 
 
 def test_text_parts_read_as_text_and_images_stay_parts() -> None:
-    assert cs.chat_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "a\nb"
+    assert csw.chat_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "a\nb"
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    assert cs.chat_content([{"type": "text", "text": "a"}, image]) == [{"type": "text", "text": "a"}, image]
+    assert csw.chat_content([{"type": "text", "text": "a"}, image]) == [{"type": "text", "text": "a"}, image]
 
 
 def anthropic() -> dict[str, Any]:
