@@ -3,42 +3,34 @@
 A companion of :mod:`context_shrink` (it imports the core, :mod:`context_shrink_wire` and
 :mod:`context_shrink_state`; the core's command line reaches it through :func:`context_shrink.companion`).
 Every chat request (Chat Completions, Responses, Anthropic Messages) is shrunk to fit the upstream's window
-before it is forwarded: :func:`shrink_request` reads and measures it, then runs the core's ladder,
-:func:`context_shrink.shrink`; the live page, the stats and the metrics say what was done. The HTTP stack
-(starlette, uvicorn) is imported with this module.
+before it is forwarded: :func:`shrink_request` hands it to the core's :func:`context_shrink.fit_request`
+(read, measure, the ladder :func:`context_shrink.shrink`, recount) with the proxy's state, :class:`ProxyState`,
+and report; the live page, the stats and the metrics say what was done. The HTTP stack (starlette, uvicorn) is
+imported with this module.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "CALIBRATION_LIMITS",
     "LIVE_PAGE",
     "PROXY_MAX_BODY_BYTES",
-    "PROXY_MAX_RESERVE",
     "PROXY_PORT",
     "PROXY_TIMEOUT",
     "RECALL_ROUNDS",
-    "ChatRequest",
     "HeaderDeadline",
-    "Measured",
     "ProxyConfig",
     "ProxyReport",
     "ProxyState",
     "bound_listener",
     "build_proxy",
-    "calibrated",
     "command",
     "command_parser",
     "listening",
-    "measure",
-    "model_of",
     "prefix_prints",
     "proxy_config",
     "repeated_share",
-    "request_budget",
     "serve_config",
     "serve_http",
-    "shrink_counted",
     "shrink_header",
     "silently_truncated",
     "usage_in_stream",
@@ -47,13 +39,10 @@ __all__ = [
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import datetime
-import functools
 import hashlib
-import heapq
 import hmac
 import importlib.metadata
 import importlib.util
@@ -71,7 +60,6 @@ from collections.abc import (
     Iterable,
     Iterator,
     Mapping,
-    MutableMapping,
     Sequence,
 )
 from pathlib import Path
@@ -92,6 +80,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import context_shrink as cs
 from context_shrink import (
+    CALIBRATION_LIMITS,
     DEFAULT_KEEP_LAST,
     DEFAULT_MAX_SUMMARY_TOKENS,
     DEFAULT_SUMMARY_CONCURRENCY,
@@ -99,18 +88,17 @@ from context_shrink import (
     MAX_FILE_BYTES,
     PROBE_TIMEOUT,
     RECALL_TOOL,
-    TEXT_LABELS,
     Backend,
     BackendCaches,
-    BackendError,
     Config,
     ConfigError,
     ContextShrinkError,
+    FitReport,
     MemoryTables,
     Overflow,
     Policy,
+    ServerMemory,
     Settings,
-    SpanSummary,
     Store,
     StoredTable,
     SummaryCache,
@@ -118,34 +106,25 @@ from context_shrink import (
     Tables,
     Tokenizer,
     __version__,
-    _leading_system,
-    _plain_content,
-    _text_size,
     _thawed,
-    backend_summariser,
     build_server,
+    calibrated,
     canonical_json,
-    count_message,
     count_messages,
-    count_tools,
-    fingerprint,
+    fit_request,
     log,
     log_level_flag,
+    model_of,
     off_loop,
     parse_overflow,
     parsed,
-    pseudo_tool,
-    ratio_key,
     redact,
+    request_budget,
     resolve_tokenizer,
     secret_forms,
-    shrink,
-    span_hashes,
     start_logging,
     state_key,
-    summarise_span,
     validate_messages,
-    validate_tools,
 )
 from context_shrink_state import (
     ARCHIVE_MAX_BYTES,
@@ -167,7 +146,7 @@ from context_shrink_wire import (
 )
 
 # =============================================================================
-# 2. Constants: the proxy's and serve's defaults, the HTTP fronts' deadlines, the calibration's text classes
+# 2. Constants: the proxy's and serve's defaults, the HTTP fronts' deadlines
 # =============================================================================
 
 PROXY_PORT = 8787  # the proxy's and serve's defaults (the command line's flags say them)
@@ -177,21 +156,6 @@ HEADER_TIMEOUT = 30.0  # seconds an HTTP client has to send a request's headers 
 IDLE_TIMEOUT = 5.0  # seconds an idle keep-alive connection is held open
 BODY_TIMEOUT = 30.0  # seconds a request's body may take, plus one per BODY_MIN_RATE bytes it has sent
 BODY_MIN_RATE = 64 * 1024  # bytes a second a slow body must keep up beyond BODY_TIMEOUT
-MESSAGE_BYTES = 4096  # about what a message of an agent's history takes, to size a request before reading it
-
-
-TEXT_CLASS_TEXTS = 4  # the longest texts of a request that decide its class
-
-
-def text_class(texts: Iterable[str]) -> str:
-    """The class of a request's text as the heuristic tells classes apart, by its longest texts: the script of
-    most of their characters when it has a good share of them (``Han``, ``Cyrillic (U+0400-U+043F)``...), else
-    their kind (``ascii``, ``code``, ``escaped``, ``json``, ``latin``, ``plain``). Calibrations are learnt per
-    class."""
-    shares: collections.Counter[str] = collections.Counter()
-    for text in heapq.nlargest(TEXT_CLASS_TEXTS, texts, key=len):
-        shares[TEXT_LABELS[text]] += len(text)
-    return shares.most_common(1)[0][0] if shares else "ascii"
 
 
 # =============================================================================
@@ -255,7 +219,6 @@ def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeou
 # =============================================================================
 
 PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is relayed as it arrives
-PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
 
 
 def prefix_prints(messages: Sequence[Mapping[str, Any]]) -> list[tuple[bytes, int]]:
@@ -279,7 +242,6 @@ def repeated_share(before: Sequence[tuple[bytes, int]] | None, now: Sequence[tup
     return round(now[same - 1][1] / now[-1][1], 4) if same else 0.0
 
 
-CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
 TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # listening here, nothing beyond this machine can connect
 HOP_HEADERS = frozenset(
@@ -333,12 +295,6 @@ class ProxyConfig:
 # --- helpers ------------------------------------------------------------------------------------------
 
 
-def calibrated(factor: float | None, estimate: int, actual: int) -> float:
-    """The next per-model correction factor: the server's prompt count over our estimate, smoothed."""
-    ratio = min(max(actual / max(1, estimate), CALIBRATION_LIMITS[0]), CALIBRATION_LIMITS[1])
-    return ratio if factor is None else round(0.5 * factor + 0.5 * ratio, 4)
-
-
 def silently_truncated(estimate: int, prompt_tokens: int) -> bool:
     """True when the server counted far fewer prompt tokens than were sent (it dropped some, like Ollama)."""
     return estimate > 256 and prompt_tokens < TRUNCATION_RATIO * estimate
@@ -378,39 +334,19 @@ def usage_in_stream(tail: bytes) -> int | None:
     return next((t for e in reversed(sse_events(tail)) if (t := prompt_tokens_in(e)) is not None), None)
 
 
-# --- one chat request, stage by stage: read, measure once, plan and shrink, forward, learn from the reply ----------
-
-
-def model_of(body: Mapping[str, Any]) -> str | None:
-    """The model a request body names, if it names one."""
-    return body.get("model") if isinstance(body.get("model"), str) else None
+# --- one chat request: fitted by the core (fit_request), then forwarded, reported, and learnt from ---------------
 
 
 @dataclasses.dataclass
-class ProxyReport:
-    """What the proxy did with one chat request, filled in by each stage: measured (``tokens_before``, the
-    ``window``, the capped ``reserve``, ``count`` exact or estimated, ``tools_tokens``), shrunk (``action``,
-    ``tokens_after``, ``reason``, the summary's cost, ``ms``), forwarded (``refusals``, ``retried``) and
-    archived (``conversation``). The ``x-context-shrink`` header, the log line and the stats read it."""
+class ProxyReport(FitReport):
+    """What the proxy did with one chat request: what :func:`context_shrink.fit_request` measured and shrunk
+    (:class:`context_shrink.FitReport`), then forwarded (``refusals``, ``retried``, ``recalled``) and archived
+    (``conversation``). The ``x-context-shrink`` header, the log line and the stats read it."""
 
-    tokens_before: int | None = None
-    tokens_after: int | None = None
-    action: str = "none"
-    window: int | None = None
-    reserve: int | None = None  # the reply's reserve, when the one asked was capped
-    count: str = "estimated"  # exact: the upstream counted the request
-    counted_by: str | None = None  # the upstream's endpoint that counted, or the local tokenizer [class] x factor
-    estimated_as: str = "ascii"  # the class of the request's text, whose calibration a reply's usage teaches
-    tools_tokens: int | None = None  # in the upstream's tokens, once it counted them (None: as the messages are)
-    reason: str | None = None
-    ms: int | None = None
-    summary_cached: bool | None = None
-    summary_calls: int = 0
     refusals: int = 0
     retried: int | None = None
     conversation: str | None = None
     recalled: int | None = None  # the model's calls to the recall tool, answered by the proxy
-    fixed_tokens: int | None = None  # the agent's fixed part, when it alone cannot fit the budget
     repeated: float | None = None  # the share of what was sent that repeats the previous request's start
 
     def header(self, **changes: Any) -> str:
@@ -618,47 +554,6 @@ RECENT_FIELDS = ("tokens_before", "tokens_after", "action", "window", "count", "
                  "summary_calls", "summary_cached", "refusals", "retried", "recalled", "repeated")  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class ChatRequest:
-    """A chat-shaped request as the proxy reads it: its messages and tools checked, its model."""
-
-    body: dict[str, Any]
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    model: str | None
-
-    @functools.cached_property
-    def calibration(self) -> tuple[str | None, str]:
-        """The key its count is calibrated by: the model, and the class of its text (:func:`text_class`)."""
-        return self.model, text_class(_plain_content(m.get("content")) for m in self.messages)
-
-    @classmethod
-    def read(cls, body: dict[str, Any]) -> ChatRequest:
-        """Raises :class:`ContextShrinkError` for a body whose messages or tools do not read as chat."""
-        tools = body.get("tools") or []
-        if isinstance(tools, list):  # a tool of another kind (``custom``, a server's own) counted as its JSON
-            tools = [pseudo_tool(t) if isinstance(t, dict) and t.get("type", "function") != "function" else t
-                     for t in tools]  # fmt: skip
-        return cls(body, validate_messages(body.get("messages")), validate_tools(tools), model_of(body))
-
-
-@dataclasses.dataclass(frozen=True)
-class Measured:
-    """A request counted once: per message in the local tokenizer (``counts``), and the whole in the upstream's
-    tokens (``tokens``: its own count when ``exact``, else the local one calibrated). ``tools_cost`` is what the
-    tools add in the upstream's tokens once it counted them (None: they are counted as the messages are, in
-    ``local_tools`` local tokens)."""
-
-    counts: list[int]
-    raw: int
-    tokens: int
-    tools_cost: int | None
-    exact: bool
-    local_tools: int = 0
-    source: str = ""  # what counted: the upstream's endpoint, or the local tokenizer, the text's class, the calibration
-    key: tuple[str | None, str] = (None, "ascii")  # the calibration it was counted at: the model and the text's class
-
-
 class ProxyStats:
     """What the proxy did, per model and conversation, kept in the store (every replica on it counts into the
     same rows, so the live page and ``/metrics`` show the whole deployment): ``GET /context-shrink/stats`` serves
@@ -777,8 +672,9 @@ class ProxyStats:
 
 
 @dataclasses.dataclass
-class ProxyState:
-    """What lives as long as the proxy: settings, one HTTP client, and what the upstream taught us."""
+class ProxyState(ServerMemory):
+    """What lives as long as the proxy: settings, one HTTP client, and what the upstream taught us, in its store
+    (the core's :class:`context_shrink.ServerMemory`, with what refusals and replies teach)."""
 
     config: ProxyConfig
     http: httpx2.AsyncClient
@@ -799,29 +695,6 @@ class ProxyState:
         self.summaries, self.stats = SummaryCache(self.store), ProxyStats(self.store)
         for name in ("windows", "doubts", "answered", "factors", "counts", "tool_costs"):
             setattr(self, name, StoredTable(self.store, name))
-
-    def remember(self, table: MutableMapping[Any, Any], model: Any, value: Any) -> None:
-        table[model] = value  # the newest last; the store bounds the table (STATE_TABLES)
-
-    def factor(self, key: tuple[str | None, str]) -> float:
-        """The calibration of a model's count on text of one class (:attr:`ChatRequest.calibration`); until that
-        class has one, the model's last from any class."""
-        return self.factors.get(key, self.factors.get(key[0], 1.0))
-
-    def learn_factor(self, key: tuple[str | None, str], factor: float) -> None:
-        self.remember(self.factors, key, factor)
-        self.remember(self.factors, key[0], factor)
-
-    def backend(self, url: str, authorization: str | None) -> Backend:
-        key, headers = self.config.api_key, {}
-        if authorization and not key:  # the client's key, sent on and redacted from every error like ours
-            scheme, _, token = authorization.partition(" ")
-            key, headers = (
-                (token, {}) if scheme.lower() == "bearer" and token else (None, {"Authorization": authorization})
-            )
-        secrets = secret_forms(authorization) + secret_forms(self.config.api_key)
-        settings = ("--upstream" if url == self.config.base else "--summary-url", "--timeout")
-        return Backend(self.http, url, key, headers, caches=self.caches, secrets=secrets, settings=settings)
 
     def learn_refusal(
         self, model: str | None, overflow: Overflow, report: ProxyReport, estimate: int, reported: int | None = None
@@ -911,259 +784,13 @@ class ProxyState:
         return f"{self.store.name} unreachable ({self.store.down}): serving from memory" if self.store.down else None
 
 
-async def proxy_window(state: ProxyState, model: str | None, authorization: str | None) -> int | None:
-    """The window for ``model``: learnt from a refusal, else configured, else discovered; None if unknown."""
-    if model in state.windows:
-        return state.windows[model]
-    if state.config.window:
-        return state.config.window
-    try:
-        return (await state.backend(state.config.base, authorization).context_window(model))[0]
-    except ContextShrinkError as exc:
-        log.info("proxy: window unknown for %s (%s); forwarding unshrunk until the upstream refuses", model, exc)
-        return None
-
-
-async def proxy_summariser(
-    state: ProxyState, model: str | None, window: int, authorization: str | None, tokenizer: Tokenizer,
-    spent: collections.Counter[str],
-) -> SpanSummary:  # fmt: skip
-    """The proxy's summariser, bound for :func:`shrink`: the configured one (its window discovered once, else
-    the upstream's) or the upstream's model; it counts with its own server when that server can count. Each
-    call it makes is counted in ``spent["calls"]``, whether it succeeds or not."""
-    config = state.config
-    model = config.summary_model or model
-    if not model:
-        raise ContextShrinkError("no model to summarise with: the request names none and no summary model is set")
-    backend = state.backend(config.summary_url or config.base, authorization)
-    url = backend.base_url  # the summariser's name: its failures are filed under it
-    if config.summary_url:
-        key = f"summariser {url} {model}"
-        if key not in state.windows:  # probed once, whatever the answer
-            found = 0  # none found
-            try:
-                found = (await backend.context_window(model))[0]
-            except BackendError as exc:  # no server answers: backed off at once, no request waits on retries
-                if exc.down:
-                    state.summaries.failed(f"model {model} @ {url}", str(exc))
-            except ContextShrinkError:
-                pass
-            state.remember(state.windows, key, found)
-        window = state.windows[key] or window
-
-    summariser = backend_summariser(backend, model, window, spent)
-
-    async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int, grown: int) -> dict[str, Any]:
-        options = dataclasses.replace(config.summary_options, max_summary_tokens=limit, min_new_tokens=grown)
-        return await summarise_span(messages, plan, tokenizer, summariser, state.summaries, options)
-
-    return summarise
-
-
-async def calibrate(state: ProxyState, request: ChatRequest, raw: int, window: int, authorization: str | None) -> bool:
-    """Learn the model's calibration from the upstream's own count of a request over a quarter of the window
-    (``raw``: its local count, messages and tools), when the upstream can count (llama.cpp, vLLM, TGI), so the
-    first shrunk request is sized right. True when the upstream counted it."""
-    if raw <= window // 4:
-        return False
-    try:
-        backend = state.backend(state.config.base, authorization)
-        exact = (await backend.count_tokens(request.messages, request.tools, request.model))[0]
-    except ContextShrinkError:
-        return False
-    state.learn_factor(request.calibration, calibrated(None, raw, exact))
-    return True
-
-
-EXACT_ZONE = (0.5, 4.0)  # estimates from half the trigger to 4x the budget are counted by the upstream, if it can
-EXACT_RECHECK = 0.85  # a shrunk request estimated above this share of the budget is counted too
-
-
-async def upstream_count(
-    state: ProxyState,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
-    model: str | None,
-    authorization: str | None,
-    counts: Sequence[int],
-) -> tuple[int, int, str] | None:
-    """The upstream's own count of this request as ``(messages, what the tools add, how it was counted)`` —
-    the tools' part is 0 when its chat template drops them — or None when it cannot count. Counts are
-    remembered by message prefix: a request that extends one counted before costs no call while what it adds
-    (``counts``: the messages' local counts, scaled) is under a quarter of the counted part."""
-    chain, tools_print = span_hashes(messages), fingerprint(tools)
-    k, found = state.counts.first([(model, tools_print, chain[k]) for k in range(len(messages), 0, -1)])
-    if found is not None:
-        (bare, cost, method), known = found, len(messages) - k
-        added = sum(counts[known:])
-        if added <= bare // 4:
-            return bare + added, cost, method if not added else f"{method}, {added} added tokens estimated"
-    backend = state.backend(state.config.base, authorization)
-    try:
-        total, method = await backend.count_tokens(messages, tools, model)
-        bare = (await backend.count_tokens(messages, [], model))[0] if tools else total
-    except ContextShrinkError:
-        return None
-    state.remember(state.counts, (model, tools_print, chain[-1]), (bare, max(0, total - bare), method))
-    return bare, max(0, total - bare), method
-
-
-def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, int | None]:
-    """The prompt's budget in ``window``: what the reply's ``max_tokens`` (else a reserve) leaves, and the
-    reserve when the asked one was capped. An agent may ask for more than a local window can give (Claude
-    Code asks 128,000): over half the window, an eighth is reserved (at least 1,024 tokens; llama.cpp ends such
-    a reply at the window's end; a server that refuses prompt + max_tokens refuses it whatever the proxy
-    cuts). A quarter left a 16k window less room than Claude Code's own prompt and tools need beside a turn."""
-    asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
-    reserve = max(0, asked) if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
-    if reserve <= window // 2:
-        return window - reserve, None
-    capped = min(window // 2, max(1024, window // 8))
-    return window - capped, capped
-
-
-def _scaled(counts: Sequence[int], factor: float, priming: int) -> tuple[list[int], int]:
-    """Local per-message counts in the upstream's tokens (``factor`` of them per local token), and the total."""
-    scaled = [math.ceil(c * factor) for c in counts] if factor != 1.0 else list(counts)
-    return scaled, sum(scaled) + priming
-
-
-async def measure(
-    state: ProxyState, request: ChatRequest, budget: int, window: int, authorization: str | None
-) -> Measured:
-    """Count the request once: locally per message; near the limit the upstream counts it itself (the messages
-    and the tools apart: a template may drop the tools), and that count decides and calibrates; a first long
-    request of a model and text class calibrates it. ``source`` says what counted: the upstream's endpoint, or the
-    local tokenizer with the text's class and the calibration it was scaled by."""
-    tok, model, key = state.tokenizer, request.model, request.calibration
-    counts = await off_loop(sum(map(_text_size, request.messages)),
-                            lambda: [count_message(m, tok.count, tok.format) for m in request.messages])  # fmt: skip
-    raw = sum(counts) + tok.format.priming
-    tools_key = (model, fingerprint(request.tools))
-    tools_cost = state.tool_costs.get(tools_key) if request.tools else 0  # the upstream's count, once it said
-    local_tools = count_tools(request.tools, tok) if tools_cost is None else 0
-    factor = state.factor(key)
-    scaled, total = _scaled(counts, factor, tok.format.priming)
-    tools = math.ceil(local_tools * factor) if tools_cost is None else tools_cost
-    trigger = state.policy.trigger * budget
-    if EXACT_ZONE[0] * trigger <= total + tools <= EXACT_ZONE[1] * budget:
-        if found := await upstream_count(state, request.messages, request.tools, model, authorization, scaled):
-            state.learn_factor(key, calibrated(None, raw, found[0]))
-            state.remember(state.tool_costs, tools_key, found[1])
-            return Measured(counts, raw, found[0] + found[1], found[1], True, source=found[2], key=key)
-    elif key not in state.factors:  # first sight of a long request of this class: the upstream counts it, if it can
-        await calibrate(state, request, raw + local_tools, window, authorization)
-    source = f"{tok.name} [{key[1]}]" + ("" if factor == 1.0 else f" x{factor:.3g} (calibrated on the upstream)")
-    return Measured(counts, raw, total + tools, tools_cost, False, local_tools, source, key)
-
-
 async def shrink_request(
     state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None
 ) -> tuple[dict[str, Any], ProxyReport]:
-    """The request body to forward and its report, in one direction: read, measure once (:func:`measure`),
-    then, over the trigger, :func:`shrink` with the proxy's policy and the summariser bound to this request's
-    model (:func:`shrink_counted`). Raises :class:`ContextShrinkError` for a body it does not understand (the
-    caller forwards it as is)."""
-    started = time.perf_counter()
-    listed = body.get("messages")
-    request = await off_loop(len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0,
-                             lambda: ChatRequest.read(body))  # fmt: skip
-    report = ProxyReport(window=window or await proxy_window(state, request.model, authorization))
-    if report.window is None:
-        report.reason = "window unknown"
-        return body, report
-    budget, report.reserve = request_budget(body, report.window)
-    measured = await measure(state, request, budget, report.window, authorization)
-    report.tokens_before = report.tokens_after = measured.tokens
-    report.count, report.counted_by = "exact" if measured.exact else "estimated", measured.source
-    report.estimated_as = measured.key[1]
-    report.tools_tokens = measured.tools_cost
-    log.debug("proxy: %s: %s messages, %s tokens (%s by %s); budget %s of the window %s, shrunk over %s",
-              request.model, len(request.messages), measured.tokens, report.count, measured.source, budget,
-              report.window, int(state.policy.trigger * budget))  # fmt: skip
-    if measured.tokens <= state.policy.trigger * budget:
-        return body, report
-    if (fixed := fixed_part(state, request, measured)) >= budget:
-        report.action, report.reason = "forwarded unchanged", fixed_part_problem(fixed, report.window, budget)
-        report.fixed_tokens = fixed
-        log.warning("proxy: %s", report.reason)
-        return body, report
-    result = await shrink_counted(state, request, measured, budget, report.window, authorization)
-    if result["action"] == "none":
-        return body, report
-    if result["action"].startswith("unchanged"):  # nothing could be cut: the original goes out, and says why
-        report.action, report.reason = "forwarded unchanged", result["reason"]
-        return body, report
-    if not measured.exact:  # the estimate at the calibration the plan used
-        report.tokens_before = result["tokens_before"]
-    report.tokens_after, report.action, report.reason = result["tokens_after"], result["action"], result["reason"]
-    report.summary_cached, report.summary_calls = result["summary_cached"], result["summary_calls"]
-    report.ms = round(1000 * (time.perf_counter() - started))
-    log.debug("proxy: %s: %s -> %s tokens, %s -> %s messages by %s in %s ms (%s summary calls)%s", request.model,
-              report.tokens_before, report.tokens_after, len(request.messages), len(result["messages"]),
-              report.action, report.ms, report.summary_calls,
-              f"; {report.reason}" if report.reason else "")  # fmt: skip
-    return {**body, "messages": result["messages"]}, report
-
-
-def fixed_part(state: ProxyState, request: ChatRequest, measured: Measured) -> int:
-    """What no rung can shrink, in the upstream's tokens: the agent's leading system messages and its tools."""
-    factor = state.factor(measured.key)
-    local = sum(measured.counts[: _leading_system(request.messages)]) + state.tokenizer.format.priming
-    return math.ceil((local + measured.local_tools) * factor) + (measured.tools_cost or 0)
-
-
-def fixed_part_problem(fixed: int, window: int, budget: int) -> str:
-    """The plain words for an agent whose fixed part alone does not fit the window."""
-    return (f"the agent's system prompt and tools need {fixed:,} tokens; the window is {window:,} tokens "
-            f"({budget:,} after the reply's reserve): start the server with a larger window (llama.cpp: -c), or "
-            "give the agent fewer tools (MCP servers, plugins)")  # fmt: skip
-
-
-async def shrink_counted(
-    state: ProxyState, request: ChatRequest, measured: Measured, budget: int, window: int,
-    authorization: str | None,
-) -> dict[str, Any]:  # fmt: skip
-    """:func:`shrink` at the model's calibration, corrected at most once: when the shrunk request, counted by
-    the upstream, is over the budget (after a deep cut the calibration from the whole request can be off for
-    what is left), or when summarising taught the model's tokens per local token (its summariser is the
-    upstream's model) and the model had no calibration yet; summaries are cached, so the second plan costs no
-    model call. ``summary_calls`` is every call made to the summariser, those that failed included."""
-    model, tools, key = request.model, request.tools, measured.key
-    uncalibrated, spent = key not in state.factors, collections.Counter[str]()
-
-    async def planned(factor: float) -> dict[str, Any]:
-        tokenizer = dataclasses.replace(state.tokenizer, scale=factor)
-        summarise = None
-        with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
-            summarise = await proxy_summariser(state, model, window, authorization, tokenizer, spent)
-        counted = _scaled(measured.counts, factor, tokenizer.format.priming)[1]
-        if measured.tools_cost is None:  # the tools counted as the messages are
-            return await shrink(request.messages, tools, tokenizer, budget, state.policy, summarise, counted)
-        cost = measured.tools_cost
-        result = await shrink(request.messages, [], tokenizer, budget - cost, state.policy, summarise, counted)
-        return {
-            **result,
-            "tokens_before": result["tokens_before"] + cost,
-            "tokens_after": result["tokens_after"] + cost,
-        }
-
-    result = await planned(state.factor(key))
-    factor = None
-    if result["tokens_after"] >= EXACT_RECHECK * budget and result["messages"] != request.messages:
-        kept, raw = count_messages(result["messages"], state.tokenizer)
-        scaled = _scaled(kept, state.factor(key), 0)[0]
-        found = await upstream_count(state, result["messages"], tools, model, authorization, scaled)
-        if found and found[0] + found[1] > budget:
-            factor = calibrated(None, raw, found[0])
-    same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
-    learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", state.tokenizer))
-    if factor is None and same and uncalibrated and learnt and abs(learnt - 1) > 0.1:
-        factor = learnt  # the summariser's tokens are the model's
-    if factor is not None:
-        state.learn_factor(key, factor)
-        result = await planned(factor)
-    return {**result, "summary_calls": spent["calls"]}
+    """The request body to forward and its report: the core's :func:`context_shrink.fit_request` (read, measure
+    once, over the trigger :func:`context_shrink.shrink`, recount) with a fresh :class:`ProxyReport` to fill.
+    Raises :class:`ContextShrinkError` for a body it does not understand (the caller forwards it as is)."""
+    return await fit_request(state, body, authorization, ProxyReport(), window)
 
 
 # --- the HTTP front ----------------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ def replay(direct: str, front: str, fake: FakeOpenAI, messages: Messages, name: 
     first = messages[: turns[0]]
     reply, _ = post(direct, {"messages": first, "max_tokens": 1})
     ratio = reply.json()["usage"]["prompt_tokens"] / cs.count_messages(first, TOK)[1]  # its tokens per cl100k
-    budget = int(cs.Policy().trigger * (N_CTX - min(csp.PROXY_MAX_RESERVE, N_CTX // 8)) / ratio)
+    budget = int(cs.Policy().trigger * (N_CTX - min(cs.PROXY_MAX_RESERVE, N_CTX // 8)) / ratio)
     totals = {"proxy": 0, "sliding window": 0}
     actions: dict[str, int] = {}
     uses: list[float] = []  # the window share llama.cpp counted, on the requests the proxy shrank

@@ -71,6 +71,7 @@ def test_each_section_uses_only_the_ones_above(path: Path) -> None:
     for node in tree.body:
         here = section(node.lineno)
         local = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        local |= {a.arg for a in ast.walk(node) if isinstance(a, ast.arg)}  # a parameter is local too
         for name in ast.walk(node):
             if isinstance(name, ast.Name) and name.id not in local and home.get(name.id, 0) > here:
                 upward.append(

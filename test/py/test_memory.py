@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import context_shrink as cs
-import context_shrink_proxy as csp
 import context_shrink_wire as csw
 
 pytestmark = pytest.mark.core
@@ -254,7 +253,7 @@ def test_every_kind_of_tool_is_counted() -> None:
         }
     )
     assert anthropic.tools[0]["function"]["kind"] == "web_search_20250305"
-    chat = csp.ChatRequest.read({"messages": [{"role": "user", "content": "hi"}],
+    chat = cs.ChatRequest.read({"messages": [{"role": "user", "content": "hi"}],
                                 "tools": [{"type": "custom", "custom": {"name": "apply_patch"}}]})  # fmt: skip
     assert chat.tools[0]["function"]["name"] == "custom" and cs.count_tools(chat.tools, TOK) > 0
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import types
 from typing import Any
 
 import anyio
+import httpx2
 import pytest
 from agent_shapes import cases
 from builders import assistant, conversation, tool, user
@@ -122,3 +124,49 @@ def test_properties_over_agent_histories(case: Any) -> None:
         assert first["fits"], (first["action"], first["reason"])
     assert first["tokens_after"] == cs.count_messages(out, TOK)[1]
     assert json.dumps(shrink(messages, case.budget, summarise=summariser([]))["messages"]) == json.dumps(out)
+
+
+class Door(cs.ServerMemory):
+    """A door of its own, not the proxy's: settings, tables in memory, an upstream behind ``handler``."""
+
+    def __init__(self, handler: Any, window: int | None) -> None:
+        self.config = types.SimpleNamespace(base="http://up/v1", window=window, summary_url=None, summary_model=None,
+                                            api_key=None, summary_options=cs.SummaryOptions())  # fmt: skip
+        self.http = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
+        self.tokenizer, self.policy = TOK, cs.Policy(rungs=("trim",))
+        self.caches, self.summaries, tables = cs.BackendCaches(), cs.SummaryCache(), cs.MemoryTables()
+        self.windows, self.factors, self.counts, self.tool_costs = (
+            cs.StoredTable(tables, name) for name in ("windows", "factors", "counts", "tool_costs")
+        )
+
+
+def fitted(window: int | None, body: dict[str, Any]) -> tuple[dict[str, Any], cs.FitReport, list[str]]:
+    asked: list[str] = []
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        asked.append(request.url.path)
+        return httpx2.Response(404, json={"error": {"message": "not here"}})
+
+    async def run() -> tuple[dict[str, Any], cs.FitReport]:
+        door = Door(handler, window)
+        async with door.http:
+            return await cs.fit_request(door, body, None, cs.FitReport())
+
+    return (*anyio.run(run), asked)
+
+
+def test_fit_request_serves_any_door_that_keeps_a_server_memory() -> None:
+    """The proxy's request path is the core's: a door of its own, with its tables in memory and an upstream that
+    can neither count nor tell its window, gets the request read, counted, trimmed to its budget and reported;
+    the body it gave is not changed."""
+    body = {"model": "m", "max_tokens": 256, "messages": conversation(12, size=150)}
+    before = copy.deepcopy(body)
+    sent, report, asked = fitted(4096, body)
+    assert body == before and sent["model"] == "m" and len(sent["messages"]) < len(body["messages"])
+    assert report.window == 4096 and report.count == "estimated" and report.action.startswith("trim")
+    assert report.tokens_before > 4096 - 256 >= report.tokens_after
+    assert cs.api_problems(sent["messages"]) == [] and sent["messages"][0] == body["messages"][0]
+    assert any(path.endswith("tokenize") or "count" in path for path in asked)  # it asked the upstream to count
+
+    unknown, report, asked = fitted(None, body)  # no window configured, none discovered: forwarded as it came
+    assert unknown is body and report.reason == "window unknown" and report.action == "none" and asked

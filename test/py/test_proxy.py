@@ -39,10 +39,10 @@ SECRET = "sk-test-0123456789abcdef"
 
 
 def test_calibration_is_smoothed_and_bounded() -> None:
-    assert csp.calibrated(None, 1000, 1200) == 1.2
-    assert csp.calibrated(1.2, 1000, 1000) == 1.1
-    assert csp.calibrated(None, 1000, 100_000) == csp.CALIBRATION_LIMITS[1]
-    assert csp.calibrated(None, 0, 10) == csp.CALIBRATION_LIMITS[1]  # no division by zero
+    assert cs.calibrated(None, 1000, 1200) == 1.2
+    assert cs.calibrated(1.2, 1000, 1000) == 1.1
+    assert cs.calibrated(None, 1000, 100_000) == cs.CALIBRATION_LIMITS[1]
+    assert cs.calibrated(None, 0, 10) == cs.CALIBRATION_LIMITS[1]  # no division by zero
 
 
 def test_silent_truncation_is_flagged() -> None:
@@ -393,11 +393,11 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 def test_a_reply_reserve_over_half_the_window_is_capped() -> None:
     """Claude Code asks 32,000 reply tokens of any model: in a 20,000 window an eighth is reserved, not all."""
-    assert csp.request_budget({"max_tokens": 32_000}, 20_000) == (17_500, 2_500)
-    assert csp.request_budget({"max_tokens": 32_000}, 4_000) == (2_976, 1_024)  # at least 1,024
-    assert csp.request_budget({"max_tokens": 10_000}, 20_000) == (10_000, None)
-    assert csp.request_budget({"max_completion_tokens": 512, "max_tokens": 9}, 4096) == (3584, None)
-    assert csp.request_budget({}, 4096) == (4096 - 512, None) and csp.request_budget({}, 65_536) == (64_512, None)
+    assert cs.request_budget({"max_tokens": 32_000}, 20_000) == (17_500, 2_500)
+    assert cs.request_budget({"max_tokens": 32_000}, 4_000) == (2_976, 1_024)  # at least 1,024
+    assert cs.request_budget({"max_tokens": 10_000}, 20_000) == (10_000, None)
+    assert cs.request_budget({"max_completion_tokens": 512, "max_tokens": 9}, 4096) == (3584, None)
+    assert cs.request_budget({}, 4096) == (4096 - 512, None) and cs.request_budget({}, 65_536) == (64_512, None)
 
 
 def test_rough_edges_at_start_up() -> None:
