@@ -97,6 +97,7 @@ __all__ = [
     "EstimateOptions",
     "FitReport",
     "Measured",
+    "MemoryTables",
     "Overflow",
     "Policy",
     "PruneOptions",
