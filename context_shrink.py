@@ -157,6 +157,7 @@ __all__ = [
     "hf_cache_dir",
     "history_shape",
     "image_tokens",
+    "json_or",
     "jsonrpc_id",
     "least_form",
     "load_messages_file",
@@ -408,6 +409,17 @@ def unknown_names(given: Iterable[str], known: Collection[str], what: str = "arg
     return "; ".join(parts) + f" (known: {', '.join(sorted(known))})" if parts else None
 
 
+def json_or(text: Any, default: Any = None) -> Any:
+    """``text`` read as JSON, or ``default`` when it is not JSON text: broken, not text, or nested deeper than
+    the decoder goes (its RecursionError is an answer here, never an exception). Every JSON this program did not
+    write itself (tool-call arguments, an upstream's reply, a setting, a file) is read through this or names
+    its error (:func:`load_messages_file`)."""
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError, RecursionError):
+        return default
+
+
 OptionsT = TypeVar("OptionsT")
 ResultT = TypeVar("ResultT")
 
@@ -652,10 +664,9 @@ def _tokenizer_setting(read: Settings) -> str | None:
 def _headers_setting(read: Settings) -> dict[str, str] | None:
     if (found := read.find("EXTRA_HEADERS")) is None:
         return None
-    with contextlib.suppress(ValueError):
-        headers = json.loads(found[1])
-        if isinstance(headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
-            return headers
+    headers = json_or(found[1])
+    if isinstance(headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        return headers
     # the value may hold a secret: never echo it
     raise ConfigError(f"{found[0]}: expected a JSON object of string values", variable=found[0])
 
@@ -1351,8 +1362,7 @@ def _template_call(call: Any) -> tuple[str, Any]:
         raise ContextShrinkError("the chat template refused the conversation: a tool call is not an object")
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):
-            arguments = json.loads(arguments)
+        arguments = json_or(arguments, arguments)
     return str(function.get("name", "")), arguments
 
 
@@ -1595,9 +1605,10 @@ def _load_hf(path: Path, label: str) -> Tokenizer:
     def count(text: str) -> int:
         return len(backend.encode(text, add_special_tokens=False).ids)
 
-    settings: dict[str, Any] = {}
+    settings: Any = {}
     with contextlib.suppress(OSError, ValueError):
-        settings = json.loads((path.parent / "tokenizer_config.json").read_text(encoding="utf-8"))
+        settings = json_or((path.parent / "tokenizer_config.json").read_text(encoding="utf-8"), {})
+    settings = settings if isinstance(settings, dict) else {}
     template = settings.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
@@ -2980,10 +2991,7 @@ def _shorter_call(call: Mapping[str, Any]) -> Mapping[str, Any]:
     arguments = call["function"].get("arguments")
     if not isinstance(arguments, str) or len(arguments) <= 2 * sum(LEAST_TEXT):
         return call
-    try:
-        values = json.loads(arguments)
-    except ValueError:
-        return call
+    values = json_or(arguments)
     if not isinstance(values, dict):
         return call
     shorter = {k: _elide(v, *LEAST_TEXT) if isinstance(v, str) and len(v) > 2 * sum(LEAST_TEXT) else v
@@ -4344,8 +4352,7 @@ def extract_identifiers(
         for call in reversed(m.get("tool_calls") or []):
             function = call["function"]
             arguments = function.get("arguments")
-            with contextlib.suppress(ValueError, TypeError):
-                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            arguments = json_or(arguments, arguments)
             if isinstance(arguments, dict):
                 found.extend(
                     _one_line(f"{function['name']}: {arguments[key]}", 120)
@@ -4438,8 +4445,7 @@ def _call_references(message: Mapping[str, Any]) -> list[str]:
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         arguments: Any = function.get("arguments")
-        with contextlib.suppress(ValueError, TypeError):
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        arguments = json_or(arguments, arguments)
         if isinstance(arguments, dict):
             found += [_one_line(f"{function.get('name')}: {arguments[k]}", 160) for k in _KEY_ARGUMENTS
                       if isinstance(arguments.get(k), str) and arguments[k].strip()]  # fmt: skip
@@ -5880,8 +5886,7 @@ def parse_overflow(error: Any) -> Overflow | None:
         if isinstance(value, str):
             texts.append(value)
             if value.lstrip().startswith("{"):
-                with contextlib.suppress(ValueError):
-                    pending.append(json.loads(value))
+                pending.append(json_or(value))
         elif isinstance(value, Mapping):
             ctx, prompt = value.get("n_ctx"), value.get("n_prompt_tokens")
             if value.get("type") == "exceed_context_size_error" and isinstance(ctx, int):
@@ -6772,10 +6777,7 @@ def load_messages_file(path: Path, root: Path | None = None) -> tuple[list[dict[
 def parsed_record(line: Any) -> dict[str, Any] | None:
     """A JSONL line's (or a database row's) record, or None when it is not a JSON object (blank, broken, nested
     too deeply, or not text)."""
-    try:
-        record = json.loads(line)
-    except (ValueError, TypeError, RecursionError):
-        return None
+    record = json_or(line)
     return record if isinstance(record, dict) else None
 
 
@@ -6793,10 +6795,11 @@ def read_jsonl_lines(path: Path, root: Path | None = None) -> list[tuple[str, di
     text = read_file_text(path, root=root)
     try:
         json.loads(text)
+    except RecursionError:  # one document, too deep: its reader says so (load_messages_file)
         return None
     except ValueError:
-        pass
-    return jsonl_lines(text)
+        return jsonl_lines(text)
+    return None
 
 
 def rewrite_jsonl(
@@ -7333,8 +7336,9 @@ async def sample_once(ctx: Context, prompt: list[dict[str, Any]], max_tokens: in
 
 def client_replies(ctx: Context) -> dict[str, str]:
     """On a 2026-era connection: the summaries the client sent back, with those of earlier rounds."""
-    saved = json.loads(ctx.request_state) if ctx.request_state else {}
-    replies: dict[str, str] = dict(saved.get("replies", {}))
+    saved = json_or(ctx.request_state, {}) if ctx.request_state else {}
+    earlier = saved.get("replies") if isinstance(saved, dict) else None
+    replies: dict[str, str] = dict(earlier) if isinstance(earlier, dict) else {}
     for key, response in (ctx.input_responses or {}).items():
         content = getattr(response, "content", None)
         if not isinstance(content, TextContent):
@@ -7915,10 +7919,9 @@ def jsonrpc_id(raw: str) -> str | int | None:
         elif first in "}]":
             depth -= 1
         elif depth == 1 and token[0] == '"id"' and (value := _JSON_SCALAR.match(raw, token.end())):
-            with contextlib.suppress(ValueError):
-                found = json.loads(value[1])
-                if isinstance(found, int) or (isinstance(found, str) and found.isprintable()):
-                    return found
+            found = json_or(value[1])
+            if isinstance(found, int) or (isinstance(found, str) and found.isprintable()):
+                return found
             return None
     return None
 

@@ -112,6 +112,7 @@ from context_shrink import (
     canonical_json,
     count_messages,
     fit_request,
+    json_or,
     log,
     log_level_flag,
     model_of,
@@ -1194,7 +1195,7 @@ class ProxyFront:
         reply = b"".join(head)
         if upstream.headers.get("content-encoding", "identity") == "identity":
             with contextlib.suppress(ValueError, AttributeError, TypeError):
-                usage = prompt_tokens_in(json.loads(reply))
+                usage = prompt_tokens_in(json_or(reply))
                 if note := st.learn_usage(model, estimate, usage, tools, report.estimated_as):
                     extra["x-context-shrink-warning"] = note
         return Response(reply, upstream.status_code, headers={**self.reply_headers(upstream), **extra})

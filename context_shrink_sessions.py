@@ -71,6 +71,7 @@ from context_shrink import (
     decoded,
     ensure_room,
     fingerprint,
+    json_or,
     jsonl_lines,
     message_ids,
     message_kind,
@@ -731,10 +732,10 @@ class CodexStore(JsonlStore):
         found = []
         for path in store_files(place, "*/*/*/rollout-*.jsonl"):
             meta: Any = {}
-            with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
+            with contextlib.suppress(OSError, AttributeError):
                 if path.is_file():  # never a FIFO: opening one would wait for a writer
                     with path.open(encoding="utf-8", errors="replace") as handle:
-                        meta = json.loads(handle.readline(1 << 20)).get("payload")
+                        meta = json_or(handle.readline(1 << 20), {}).get("payload")
             meta = meta if isinstance(meta, dict) else {}
             found.append({"id": str(meta.get("id") or path.stem[-36:]), "cwd": meta.get("cwd"), "path": path})
         return found

@@ -56,6 +56,7 @@ from context_shrink import (
     _leading_system,
     _plain_content,
     fingerprint,
+    json_or,
     log,
     redis_name,
     state_key,
@@ -132,10 +133,9 @@ def read_archive(directory: Path, conversation: str | None = None) -> list[dict[
     for path in archive_files(directory, conversation):
         with contextlib.suppress(OSError):
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                with contextlib.suppress(ValueError):
-                    entry = json.loads(line)
-                    if isinstance(entry, dict) and "message" in entry:
-                        entries.append({**entry, "conversation": path.name[:16]})
+                entry = json_or(line)
+                if isinstance(entry, dict) and "message" in entry:
+                    entries.append({**entry, "conversation": path.name[:16]})
     return entries
 
 

@@ -41,6 +41,7 @@ from context_shrink import (
     _plain_content,
     assistant_message,
     fingerprint,
+    json_or,
     pseudo_tool,
     tool_call,
     validate_messages,
@@ -278,9 +279,8 @@ def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": text})
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
+        arguments = json_or(function.get("arguments") or "{}")
+        if arguments is None:  # not JSON (or too deep to read): kept as the text it is
             arguments = {"arguments": function.get("arguments")}
         blocks.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
                        "input": arguments if isinstance(arguments, dict) else {"value": arguments}})  # fmt: skip
@@ -542,19 +542,17 @@ class Call:
     arguments: str
 
     def query(self) -> str:
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            return str(json.loads(self.arguments or "{}").get("query") or "")
-        return ""
+        arguments = json_or(self.arguments or "{}")
+        return str(arguments.get("query") or "") if isinstance(arguments, dict) else ""
 
 
 def sse_events(data: bytes) -> list[dict[str, Any]]:
     """The JSON payloads of a server-sent event stream (``[DONE]`` and what does not parse left out)."""
     events = []
     for line in data.decode("utf-8", "replace").splitlines():
-        if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
-            with contextlib.suppress(ValueError):
-                if isinstance(event := json.loads(line[5:]), dict):
-                    events.append(event)
+        data_line = line.startswith("data:") and line[5:].strip() not in ("", "[DONE]")
+        if data_line and isinstance(event := json_or(line[5:]), dict):
+            events.append(event)
     return events
 
 
@@ -590,8 +588,8 @@ class ChatWire:
 
     def calls(self, reply: bytes, streamed: bool) -> list[Call]:
         if not streamed:
-            with contextlib.suppress(ValueError, TypeError, AttributeError, IndexError, KeyError):
-                found = json.loads(reply)["choices"][0]["message"].get("tool_calls") or []
+            with contextlib.suppress(TypeError, AttributeError, IndexError, KeyError):
+                found = json_or(reply)["choices"][0]["message"].get("tool_calls") or []
                 return [Call(str(c.get("id")), str(c["function"].get("name")), c["function"].get("arguments") or "")
                         for c in found]  # fmt: skip
             return []
@@ -632,8 +630,8 @@ class ResponsesWire:
                 elif event.get("type") == "response.completed" and not items:
                     items = list((event.get("response") or {}).get("output") or [])
         else:
-            with contextlib.suppress(ValueError, AttributeError):
-                items = list(json.loads(reply).get("output") or [])
+            with contextlib.suppress(TypeError, AttributeError):
+                items = list(json_or(reply, {}).get("output") or [])
         return [Call(str(i.get("call_id")), str(i.get("name")), i.get("arguments") or "")
                 for i in items if isinstance(i, dict) and i.get("type") == "function_call"]  # fmt: skip
 
@@ -658,8 +656,8 @@ class MessagesWire:
 
     def calls(self, reply: bytes, streamed: bool) -> list[Call]:
         if not streamed:
-            with contextlib.suppress(ValueError, AttributeError):
-                blocks = json.loads(reply).get("content") or []
+            with contextlib.suppress(TypeError, AttributeError):
+                blocks = json_or(reply, {}).get("content") or []
                 return [Call(str(b.get("id")), str(b.get("name")), json.dumps(b.get("input") or {}))
                         for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
             return []
@@ -676,9 +674,8 @@ class MessagesWire:
     def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
         uses = []
         for c in calls:
-            try:
-                arguments = json.loads(c.arguments or "{}")
-            except ValueError:
+            arguments = json_or(c.arguments or "{}")
+            if arguments is None:  # not JSON (or too deep to read): the query it stands for
                 arguments = {"query": c.arguments}
             uses.append({"type": "tool_use", "id": c.id, "name": c.name, "input": arguments})
         answers = [{"type": "tool_result", "tool_use_id": c.id, "content": r}

@@ -5,12 +5,14 @@ failure of the attack run on the previous main."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import json
 import os
 import random
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,15 +26,21 @@ from builders import conversation
 from fake_openai import serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
 from mcp_calls import call, error, ok, run
-from proxy_helpers import started
+from proxy_helpers import MODULE, started
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from stores import claude_store, environ
-from upstreams import PROXY_KEY, Recorder, proxied, raw_upstream
+from upstreams import PROXY_KEY, SUMMARY, Recorder, proxied, raw_upstream
 
 import context_shrink as cs
 import context_shrink_proxy as csp
+import context_shrink_sessions as css
+import context_shrink_state as cst
+import context_shrink_wire as csw
 
 TOKEN = "test-token-0123456789abcdef"
 ABOUT = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
@@ -181,6 +189,132 @@ def test_a_deeply_nested_messages_file_is_a_clear_error(depth: int, tmp_path: Pa
     for tool in ("estimate_context", "trim_context", "analyze_context"):
         said = error(run(call(server, tool, {"messages_path": str(path), "max_context_tokens": 1000})))
         assert "nested" in said and "deep" in said, (tool, said)
+
+
+JSON_WE_WROTE = {  # (module, function): the only places json.loads reads text directly
+    ("context_shrink", "json_or"),  # the one reader of JSON someone else wrote: no exception escapes it
+    ("context_shrink", "parsed.read"),  # a request body: its callers relay it, saying it is nested too deeply
+    ("context_shrink", "load_messages_file"),  # a messages file: a named error for each way it cannot be read
+    ("context_shrink", "read_jsonl_lines"),
+    ("context_shrink", "StoredTable.__iter__"),  # a store's keys and values, as the store wrote them
+    ("context_shrink", "MemoryTables.get"),
+    ("context_shrink", "MemoryTables.first"),
+    ("context_shrink", "MemoryTables.items"),
+    ("context_shrink_proxy", "ProxyStats.rows"),
+    ("context_shrink_proxy", "ProxyFront.exchange"),  # the body the proxy encoded itself
+    *(("context_shrink_state", f"SqliteStore.{name}") for name in ("_value", "first", "items", "found")),
+    *(("context_shrink_state", f"RedisStore.{name}") for name in ("get", "first", "items", "_catch_up", "search")),
+}
+
+
+def test_json_someone_else_wrote_is_read_only_through_json_or() -> None:
+    """A tool call's arguments, an upstream's reply, an SSE event, a setting, an archive line: read with
+    ``json_or``, whose RecursionError on deep nesting is an answer. A new ``json.loads`` must be one of these."""
+    found = set()
+    for module in (cs, csp, css, cst, csw):
+        tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+
+        def walk(node: ast.AST, names: list[str], module: Any = module) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = [*names, child.name] if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef
+                                                           | ast.ClassDef) else names  # fmt: skip
+                call = child.func if isinstance(child, ast.Call) else None
+                if isinstance(call, ast.Attribute) and call.attr == "loads" and getattr(call.value, "id", "") == "json":
+                    found.add((module.__name__, ".".join(names)))
+                walk(child, inner)
+
+        walk(tree, [])
+    assert found == JSON_WE_WROTE
+
+
+def deep_files(folder: Path, depth: int) -> list[str]:
+    """Files nested ``depth`` levels deep in each place a history can hide it: the whole file (a list, an
+    object), a message's content, a key beside it, a tool call's arguments (a JSON string), one JSONL line and
+    a request body's tools."""
+    deep_list, deep_object = "[" * depth + "]" * depth, '{"a": ' * depth + "1" + "}" * depth
+    user = {"role": "user", "content": "look at the parser " * 20}
+    calls = [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": deep_list}}]
+    call = {"role": "assistant", "content": None, "tool_calls": calls}
+    turn = [user, call, {"role": "tool", "tool_call_id": "c1", "content": "output " * 3000},
+            {"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}]  # fmt: skip
+    shapes = {
+        "file.json": deep_list,
+        "object.json": deep_object,
+        "content.json": f'[{json.dumps(user)}, {{"role": "user", "content": {deep_list}}}]',
+        "beside.json": f'[{{"role": "user", "content": "hi", "meta": {deep_object}}}]',
+        "arguments.json": json.dumps(turn),
+        "line.jsonl": f"{json.dumps(user)}\n{deep_list}\n",
+        "tools.json": f'{{"messages": [{json.dumps(user)}], "tools": {deep_list}}}',
+    }
+    for name, text in shapes.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    return list(shapes)
+
+
+DEEP_CALLS = {  # every tool that reads a file, with what makes it do its work
+    "estimate_context": {},
+    "analyze_context": {},
+    "trim_context": {"max_context_tokens": 2000},
+    "prune_context": {"clear_tool_results_before": 0, "dry_run": True},
+    "compact_context": {"model": "", "force": True, "max_context_tokens": 2000},
+}
+
+
+async def deep_calls(client: Any, names: list[str]) -> list[tuple[str, str, str]]:
+    """Each tool on each file: ``(tool, file, what it said)`` for every call that was neither a result nor a
+    tool error with its reason (the SDK's bare "Error executing tool X" is an exception the tool let escape)."""
+    unnamed = []
+    for name in names:
+        calls = {tool: {"messages_path": name, **extra} for tool, extra in DEEP_CALLS.items()}
+        calls |= {"shrink_text": {"path": name, "budget": 50}, "check_text": {"path": name, "plan": ["parser"]}}
+        for tool, arguments in calls.items():
+            result = await client.call_tool(tool, arguments)
+            said = result.content[0].text if result.content else ""
+            if result.is_error and ": " not in said:
+                unnamed.append((tool, name, said))
+    return unnamed
+
+
+@pytest.mark.parametrize("depth", [900, 10_000, 100_000])
+def test_deep_files_through_stdio_and_http_are_a_result_or_a_named_error(depth: int, tmp_path: Path) -> None:
+    """Nested 900, 10,000 and 100,000 levels deep anywhere in a file, through the doors users take (a stdio
+    server, ``serve`` over HTTP): prune_context and trim_context let a RecursionError escape at 10,000+."""
+    names = deep_files(tmp_path, depth)
+    env = {**os.environ, "CONTEXT_SHRINK_ROOT": str(tmp_path), "CONTEXT_SHRINK_TOKENIZER": "tiktoken"}
+    params = StdioServerParameters(command=sys.executable, args=[str(MODULE)], env=env, cwd=str(tmp_path))
+
+    async def over_stdio() -> list[tuple[str, str, str]]:
+        async with Client(params) as client:
+            return await deep_calls(client, names)
+
+    async def over_http(base: str) -> list[tuple[str, str, str]]:
+        http = httpx2.AsyncClient(timeout=httpx2.Timeout(120, read=300))
+        async with Client(streamable_http_client(base + "/mcp", http_client=http)) as client:
+            return await deep_calls(client, names)
+
+    assert anyio.run(over_stdio) == []
+    with started("serve", log=tmp_path / "serve.log", env={"CONTEXT_SHRINK_ROOT": str(tmp_path)}) as base:
+        assert anyio.run(over_http, base) == []
+
+
+def test_a_tool_call_with_deep_arguments_is_still_shrunk_by_the_proxy() -> None:
+    """A tool call's arguments are a JSON string the body's nesting check cannot see: nested 100,000 deep,
+    they made the proxy's trim raise (forwarded unshrunk as an internal error)."""
+    sent: list[dict[str, Any]] = []
+    recorder = Recorder(lambda request, body: sent.append(json.loads(body)) or JSONResponse(SUMMARY))
+    deep = "[" * 100_000 + "]" * 100_000
+    messages = [{"role": "user", "content": "start"}]
+    for k in range(12):
+        calls = [{"id": f"c{k}", "type": "function", "function": {"name": "bash", "arguments": deep}}]
+        messages += [{"role": "assistant", "content": None, "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": f"c{k}", "content": "output " * 400},
+                     {"role": "user", "content": f"turn {k}"}]  # fmt: skip
+    with serve(recorder) as upstream, proxied(upstream, window=8192) as url:
+        reply = httpx2.post(url + "/chat/completions", json={"model": "m", "max_tokens": 9, "messages": messages},
+                            timeout=120)  # fmt: skip
+    said = reply.headers["x-context-shrink"]
+    assert reply.status_code == 200 and "internal error" not in said and "action=trim" in said, said
+    assert recorder.paths[-1].endswith("/chat/completions") and len(sent[-1]["messages"]) < len(messages)
 
 
 @pytest.mark.parametrize("api", ["/chat/completions", "/messages", "/responses"])
