@@ -96,6 +96,7 @@ __all__ = [
     "ContextShrinkError",
     "EstimateOptions",
     "FitReport",
+    "Folder",
     "Measured",
     "MemoryTables",
     "Overflow",
@@ -216,6 +217,7 @@ import contextlib
 import dataclasses
 import difflib
 import dis  # loaded with inspect already
+import errno
 import functools
 import hashlib
 import heapq
@@ -6657,6 +6659,7 @@ def resolve_path(root: Path, path: str) -> Path:
 
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def _stat_below(base: Path, target: Path) -> os.stat_result:
@@ -6840,6 +6843,8 @@ def render_jsonl(
 
 TEMP_MARK = ".context-shrink-"  # this module's temporary files: .<file>.context-shrink-XXXX.tmp beside it
 STALE_TEMP_SECONDS = 60.0  # one of them older than this was left by a process killed mid-write
+LOCK_WAIT_SECONDS = 10.0  # how long a writer waits for another to release a folder's lock
+LOCK_POLL_SECONDS = 0.05
 DISK_MARGIN = 1 << 20  # free space kept beyond what a backup and a new file need
 
 
@@ -6883,9 +6888,22 @@ class Folder:
 
     def lock(self) -> None:
         """An exclusive lock among this module's writers until the folder is closed (``flock``; agents do not
-        take it)."""
-        if fcntl is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        take it), waited for at most :data:`LOCK_WAIT_SECONDS`: a writer that holds it longer (stopped, or
+        hung) is an error that says so, never a wait without end."""
+        if fcntl is None:
+            return
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ContextShrinkError(
+                        f"another writer has held {self.path} for {LOCK_WAIT_SECONDS:g} s (a context-shrink process "
+                        "stopped or hung?): nothing written; try again"
+                    ) from None
+                time.sleep(LOCK_POLL_SECONDS)
 
     def stat(self, name: str) -> os.stat_result | None:
         """``name``'s own status (a symlink is not followed); None when there is none."""
@@ -6895,8 +6913,23 @@ class Folder:
             return None
 
     def open(self, name: str, flags: int = os.O_RDONLY) -> int:
-        """``name`` opened (for reading unless ``flags`` say otherwise); a symlink is refused (ELOOP)."""
-        return os.open(name, flags | O_NOFOLLOW, dir_fd=self.fd)
+        """``name`` opened (for reading unless ``flags`` say otherwise) when it is a regular file: a symlink is
+        refused (ELOOP), and a FIFO, device or socket swapped in for it is refused before anything waits on it
+        (opened non-blocking, checked with ``fstat``; a FIFO opened to write with no reader is ENXIO)."""
+        try:
+            fd = os.open(name, flags | O_NOFOLLOW | O_NONBLOCK, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            fd = -1
+        if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            if fd >= 0:
+                os.close(fd)
+            raise ContextShrinkError(f"{self.path / name} is not a regular file (a FIFO, device or socket is never "
+                                     "opened)")  # fmt: skip
+        if O_NONBLOCK:
+            os.set_blocking(fd, True)
+        return fd
 
     def make(self, name: str, data: bytes | None, mode: int) -> bool:
         """A new file ``name`` with ``mode``, holding ``data`` flushed to disk (None: left empty); False when

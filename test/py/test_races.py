@@ -350,3 +350,78 @@ def test_symlinks_leading_out_of_a_store_are_not_followed(tmp_path: Path) -> Non
         with pytest.raises(cs.ContextShrinkError, match="no claude session"):
             css.read_session(f"claude:{ident}", ["claude"], Path("/x"), environ(tmp_path))
     assert css.read_session("claude:alias", ["claude"], Path("/x"), environ(tmp_path)).messages
+
+
+def bounded(action: Callable[[], Any], seconds: float) -> Any:
+    """``action()`` in a thread, which must end within ``seconds`` (a write that waits forever fails the test
+    instead of hanging the suite); its result, or the exception it raised."""
+    done: list[Any] = []
+
+    def go() -> None:
+        try:
+            done.append(action())
+        except BaseException as exc:  # the tool's answer, whatever it is
+            done.append(exc)
+
+    worker = threading.Thread(target=go, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert done, f"still waiting after {seconds} s"
+    return done[0]
+
+
+def session_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Path]:
+    for name, value in environ(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    path = claude_store(tmp_path, str(tmp_path))
+    os.utime(path, (time.time() - 60, time.time() - 60))  # quiet long enough
+    return cs.build_server(cs.Config(root=tmp_path, tokenizer="tiktoken", session_stores=("claude",))), path
+
+
+PRUNE_SESSION = {"session": "claude:s1", "dry_run": False, "clear_tool_results_before": 0}
+
+
+def test_a_session_swapped_for_a_fifo_during_the_write_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session file replaced by a FIFO between the read and the write (through the MCP tool): opening it
+    waited for a writer that never came; now it is refused at once, naming the file."""
+    server, path = session_server(tmp_path, monkeypatch)
+    sweep = cs.Folder.sweep
+
+    def swapped(folder: cs.Folder, beside: str) -> None:
+        sweep(folder, beside)
+        path.unlink()
+        os.mkfifo(path)
+
+    monkeypatch.setattr(cs.Folder, "sweep", swapped)
+    said = bounded(lambda: error(run(call(server, "prune_context", PRUNE_SESSION))), 60)
+    assert "not a regular file" in said and str(path) in said, said
+    assert list(path.parent.glob("*.pre-shrink-*")) == []
+
+
+def test_a_writer_that_holds_the_folders_lock_is_waited_for_a_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holding the session folder's lock (stopped, or hung) made a write wait forever; now the
+    write waits LOCK_WAIT_SECONDS, then says so and writes nothing. Released in time, the write goes on."""
+    server, path = session_server(tmp_path, monkeypatch)
+    original = path.read_bytes()
+    monkeypatch.setattr(cs, "LOCK_WAIT_SECONDS", 1.0)
+    hold = "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+    holder = subprocess.Popen([sys.executable, "-c", hold + "print('held', flush=True)\ntime.sleep(600)",
+                               str(path.parent)], stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
+        said = bounded(lambda: error(run(call(server, "prune_context", PRUNE_SESSION))), 60)
+        assert "another writer" in said and "nothing written" in said and str(path.parent) in said, said
+        assert path.read_bytes() == original and list(path.parent.glob("*.pre-shrink-*")) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    quick = subprocess.Popen([sys.executable, "-c", hold + "time.sleep(0.3)", str(path.parent)])
+    try:
+        result = bounded(lambda: run(call(server, "prune_context", PRUNE_SESSION)), 60)
+        assert not result.is_error, result.content[0].text
+    finally:
+        quick.wait()
