@@ -160,6 +160,7 @@ __all__ = [
     "image_tokens",
     "json_or",
     "jsonrpc_id",
+    "leading_system",
     "least_form",
     "load_messages_file",
     "load_sdk",
@@ -172,6 +173,7 @@ __all__ = [
     "options_of",
     "parse_overflow",
     "parse_tokenizer_spec",
+    "plain_content",
     "plan_trim",
     "prune_messages",
     "pseudo_tool",
@@ -1370,7 +1372,7 @@ def _template_call(call: Any) -> tuple[str, Any]:
 
 def content_text(content: Any) -> str:
     """A message content's text: a string, or its text parts' texts joined by newlines (what vLLM hands a
-    string template); images and other parts are left out (:func:`_plain_content` marks images instead)."""
+    string template); images and other parts are left out (:func:`plain_content` marks images instead)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -2003,7 +2005,7 @@ def count_tools(tools: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> int
 # =============================================================================
 
 
-def _plain_content(content: Any) -> str:
+def plain_content(content: Any) -> str:
     """A message content as readable text: a string, or its parts' texts with ``[image omitted]`` for each image
     (:func:`content_text` leaves images out)."""
     if isinstance(content, str):
@@ -2091,7 +2093,7 @@ def _call_ids(message: Mapping[str, Any]) -> set[str]:
     return {call["id"] for call in message.get("tool_calls") or []}
 
 
-def _leading_system(messages: Sequence[Mapping[str, Any]]) -> int:
+def leading_system(messages: Sequence[Mapping[str, Any]]) -> int:
     n = 0
     while n < len(messages) and messages[n]["role"] in SYSTEM_ROLES:
         n += 1
@@ -2134,7 +2136,7 @@ class Shape:
 def history_shape(messages: Sequence[Mapping[str, Any]], start_on_user: bool = True) -> Shape:
     """The :class:`Shape` of a validated history, in one pass over its units. A turn starts at a user message
     that does not follow another one; its opening run is that message and the user messages right after it."""
-    lead, n = _leading_system(messages), len(messages)
+    lead, n = leading_system(messages), len(messages)
     units = group_units(messages)
     names: dict[int, str] = {}
     turn_of, opening_end, starts, candidates, problems = [-1] * n, {}, [], [lead], []
@@ -2231,7 +2233,7 @@ def message_kind(message: Mapping[str, Any]) -> str:
     return "image" if _has_image(message) else role
 
 
-def _one_line(text: str, limit: int = 80) -> str:
+def one_line(text: str, limit: int = 80) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -2239,16 +2241,16 @@ def _one_line(text: str, limit: int = 80) -> str:
 def message_gist(message: Mapping[str, Any], names: Mapping[str, str]) -> str:
     """The first ~80 characters on one line; a tool result starts with its tool's name."""
     kind = message_kind(message)
-    text = _plain_content(message.get("content"))
+    text = plain_content(message.get("content"))
     if kind == "tool_result":
         name = names.get(message.get("tool_call_id", ""), message.get("name", "tool"))
-        return _one_line(f"{name}: {text}")
+        return one_line(f"{name}: {text}")
     if kind == "tool_call":
         calls = [
             f"{c['function']['name']}({c['function'].get('arguments', '')})" for c in message.get("tool_calls") or []
         ]
-        return _one_line("; ".join(filter(None, [text, *calls])))
-    return _one_line(text)
+        return one_line("; ".join(filter(None, [text, *calls])))
+    return one_line(text)
 
 
 def _lines_and_tokens(text: str) -> str:
@@ -2316,7 +2318,7 @@ def cleared_result(message: Mapping[str, Any], tool: str) -> dict[str, Any]:
     The placeholder depends only on the message (sizes use the fixed heuristic), so the same old
     result gives the same bytes on every turn (and is worked out once: :data:`CLEARED`).
     """
-    text = _plain_content(message.get("content"))
+    text = plain_content(message.get("content"))
     return {**message, "content": f"{CLEARED_PREFIX}{tool}, {CLEARED[text]}]"}
 
 
@@ -2373,7 +2375,7 @@ def elide_text(text: str, level: int = 0) -> str | None:
 
 def elided_result(message: Mapping[str, Any], level: int = 0) -> dict[str, Any] | None:
     """A tool result whose text is elided in the middle, or None when it is too short to elide."""
-    shorter = elide_text(_plain_content(message.get("content")), level)
+    shorter = elide_text(plain_content(message.get("content")), level)
     return None if shorter is None else {**message, "content": shorter}
 
 
@@ -2452,7 +2454,7 @@ def _image_description(part: Mapping[str, Any]) -> str:
             dims = _image_size_of(payload)
             size = f" {dims[0]}x{dims[1]}" if dims else ""
         return f"[image removed: {kind}{size}, {len(payload) * 3 // 4 // 1024:,} KB]"
-    return f"[image removed: {_one_line(str(url), 60)}]"
+    return f"[image removed: {one_line(str(url), 60)}]"
 
 
 def without_images(message: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
@@ -2619,7 +2621,7 @@ def dedupe_lines(
 
     def top(groups: Mapping[Any, list[int]]) -> list[dict[str, Any]]:
         ranked = sorted(groups.items(), key=lambda g: -len(g[1]))[:20]
-        return [{"first_line": int(k) + 1, "text": _one_line(lines[int(k)]), "repeats": len(v)} for k, v in ranked]
+        return [{"first_line": int(k) + 1, "text": one_line(lines[int(k)]), "repeats": len(v)} for k, v in ranked]
 
     stages = [
         _stage("dedupe_blocks", lines, order, after_blocks, count, repeated=top(blocks)),
@@ -2710,7 +2712,7 @@ def pack_lines(
     protected_tokens = size(protected)
     missing = [p for p in needles if not any(p in lines[i] for i in protected)]
     if protected and protected_tokens > budget and on_overflow == "fail":
-        at_stake = "; ".join(_one_line(lines[i], 60) for i in protected)
+        at_stake = "; ".join(one_line(lines[i], 60) for i in protected)
         raise ContextShrinkError(
             f"the {len(protected)} protected lines alone need {protected_tokens} tokens, over the budget of {budget} "
             f"(on_overflow='partial' keeps them anyway): {at_stake}"
@@ -3152,7 +3154,7 @@ class Sizes:
         if how == "plain":  # reasoning replaced, images described, the text whole: the most a fill gives back
             saved = part.images + part.reasoning
         elif part.result and how in ("least", "light", ZONE_LEVELS - 1):
-            held = count(held_note(_plain_content(self.messages[i].get("content"))))  # the values it names
+            held = count(held_note(plain_content(self.messages[i].get("content"))))  # the values it names
             saved = part.content - ESTIMATED_MARKER - count(self.shape.names.get(i, "tool")) - 16 - held
         elif part.result:
             chars = sum(ELISION_LEVELS[how - 1]) if how else len(part.text)
@@ -3433,7 +3435,7 @@ class ReplayMemo:
     def key(replay: StableReplay) -> tuple[Any, ...]:
         """The settings a replay is a function of, and the history's opening (which conversation it is)."""
         pl, tok = replay.planner, replay.planner.sizes.tokenizer
-        opening = tuple(_plain_content(m.get("content")) for m in pl.sizes.messages[: pl.shape.lead + 1])
+        opening = tuple(plain_content(m.get("content")) for m in pl.sizes.messages[: pl.shape.lead + 1])
         return (tok.count, tok.name, tok.scale, tok.format.name, pl.sizes.reduce, pl.shape.start_on_user,
                 pl.budget, pl.fixed, pl.keep_last, replay.target, replay.floor, opening)  # fmt: skip
 
@@ -4044,7 +4046,7 @@ def _shorten(text: str, limit: int) -> str:
 def render_message(message: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:
     """One message as transcript text for the summariser; tool arguments and outputs are shortened."""
     role = message["role"]
-    text = _plain_content(message.get("content"))
+    text = plain_content(message.get("content"))
     if role in RESULT_ROLES:
         tool = (names or {}).get(message.get("tool_call_id", ""), message.get("name", "tool"))
         lines = [f"[tool result: {tool}]", _shorten(text, 4000)]
@@ -4357,12 +4359,12 @@ def extract_identifiers(
             arguments = json_or(arguments, arguments)
             if isinstance(arguments, dict):
                 found.extend(
-                    _one_line(f"{function['name']}: {arguments[key]}", 120)
+                    one_line(f"{function['name']}: {arguments[key]}", 120)
                     for key in _KEY_ARGUMENTS
                     if isinstance(arguments.get(key), str) and arguments[key].strip()
                 )
             code.insert(0, _argument_text(arguments))
-        text = _plain_content(m.get("content"))
+        text = plain_content(m.get("content"))
         found.extend(_text_identifiers(text, "result" if m["role"] in RESULT_ROLES else "prose"))
         found.extend(_text_identifiers("\n".join(code), "code"))
     return fit_identifiers(found, count, budget)
@@ -4426,8 +4428,8 @@ EXTRACT_USER_CHARS = 300  # each user request kept in extracted notes, shortened
 def extracted_notes(messages: Sequence[Mapping[str, Any]], why: str) -> str:
     """Notes written without a model, for when the summariser failed: the user's requests (newest five,
     shortened) and the assistant's last words. :func:`anchor_summary` then adds the identifiers."""
-    asked = [_plain_content(m.get("content")) for m in messages if m.get("role") == "user"]
-    said = [_plain_content(m.get("content")) for m in messages if m.get("role") == "assistant" and m.get("content")]
+    asked = [plain_content(m.get("content")) for m in messages if m.get("role") == "user"]
+    said = [plain_content(m.get("content")) for m in messages if m.get("role") == "assistant" and m.get("content")]
     lines = [f"The summariser could not write a summary ({why}); these notes were extracted instead."]
     lines += [f"- The user asked: {' '.join(_shorten(a, EXTRACT_USER_CHARS).split())}" for a in asked[-5:] if a]
     if said:
@@ -4449,9 +4451,9 @@ def _call_references(message: Mapping[str, Any]) -> list[str]:
         arguments: Any = function.get("arguments")
         arguments = json_or(arguments, arguments)
         if isinstance(arguments, dict):
-            found += [_one_line(f"{function.get('name')}: {arguments[k]}", 160) for k in _KEY_ARGUMENTS
+            found += [one_line(f"{function.get('name')}: {arguments[k]}", 160) for k in _KEY_ARGUMENTS
                       if isinstance(arguments.get(k), str) and arguments[k].strip()]  # fmt: skip
-    return [*found, *text_values(_plain_content(message.get("content")))]
+    return [*found, *text_values(plain_content(message.get("content")))]
 
 
 _TAGGED_BLOCK = re.compile(r"(?ms)^<([a-z][\w-]*)>$.*?^</\1>\s*$\n?")  # a block an agent wraps in its own tag
@@ -4460,7 +4462,7 @@ _TAGGED_BLOCK = re.compile(r"(?ms)^<([a-z][\w-]*)>$.*?^</\1>\s*$\n?")  # a block
 def user_words(message: Mapping[str, Any]) -> str:
     """What the user wrote in a user message: its text without the blocks an agent adds in a tag of its own
     on lines of their own (``<system-reminder>``, ``<environment_context>``: context, not the user's words)."""
-    return _TAGGED_BLOCK.sub("", _plain_content(message.get("content"))).strip()
+    return _TAGGED_BLOCK.sub("", plain_content(message.get("content"))).strip()
 
 
 def _ledger_items(gone: Sequence[Mapping[str, Any]], later: str) -> dict[str, list[str]]:
@@ -4469,7 +4471,7 @@ def _ledger_items(gone: Sequence[Mapping[str, Any]], later: str) -> dict[str, li
     users = [user_words(m) for m in gone if m.get("role") == "user"]
     said = [r for m in gone if m.get("role") == "assistant" for r in _call_references(m)]
     values = list(dict.fromkeys(v for m in gone if m.get("role") in RESULT_ROLES
-                                for v in text_values(_plain_content(m.get("content")))))  # fmt: skip
+                                for v in text_values(plain_content(m.get("content")))))  # fmt: skip
     values = [v for v in values if v in later] + [v for v in values if v not in later]
     return {"user": list(dict.fromkeys(u for u in users if u)), "assistant": list(dict.fromkeys(said)),
             "values": values}  # fmt: skip
@@ -4488,7 +4490,7 @@ def fact_ledger(
     the tool results held (those the ``kept`` messages use again first). Names merely seen in a file never
     crowd out what the user said; with ``recall`` it says that the rest can be fetched back with
     :data:`RECALL_TOOL`. None when there is nothing to keep."""
-    later = "\n".join(_plain_content(m.get("content")) + json.dumps(m.get("tool_calls") or "") for m in kept)
+    later = "\n".join(plain_content(m.get("content")) + json.dumps(m.get("tool_calls") or "") for m in kept)
     items = _ledger_items(gone, later)
     rest = (
         f"the rest can be fetched back with the {RECALL_TOOL} tool, by file name, command or id"
@@ -4824,7 +4826,7 @@ def compact_messages(
     tools_tokens = count_tools(validate_tools(tools or []), tokenizer)
     counts, total = count_messages(messages, tokenizer)
     total += tools_tokens
-    lead = _leading_system(messages)
+    lead = leading_system(messages)
     fixed = sum(counts[:lead]) + tokenizer.format.priming + tools_tokens + tokenizer.format.per_message
     # The kept tail, with the summary, fits target_ratio x the budget, so the next turns need no compaction; it
     # moves in steps of a quarter of that room, so later calls pick the same span (and summary) meanwhile.
@@ -4928,8 +4930,8 @@ def state_key(key: Any) -> str:
     return json.dumps(key, ensure_ascii=False, separators=(",", ":"))
 
 
-def _thawed(value: Any) -> Any:
-    return tuple(_thawed(v) for v in value) if isinstance(value, list) else value
+def thawed(value: Any) -> Any:
+    return tuple(thawed(v) for v in value) if isinstance(value, list) else value
 
 
 class Tables(Protocol):
@@ -4985,7 +4987,7 @@ class StoredTable(MutableMapping[Any, Any]):
         return default if value is None else value
 
     def __iter__(self) -> Iterator[Any]:
-        return (_thawed(json.loads(k)) for k, _ in self.store.items(self.table))
+        return (thawed(json.loads(k)) for k, _ in self.store.items(self.table))
 
     def __len__(self) -> int:
         return len(self.store.items(self.table))
@@ -5496,7 +5498,7 @@ def turn_in_progress(messages: Sequence[Mapping[str, Any]]) -> int:
     """Where the turn in progress starts: the first user message after the newest answer (an assistant message
     without tool calls), or after the leading system messages; in a turn of more than
     :data:`PROTECTED_MESSAGES` messages, the unit start that keeps the newest of them."""
-    lead, n = _leading_system(messages), len(messages)
+    lead, n = leading_system(messages), len(messages)
     answered = next((i for i in range(n - 1, lead - 1, -1) if messages[i]["role"] == "assistant"
                      and not messages[i].get("tool_calls")), lead - 1)  # fmt: skip
     start = next((i for i in range(answered + 1, n) if messages[i]["role"] == "user"), n)
@@ -5540,7 +5542,7 @@ class Rungs:
     def with_ledger(self, out: list[dict[str, Any]], gone: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """``out`` with a :func:`fact_ledger` of ``gone`` after its leading system messages (a summary among
         them)."""
-        lead = _leading_system(out)
+        lead = leading_system(out)
         count, recall = self.tokenizer.count, self.policy.recall
         text = fact_ledger(gone, out[lead:], count, self.ledger, recall) if self.ledger and gone else None
         return [*out[:lead], {"role": "system", "content": text}, *out[lead:]] if text else out
@@ -5557,7 +5559,7 @@ def cleared_before(messages: Sequence[Mapping[str, Any]], end: int) -> list[dict
 def _gone(messages: Sequence[Mapping[str, Any]], result: Mapping[str, Any], start: int | None = None) -> list[Any]:
     """The messages a trim or a compaction result no longer carries: from ``start`` (the leading messages' end)
     to its cut, but the pinned ones."""
-    start = _leading_system(messages) if start is None else start
+    start = leading_system(messages) if start is None else start
     pins = set(result["pinned_indices"])
     return [m for i, m in enumerate(messages[start : result["kept_from_index"]], start) if i not in pins]
 
@@ -5573,7 +5575,7 @@ def standing_context(messages: Sequence[Mapping[str, Any]], budget: int, size: C
     run of them before the first reply, but its last). Identical ones count once (the newest); at most
     :data:`STANDING_SHARE` of the budget (``size`` counts one message), the newest kept first; summaries and
     ledgers (this tool's own) are never standing."""
-    lead, n = _leading_system(messages), len(messages)
+    lead, n = leading_system(messages), len(messages)
     opening = lead
     while opening < n and messages[opening]["role"] == "user":
         opening += 1
@@ -5583,7 +5585,7 @@ def standing_context(messages: Sequence[Mapping[str, Any]], budget: int, size: C
     ours = (SUMMARY_MARKER, LEDGER_MARKER)
     chosen, seen, room = [], set(), int(STANDING_SHARE * budget)
     for i in reversed(found):
-        text = _plain_content(messages[i].get("content"))
+        text = plain_content(messages[i].get("content"))
         if text.startswith(ours) or text in seen or (cost := size(messages[i])) > room:
             continue
         seen.add(text)
@@ -5669,7 +5671,7 @@ def _shrink_steps(
     got = yield from _climb(core, tools, tokenizer, room, policy, summarises, {**result, "messages": core})
     if got["messages"] is core or got["action"] == "none":
         return {**result, "action": got["action"], "reason": got["reason"]}  # said of the request as it came
-    lead = _leading_system(got["messages"])
+    lead = leading_system(got["messages"])
     out = [*got["messages"][:lead], *(dict(messages[i]) for i in standing), *got["messages"][lead:]]
     after = count_messages(out, tokenizer)[1] + tools_tokens
     return {**got, "messages": out, "tokens_before": before, "tokens_after": after, "fits": after <= budget}
@@ -5962,7 +5964,7 @@ class Backend:
 
     def _redact(self, text: str, limit: int = 600) -> str:
         """Every secret this backend holds taken out, then cut to ``limit`` characters."""
-        return _one_line(redact(text, self.secrets), limit)
+        return one_line(redact(text, self.secrets), limit)
 
     @property
     def probe_wait(self) -> float:
@@ -6270,7 +6272,7 @@ class ChatRequest:
     @functools.cached_property
     def calibration(self) -> tuple[str | None, str]:
         """The key its count is calibrated by: the model, and the class of its text (:func:`text_class`)."""
-        return self.model, text_class(_plain_content(m.get("content")) for m in self.messages)
+        return self.model, text_class(plain_content(m.get("content")) for m in self.messages)
 
     @classmethod
     def read(cls, body: dict[str, Any]) -> ChatRequest:
@@ -6577,7 +6579,7 @@ async def fit_request(
 def fixed_part(state: ServerMemory, request: ChatRequest, measured: Measured) -> int:
     """What no rung can shrink, in the upstream's tokens: the agent's leading system messages and its tools."""
     factor = state.factor(measured.key)
-    local = sum(measured.counts[: _leading_system(request.messages)]) + state.tokenizer.format.priming
+    local = sum(measured.counts[: leading_system(request.messages)]) + state.tokenizer.format.priming
     return math.ceil((local + measured.local_tools) * factor) + (measured.tools_cost or 0)
 
 
@@ -6856,7 +6858,7 @@ def ensure_room(folder: Path, need: int, what: str) -> None:
                                  f"{free:,} are free; nothing written (free some space and try again)")  # fmt: skip
 
 
-def _read_from(fd: int, offset: int = 0) -> bytes:
+def read_from(fd: int, offset: int = 0) -> bytes:
     chunks = []
     while chunk := os.pread(fd, 1 << 20, offset):
         chunks.append(chunk)
@@ -7019,7 +7021,7 @@ def write_text_atomic(path: Path, text: str, backup: bool = False, root: Path | 
 
 def _read_all(fd: int) -> bytes:
     try:
-        return _read_from(fd)
+        return read_from(fd)
     finally:
         os.close(fd)
 

@@ -106,7 +106,6 @@ from context_shrink import (
     Tables,
     Tokenizer,
     __version__,
-    _thawed,
     build_server,
     calibrated,
     canonical_json,
@@ -125,6 +124,7 @@ from context_shrink import (
     secret_forms,
     start_logging,
     state_key,
+    thawed,
     validate_messages,
 )
 from context_shrink_state import (
@@ -584,7 +584,7 @@ class ProxyStats:
                     row["actions"][name.removeprefix("action:")] = n
                 else:
                     row[name] = n
-            rows[_thawed(json.loads(key))] = row
+            rows[thawed(json.loads(key))] = row
         return rows
 
     @property

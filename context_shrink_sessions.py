@@ -62,9 +62,6 @@ from context_shrink import (
     SUMMARY_MARKER,
     ContextShrinkError,
     Folder,
-    _one_line,
-    _plain_content,
-    _read_from,
     assistant_message,
     canonical_json,
     content_text,
@@ -75,8 +72,11 @@ from context_shrink import (
     jsonl_lines,
     message_ids,
     message_kind,
+    one_line,
     parsed_record,
+    plain_content,
     read_file_bytes,
+    read_from,
     rewrite_jsonl,
     tool_call,
     without_reasoning,
@@ -116,7 +116,7 @@ def replace_keeping_appends(path: Path, basis: bytes, new: bytes, appends: bool 
         folder.sweep(path.name)
         fd, saved, swapped = folder.open(path.name), None, False
         try:
-            before = _read_from(fd)
+            before = read_from(fd)
             extra = before[len(basis) :]
             if not before.startswith(basis) or (extra and not appends):
                 how = "had lines added" if before.startswith(basis) else "was changed"
@@ -130,7 +130,7 @@ def replace_keeping_appends(path: Path, basis: bytes, new: bytes, appends: bool 
             swapped, late, offset = True, b"", len(before)
             for _ in range(50):  # an append that opened the old file before the swap lands in it
                 time.sleep(APPEND_SETTLE_SECONDS)
-                if not (more := _read_from(fd, offset)):
+                if not (more := read_from(fd, offset)):
                     break
                 late, offset = late + more, offset + len(more)
             if late:
@@ -1312,7 +1312,7 @@ def kept_origins(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, An
     keys, kept = [fingerprint(m) for m in old], [fingerprint(m) for m in new]
     known = set(keys)
     split = next((j for j, m in enumerate(new) if kept[j] not in known and
-                  _plain_content(m.get("content")).startswith(SUMMARY_MARKER)), len(new))  # fmt: skip
+                  plain_content(m.get("content")).startswith(SUMMARY_MARKER)), len(new))  # fmt: skip
     if split == len(new):
         return _embedding(keys, kept)
     back = _embedding(keys[::-1], kept[:split:-1])  # the tail, newest first, in the history newest first
@@ -1327,20 +1327,20 @@ def session_changes(found: AgentSession, new: Sequence[Mapping[str, Any]]) -> Se
     kept = {i for i in origins if i is not None}
     fresh = [m for m, i in zip(new, origins, strict=True) if i is None]
     removed = [i for i in range(len(found.messages)) if i not in kept]
-    if any(_plain_content(m.get("content")).startswith(SUMMARY_MARKER) for m in fresh):
+    if any(plain_content(m.get("content")).startswith(SUMMARY_MARKER) for m in fresh):
         return SessionChanges(compaction=_session_compaction(found, new, origins))
     edits: dict[int, str] = {}
     drops: list[int] = []
     for m in fresh:
         twin = next((i for i in removed if _same_slot(found.messages[i], m)), None)
         if twin is None:
-            gist = _one_line(_plain_content(m.get("content")), 60)
+            gist = one_line(plain_content(m.get("content")), 60)
             raise ContextShrinkError(
                 f"this change cannot be written to a {found.agent} session yet: a new {message_kind(m)} ({gist})"
             )
         removed.remove(twin)
         if m["role"] == "tool":
-            edits[twin] = _plain_content(m.get("content"))
+            edits[twin] = plain_content(m.get("content"))
         else:
             drops.append(twin)
     return SessionChanges(tuple(removed), edits, tuple(drops))
@@ -1363,7 +1363,7 @@ def _session_compaction(found: AgentSession, new: Sequence[Mapping[str, Any]], o
             f"a compaction of this {found.agent} session can keep after its summary only the newest messages, "
             f"from a message where {found.agent} can start its kept tail (compact_context plans it so)"
         )
-    summary = _plain_content(new[at[0]].get("content"))
+    summary = plain_content(new[at[0]].get("content"))
     return Compaction(summary, tuple(head), tuple(tail), total - len(head) - len(tail))
 
 
@@ -1378,7 +1378,7 @@ def _same_slot(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
 def _erased_texts(found: AgentSession, changes: SessionChanges) -> tuple[str, ...]:
     """How the texts removed from what the model sees look inside a JSON store (their first 64 characters,
     escaped), to find the hidden copies of them."""
-    texts = [_plain_content(found.messages[i].get("content")) for i in [*changes.removed, *changes.edits]]
+    texts = [plain_content(found.messages[i].get("content")) for i in [*changes.removed, *changes.edits]]
     # the start as escaped once, and a stretch that needs no escaping, found however deep a copy is quoted
     plain = [max(re.split(r'[\x00-\x1f"\\]', t), key=len)[:64] for t in texts]
     found_in = [json.dumps(t[:64], ensure_ascii=False)[1:-1] for t in texts] + plain
@@ -1390,8 +1390,8 @@ def _view_key(message: Mapping[str, Any], compaction: Compaction | None) -> str:
     and result id (the agent's own shapes differ), a summary in any role."""
     if not compaction:
         return fingerprint(message)
-    summary = _plain_content(message.get("content")).startswith(SUMMARY_MARKER)
-    return canonical_json(["summary" if summary else message.get("role"), _plain_content(message.get("content")),
+    summary = plain_content(message.get("content")).startswith(SUMMARY_MARKER)
+    return canonical_json(["summary" if summary else message.get("role"), plain_content(message.get("content")),
                            message.get("tool_calls"), message.get("tool_call_id")])  # fmt: skip
 
 

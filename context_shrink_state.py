@@ -53,11 +53,11 @@ from context_shrink import (
     ContextShrinkError,
     MemoryTables,
     Store,
-    _leading_system,
-    _plain_content,
     fingerprint,
     json_or,
+    leading_system,
     log,
+    plain_content,
     redis_name,
     state_key,
 )
@@ -90,7 +90,7 @@ def default_archive_dir(environ: Mapping[str, str] | None = None) -> Path:
 def conversation_id(messages: Sequence[Mapping[str, Any]]) -> str:
     """A stable id for a conversation: a hash of its leading system messages and first two others, which
     an agent resends unchanged on every turn."""
-    lead = _leading_system(messages)
+    lead = leading_system(messages)
     head = [*messages[:lead], *messages[lead : lead + ARCHIVE_HEAD_MESSAGES]]
     return fingerprint(head)[:16]
 
@@ -199,7 +199,7 @@ def archive_text(message: Mapping[str, Any]) -> str:
     """What the archive indexes of a message: its role, text, and tool calls' names and arguments."""
     calls = [f"{(c.get('function') or {}).get('name')} {(c.get('function') or {}).get('arguments')}"
              for c in message.get("tool_calls") or [] if isinstance(c, Mapping)]  # fmt: skip
-    return "\n".join([str(message.get("role")), _plain_content(message.get("content")), *calls])
+    return "\n".join([str(message.get("role")), plain_content(message.get("content")), *calls])
 
 
 def is_entry_id(query: str) -> bool:

@@ -38,10 +38,10 @@ from context_shrink import (
     RECALL_TOOL,
     SUMMARY_MARKER,
     ContextShrinkError,
-    _plain_content,
     assistant_message,
     fingerprint,
     json_or,
+    plain_content,
     pseudo_tool,
     tool_call,
     validate_messages,
@@ -55,7 +55,7 @@ from context_shrink import (
 
 def chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     """Content parts as chat content: text parts only are their text (joined by newlines, as the core's
-    ``_plain_content`` reads them); with an image, the parts."""
+    ``plain_content`` reads them); with an image, the parts."""
     if all(p.get("type") == "text" for p in parts):
         return "\n".join(p.get("text", "") for p in parts)
     return parts
@@ -161,9 +161,9 @@ def _as_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A chat message the pipeline wrote or changed (a summary, a cleared result), as Responses items."""
     if message.get("role") == "tool":
         return [{"type": "function_call_output", "call_id": message.get("tool_call_id"),
-                 "output": _plain_content(message.get("content"))}]  # fmt: skip
+                 "output": plain_content(message.get("content"))}]  # fmt: skip
     items = []
-    if text := _plain_content(message.get("content")):
+    if text := plain_content(message.get("content")):
         kind = "output_text" if message.get("role") == "assistant" else "input_text"
         items.append({"type": "message", "role": message.get("role"), "content": [{"type": kind, "text": text}]})
     for call in message.get("tool_calls") or []:
@@ -226,7 +226,7 @@ def _anthropic_message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any
         known = {"text", "tool_use", "thinking", "redacted_thinking"}
         if unknown := [b.get("type") for b in blocks if not isinstance(b, dict) or b.get("type") not in known]:
             raise ContextShrinkError(f"content block type {unknown[0]!r} is not understood")
-        text = _plain_content([b for b in blocks if b.get("type") == "text"])
+        text = plain_content([b for b in blocks if b.get("type") == "text"])
         calls = [tool_call(b.get("id"), b.get("name"), json.dumps(b.get("input") or {}, ensure_ascii=False))
                  for b in blocks if b.get("type") == "tool_use"]  # fmt: skip
         thinking = "\n".join(b.get("thinking", "") for b in blocks if b.get("type") == "thinking")
@@ -273,9 +273,9 @@ def _anthropic_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A chat message the pipeline wrote or changed, as Anthropic content blocks."""
     if message.get("role") == "tool":
         return [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
-                 "content": _plain_content(message.get("content"))}]  # fmt: skip
+                 "content": plain_content(message.get("content"))}]  # fmt: skip
     blocks: list[dict[str, Any]] = []
-    if text := _plain_content(message.get("content")):
+    if text := plain_content(message.get("content")):
         blocks.append({"type": "text", "text": text})
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
@@ -309,7 +309,7 @@ def _view_places(view: ChatView, sent: Sequence[Mapping[str, Any]]) -> list[int 
         places.append(found.popleft() if found else next((by_call[c] for c in calls(message) if c in by_call), None))
     taken = {k for k in places if k is not None}
     for j, message in enumerate(sent):
-        text = _plain_content(message.get("content"))
+        text = plain_content(message.get("content"))
         if places[j] is not None or text.startswith((SUMMARY_MARKER, LEDGER_MARKER)):
             continue
         low = next((places[i] for i in range(j - 1, -1, -1) if places[i] is not None), -1)
@@ -405,9 +405,9 @@ def _edited_assistant_block(block: Mapping[str, Any], new: Mapping[str, Any], ol
     if kind in ("thinking", "redacted_thinking"):
         return [dict(block)] if new.get("reasoning_content") == old.get("reasoning_content") else []
     if kind == "text":
-        if _plain_content(new.get("content")) == _plain_content(old.get("content")):
+        if plain_content(new.get("content")) == plain_content(old.get("content")):
             return [dict(block)]
-        text = _plain_content(new.get("content"))
+        text = plain_content(new.get("content"))
         return [{"type": "text", "text": text}] if first and text else []
     calls = {c.get("id"): c for c in new.get("tool_calls") or []}
     before = {c.get("id"): c for c in old.get("tool_calls") or []}
@@ -503,7 +503,7 @@ def recall_lines(
     texts = []
     for m in messages:
         calls = [f"{c['function'].get('name')} {c['function'].get('arguments')}" for c in m.get("tool_calls") or []]
-        texts.append("\n".join([_plain_content(m.get("content")), *calls]).split("\n"))
+        texts.append("\n".join([plain_content(m.get("content")), *calls]).split("\n"))
     for needed in (len(words), 1):  # all the words on a line, else any of them
         blocks, room = [], limit
         for i in range(len(messages) - 1, -1, -1):

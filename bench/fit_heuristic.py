@@ -253,7 +253,7 @@ def transcripts(tok: cs.Tokenizer) -> None:
     print("\n| transcript | messages | cl100k tokens | heuristic ÷ cl100k |\n|---|---:|---:|---:|")
     fitted = {p.stem for p in (ROOT / "test" / "data").glob("*.json")}  # half of their text is in the corpus
     for path in transcript_paths():
-        texts = [t for m in load(path) if (t := cs._plain_content(m.get("content")))]
+        texts = [t for m in load(path) if (t := cs.plain_content(m.get("content")))]
         ref = sum(map(tok.count, texts))
         name = path.stem[:44] + (" (half in the corpus)" if path.stem in fitted else " (not fitted on)")
         print(f"| {name} | {len(texts)} | {ref:,} | {sum(map(cs.heuristic_tokens, texts)) / ref:.3f} |")

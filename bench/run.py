@@ -173,7 +173,7 @@ class StdioTrimmer:
 def checks(original: Messages, out: Messages, budget: int) -> dict[str, Any]:
     out = [m for m in out if isinstance(m, dict)]
     valid = bool(out) and not cs.api_problems(out)
-    lead = list(original[: cs._leading_system(original)])
+    lead = list(original[: cs.leading_system(original)])
     system_kept = all(any(o.get("content") == m.get("content") and o["role"] == m["role"] for o in out) for m in lead)
     first = next((m for m in out if m.get("role") not in cs.SYSTEM_ROLES), None)
     users = [m for m in original if m["role"] == "user"]

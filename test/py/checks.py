@@ -33,7 +33,7 @@ def least_unit(messages: list[dict[str, Any]], start: int, end: int, tok: cs.Tok
 def core(messages: list[dict[str, Any]], tok: cs.Tokenizer, tools_tokens: int = 0) -> int:
     """The floor of P1: the leading system messages, the newest turn's opening user message(s), the newest unit
     in its smallest honest form, the reply priming and the tools."""
-    lead = cs._leading_system(messages)
+    lead = cs.leading_system(messages)
     users = [i for i in range(lead, len(messages)) if messages[i]["role"] == "user"]
     total = sum(size(m, tok) for m in messages[:lead]) + tok.format.priming + tools_tokens
     run_end = lead
@@ -53,7 +53,7 @@ def core(messages: list[dict[str, Any]], tok: cs.Tokenizer, tools_tokens: int = 
 
 def sources(messages: list[dict[str, Any]], result: dict[str, Any]) -> list[int]:
     """The input index of every output message, from the report: leading messages, pins, then the cut on."""
-    lead = cs._leading_system(messages)
+    lead = cs.leading_system(messages)
     return [*range(lead), *result["pinned_indices"], *range(result["kept_from_index"], len(messages))]
 
 
@@ -100,7 +100,7 @@ def check_trim(messages: list[dict[str, Any]], tok: cs.Tokenizer, budget: int, *
         assert result["tokens_after"] == cs.count_messages(result["messages"], tok)[1] + result["tools_tokens"]
     else:
         check_honest(messages, result, tok)
-        lead = cs._leading_system(messages)
+        lead = cs.leading_system(messages)
         assert all(result["messages"][i] is messages[i] for i in range(lead))
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         if users:

@@ -102,10 +102,10 @@ class TurnUpstream(AgentUpstream):
         if not tools or view is None:
             return None
         users = [k for k, m in enumerate(view.messages)
-                 if m["role"] == "user" and "Turn " in cs._plain_content(m.get("content"))]  # fmt: skip
+                 if m["role"] == "user" and "Turn " in cs.plain_content(m.get("content"))]  # fmt: skip
         if not users:
             return None
-        prompt = cs._plain_content(view.messages[users[-1]].get("content"))
+        prompt = cs.plain_content(view.messages[users[-1]].get("content"))
         asked = re.findall(r"notes_\d\d_[abc]\.txt", prompt)
         made = json.dumps([m.get("tool_calls") for m in view.messages[users[-1] :]])
         left = [name for name in asked if name not in made]  # not read, in what it is sent
@@ -116,7 +116,7 @@ class TurnUpstream(AgentUpstream):
         if self.recall_at is not None and f"Turn {self.recall_at}:" in prompt:
             turn = view.messages[users[-1] :]
             ids = {c["id"] for m in turn for c in m.get("tool_calls") or [] if c["function"]["name"] == cs.RECALL_TOOL}
-            answers = [cs._plain_content(m.get("content")) for m in turn if m.get("tool_call_id") in ids]
+            answers = [cs.plain_content(m.get("content")) for m in turn if m.get("tool_call_id") in ids]
             if ids and not self.recalled:
                 self.recalled.append(answers[-1] if answers else "")
             if not ids and any(name == cs.RECALL_TOOL for name, _ in tools):

@@ -34,7 +34,7 @@ def message_token_ids(m: dict[str, Any]) -> list[int]:
     """Token ids of one message as a chat template would lay it out (cached: messages repeat every turn)."""
     key = json.dumps(m, sort_keys=True)
     if key not in _IDS:
-        text = f"<|im_start|>{m['role']}\n{cs._plain_content(m.get('content'))}"
+        text = f"<|im_start|>{m['role']}\n{cs.plain_content(m.get('content'))}"
         for call in m.get("tool_calls") or []:
             text += f"\n{call['function']['name']}({call['function'].get('arguments', '')})"
         _IDS[key] = _encode(text + "<|im_end|>\n")
@@ -47,7 +47,7 @@ def request_token_ids(messages: Messages) -> list[int]:
 
 def sliding(messages: Messages, budget: int) -> Shrunk:
     """Keep the leading system messages and the newest whole units that fit (LangChain's ``trim_messages``)."""
-    lead = cs._leading_system(messages)
+    lead = cs.leading_system(messages)
     counts, _ = cs.count_messages(messages, TOK)
     room = budget - sum(counts[:lead]) - TOK.format.priming
     keep = len(messages)
@@ -62,7 +62,7 @@ def sliding(messages: Messages, budget: int) -> Shrunk:
 
 def kept_indices(messages: Messages, result: dict[str, Any]) -> list[int]:
     """The history's indices a trim result still carries: the leading messages, the pins, the tail."""
-    lead, cut = cs._leading_system(messages), result["kept_from_index"]
+    lead, cut = cs.leading_system(messages), result["kept_from_index"]
     return [*range(lead), *result["pinned_indices"], *range(cut, len(messages))]
 
 

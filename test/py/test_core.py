@@ -282,7 +282,7 @@ def test_trim_real_transcripts(tok: cs.Tokenizer, path: Path, budget: int) -> No
     # Plain dropping fits whenever the system prompt plus the newest turn fits.
     plain = check_trim(messages, tok, budget, strategy="drop")
     newest_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    lead = cs._leading_system(messages)
+    lead = cs.leading_system(messages)
     if cs.count_messages(messages[:lead] + messages[newest_user:], tok)[1] <= budget:
         assert plain["fits"] and result["fits"]
 

@@ -115,7 +115,7 @@ def test_properties_over_agent_histories(case: Any) -> None:
     assert messages == frozen
     out = first["messages"]
     assert cs.api_problems(out) == [] or cs.api_problems(messages) != []
-    lead = cs._leading_system(messages)
+    lead = cs.leading_system(messages)
     assert out[:lead] == messages[:lead]
     users = [m for m in messages if m["role"] == "user"]
     assert not users or users[-1] in out

@@ -60,7 +60,7 @@ def room_for_the_unit_before(messages: list[dict[str, Any]], result: dict[str, A
     """Whether the units just before the cut, back to the user message a kept history must start on, in their
     least honest form, would still fit beside what was kept (P2 asks for the room to be used only as far as whole
     units allow)."""
-    cut, lead = result["kept_from_index"], cs._leading_system(messages)
+    cut, lead = result["kept_from_index"], cs.leading_system(messages)
     start = next((i for i in range(cut - 1, lead - 1, -1) if messages[i]["role"] == "user"), None)
     if start is None:
         return False
@@ -96,7 +96,7 @@ def test_p1_p2_p5_p6_fits_uses_the_room_honestly(case: Case, keep_last: int, rat
 
 def replay(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: float) -> list[dict[str, Any]]:
     """Shrink every prefix of a growing history, as an agent resends it."""
-    lead = cs._leading_system(messages)
+    lead = cs.leading_system(messages)
     return [trim(messages[:k], budget, keep_last, ratio) for k in range(lead + 1, len(messages) + 1)]
 
 
@@ -105,7 +105,7 @@ def replay(messages: list[dict[str, Any]], budget: int, keep_last: int, ratio: f
 @given(cases(max_budget=8192), keep_lasts, modes)
 def test_p3_the_cut_never_moves_back(case: Case, keep_last: int, ratio: float) -> None:
     messages, budget = case.build()[:REPLAY_LENGTH], case.budget
-    lead = cs._leading_system(messages)
+    lead = cs.leading_system(messages)
     previous_cut, dropped = lead, set()
     for k, result in enumerate(replay(messages, budget, keep_last, ratio), lead + 1):
         cut = result["kept_from_index"]
@@ -132,13 +132,13 @@ def test_p4_stable_requests_change_once_per_grid_step(case: Case, keep_last: int
     messages, budget = case.build()[:REPLAY_LENGTH], case.budget
     results = replay(messages, budget, keep_last, STABLE_RATIO)
     # the share is of the room the leading messages leave (no cut can shrink them), so the step is too
-    fixed = cs.count_messages(messages[: cs._leading_system(messages)], TOK)[1]
+    fixed = cs.count_messages(messages[: cs.leading_system(messages)], TOK)[1]
     step = max(1, int((1 - STABLE_RATIO) * (budget - fixed)))
     changes, growth, over = 0, 0, False
     for k, (a, b) in enumerate(itertools.pairwise(results), 1):
         over = over or b["tokens_before"] > budget
         if over:
-            growth += size(messages[cs._leading_system(messages) + k])
+            growth += size(messages[cs.leading_system(messages) + k])
             # a request that cannot fit is refused whatever its bytes: only changes between sendable ones count
             changes += a["fits"] and b["fits"] and prefix_changed(a["messages"], b["messages"])
     assert changes <= growth // step + 2, f"P4: {changes} prefix changes over {growth} tokens of growth (step {step})"
@@ -149,7 +149,7 @@ def remembered_then_fresh(
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Every prefix shrunk in order as an agent resends it (the replay remembered and resumed), each beside the
     same prefix shrunk with nothing remembered; both on fresh copies, as a server parses each request."""
-    lead, pairs = cs._leading_system(messages), []
+    lead, pairs = cs.leading_system(messages), []
     cs.REPLAYS.clear()
 
     def shrunk(k: int) -> dict[str, Any]:

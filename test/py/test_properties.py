@@ -87,7 +87,7 @@ def test_compact_invariants(messages: list[dict[str, Any]], keep_last: int, role
     out = result["messages"]
     assert cs.api_problems(out) == []
     if result["compacted"]:
-        lead = cs._leading_system(messages)
+        lead = cs.leading_system(messages)
         assert out[:lead] == messages[:lead] and out[lead]["role"] == role
         kept = out[lead + 1 :]
         positions = [index_of(messages, m) for m in kept]
@@ -120,7 +120,7 @@ def test_compaction_keeps_a_tail_only_where_the_store_can(
     assert end >= free["kept_from_index"] and (end in starts or end == len(messages))
     assert end == len(messages) or messages[end]["role"] not in cs.RESULT_ROLES  # never a result without its call
     if bound["compacted"]:
-        lead = cs._leading_system(messages)
+        lead = cs.leading_system(messages)
         out = bound["messages"]
         assert out[:lead] == messages[:lead] and out[lead + 1 :] == messages[end:]
         assert cs.api_problems(messages[end:]) == [] or cs.api_problems(messages) != []

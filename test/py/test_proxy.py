@@ -589,7 +589,7 @@ class RecallingModel(AgentUpstream):
             return None
         calls = [c for m in view.messages for c in m.get("tool_calls") or []]
         ids = {c["id"] for c in calls if c["function"]["name"] == cs.RECALL_TOOL}
-        self.recalled = [cs._plain_content(m.get("content")) for m in view.messages if m.get("tool_call_id") in ids]
+        self.recalled = [cs.plain_content(m.get("content")) for m in view.messages if m.get("tool_call_id") in ids]
         if len(ids) >= self.times or not any(n == cs.RECALL_TOOL for n, _ in tools):
             return None
         return cs.RECALL_TOOL, json.dumps({"query": self.query})
