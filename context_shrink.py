@@ -6918,17 +6918,17 @@ class Folder:
         """``name`` opened (for reading unless ``flags`` say otherwise) when it is a regular file: a symlink is
         refused (ELOOP), and a FIFO, device or socket swapped in for it is refused before anything waits on it
         (opened non-blocking, checked with ``fstat``; a FIFO opened to write with no reader is ENXIO)."""
+        refused = ContextShrinkError(f"{self.path / name} is not a regular file (a FIFO, device or socket is never "
+                                     "opened)")  # fmt: skip
         try:
             fd = os.open(name, flags | O_NOFOLLOW | O_NONBLOCK, dir_fd=self.fd)
         except OSError as exc:
-            if exc.errno != errno.ENXIO:
-                raise
-            fd = -1
-        if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
-            if fd >= 0:
-                os.close(fd)
-            raise ContextShrinkError(f"{self.path / name} is not a regular file (a FIFO, device or socket is never "
-                                     "opened)")  # fmt: skip
+            if exc.errno == errno.ENXIO:
+                raise refused from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise refused
         if O_NONBLOCK:
             os.set_blocking(fd, True)
         return fd
