@@ -48,12 +48,15 @@ __all__ = [
     "DEFAULT_BASE_URL",
     "DOOR_OMISSIONS",
     "DOOR_OPTIONS",
+    "HAN_FIRST",
+    "HAN_TOKENS",
     "HEURISTIC",
     "HEURISTIC_CLASSES",
     "HEURISTIC_GAPS",
     "HEURISTIC_GAP_UNIT",
     "HEURISTIC_KINDS",
     "HEURISTIC_KIND_GAPS",
+    "HEURISTIC_SAMPLE",
     "HEURISTIC_SCRIPTS",
     "HEURISTIC_SCRIPT_WEIGHTS",
     "IMAGE_TOKENS_DEFAULT",
@@ -256,7 +259,7 @@ from collections.abc import (
     Sequence,
 )
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Protocol, TypeVar, cast
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Protocol, TypeVar, cast
 
 try:  # POSIX: the session writers' lock
     import fcntl
@@ -848,7 +851,7 @@ class Tokenizer:
 
 
 # --- the content-aware heuristic (no tokenizer) ---------------------------------------------------
-# Right by class, not on average, and a few C passes over a text's bytes. Each text (sampled in four windows
+# Right by class, not on average, and a few C passes over a text's bytes. Each text (sampled in 16 windows
 # when it is long, so the cost per message is bounded) is read as one class per character, written as a hex
 # digit by one ``bytes.translate``: 13 classes of ASCII (lower, upper, digit, space, newline, quote...) and, for
 # every other character, the family its UTF-8 lead byte names (a letter of an alphabet, an ideograph, a
@@ -858,15 +861,19 @@ class Tokenizer:
 # word...: the tokens of cl100k_base, in 64ths), and ``zlib.adler32`` adds them up. Every character that is not
 # ASCII adds its script's rate: the script is read off the lead byte, and where one lead's characters fall in
 # several scripts (the Indic ones after E0, the punctuation and the symbols after E2...) off the second byte.
-# Some kinds of text add their own weights at some gaps: JSON, text escaped in a JSON string, and Latin-script
-# prose in another language than English (with diacritics: ``latin``; without: ``plain``), whose words split
-# into more tokens. The text's first token is counted apart.
-# The weights are a least-squares fit against cl100k_base on the fitted half of a corpus of permissively
-# licensed text in 50 languages and 16 formats (test/data/corpus, fitted by bench/fit_heuristic.py), each held
-# near what cl100k itself does at such a gap, the classes furthest off weighted up until none is;
-# docs/tokens.md has every class's error on the held-back half, which the fit never sees. A block the corpus
-# lacks is weighed at its UTF-8 length per character, the most tokens a byte-level BPE can make of it, so an
-# unknown script is over, never under.
+# Some kinds of text weigh some gaps their own way: JSON, text escaped in a JSON string, prose or names in
+# capitals, and Latin-script prose in another language than English (with diacritics: ``latin``; without:
+# ``plain``), whose words split into more tokens. The text's first token is counted apart.
+# What cl100k does by construction is not estimated: its pre-tokenizer cuts text into pieces no token spans (a
+# run of letters, a number of at most three digits, a run of punctuation...), so a token always starts where a
+# word ends or a number starts (those gaps weigh one token, 64), the pieces of three digits inside a number are
+# counted, and each Han character's own tokens are read off it (:data:`HAN_TOKENS`).
+# The other weights are a least-squares fit against cl100k_base on the fitted half of a corpus of permissively
+# licensed text in 50 languages and 17 formats and of generated shapes (test/data/corpus, test/py/samples.py,
+# fitted by bench/fit_heuristic.py), each held near what cl100k itself does at such a gap, the classes furthest
+# off weighted up; docs/tokens.md has every class's error on the held-back half, which the fit never sees. A
+# block the corpus lacks is weighed at its UTF-8 length per character, the most tokens a byte-level BPE can make
+# of it, so an unknown script is over, never under.
 
 HEURISTIC_CLASSES = ("lower", "upper", "digit", "space", "newline", "control", "quote", "stop", "bracket",
                      "operator", "apostrophe", "underscore", "other", "letter", "ideograph", "symbol")  # fmt: skip
@@ -895,90 +902,96 @@ _CONTINUATION_BYTES = bytes(range(0x80, 0xC0))  # deleted first: one class per c
 _ASCII_AND_CONTINUATION_BYTES = bytes(range(0xC0))
 HEURISTIC_GAP_UNIT = 64  # the weights' unit: 1/64 of a token
 # Tokens (in 64ths) at a gap between a character of the row's class and one of the column's: where a token
-# starts (before the space of a word, at a line, a bracket...), about one; inside a word, a fraction of one. Every
-# weight is at most 127, so a half of a sample's gaps (at most HEURISTIC_SAMPLE / 2) sums below adler32's
-# modulus, 65521.
+# always starts (after a word, before a number), one; where one often does (at a line, a bracket...), about one;
+# inside a word, a fraction of one. Every weight is at most 127, so ADLER_SPAN gaps sum below adler32's modulus,
+# 65521.
 HEURISTIC_GAPS: tuple[tuple[int, ...], ...] = (
     # low upp dig spa new con quo sto bra ope apo und oth let ide sym
-    (  8, 100,  85,  44,  52,  60,  57,  47,  70,  55,  60,  26,  66, 100,   0, 100),  # lower
-    (  8,  27,  85,  44,  52,  60,  57,  47,  70,  55,  60,  26,  66, 100,   0, 100),  # upper
-    ( 80,  80,   0,  77,  58,  68,  66,  74,  67,  66,  69,  62,  68,   0,   0, 100),  # digit
-    (  0,   0,  69,   0,   8,  48,   6,   2,   0,   0,   0,   0,   0,   0,   0,   0),  # space
-    ( 76,  76,  68,  77,  32,  58,  63,  55,  63,  67,  55,  55,  48,   0, 100,   0),  # newline
-    (  0,   0,  33,   7,   2,  16,  45,  56,  64,  64,  60,  33,  65,   0,   0,   0),  # control
-    ( 53,  53,  63,  66,   2,  33,   4,   0,  16,  33,  39,  22,  44,   0,   0,   0),  # quote
-    (  0,   0,  73,  36,   7,  33,   0,   6,  19,  30,   6,   2,  12, 100, 100,   0),  # stop
-    ( 31,  31,  67,  59,   4,  33,   3,   7,   6,   6,  21,  32,  15,   0,   0,   0),  # bracket
-    (  7,   7,  67,  46,   0,  59,  37,   3,  16,   0,  44,  13,  52,   0,   0,   0),  # operator
-    ( 57,  57,  59,  60,   6,  33,  19,   0,   9,  11,  17,  31,   8, 100,   0,   0),  # apostrophe
-    (  0,   0,  65,  63,  17,  33,  44,  19,  18,  33,  38,   0,  44,   0,   0,   0),  # underscore
-    ( 22,  22,  59,  66,  26,  44,   9,  33,  60,  34,  60,  33,   2,   0,   0,   0),  # other
-    ( 48,  48,   0,  48, 100,   0,   0,   0, 100,   0, 100,   0,   0,  41,   0, 100),  # letter
-    (  0,   0, 100,   0, 100,   0,   0,   0,   0,   0,   0,   0,   0,   0,  23,   0),  # ideograph
-    (100, 100, 100,  97, 100,   0,   0, 100,   0,   0,   0,   0,   2, 100,   0,  36),  # symbol
+    (  1, 102,  64,  64,  64,  64,  64,  64,  64,  64,  64,  64,  64,   0,   0,   0),  # lower
+    ( 13,  27,  64,  64,  64,  64,  64,  64,  64,  64,  64,  64,  64,   0,   0,   0),  # upper
+    ( 85,  85,   0,  68,   0,  70,  62,  74,  79,  81,  67,  64,  67,   0, 102,   0),  # digit
+    (  0,   0,  64,   0,   4,  34,   0,   4,   8,   0,   0,   0,   0,   0,   0,   0),  # space
+    ( 85,  85,  64,  94,   0,  62,  46,  58,  68,  66,  58,  54,  25,   0,   0,   0),  # newline
+    (  0,   0,  64,   4,   1,  20,  57,  57,  65,  66,  62,  46,  68,   0,   0,   0),  # control
+    ( 81,  81,  64,  69,   0,  34,   8,   0,  15,  35,  51,  23,  47,   0,   0,   0),  # quote
+    ( 14,  14,  64,  30,   0,  34,   0,   9,   6,  32,   0,   5,   7,   0,   0,   0),  # stop
+    ( 41,  41,  64,  67,  16,  34,  13,  17,  28,  11,  16,  29,  13,   0, 102,   0),  # bracket
+    ( 70,  70,  64,  57,   0,  57,  36,  12,  22,   0,  44,  34,  48,   0,  52,   0),  # operator
+    ( 49,  49,  64,  59,   4,  34,  16,   2,   6,  13,  21,  27,  15, 102, 102,   0),  # apostrophe
+    (  0,   0,  64,  66,  14,  34,  51,  20,  19,  34,  39,   1,  46,   0,   0,   0),  # underscore
+    (  0,   0,  64,  69,  27,  34,   7,  11,  60,  29,  65,  34,   3,   0,   0,   0),  # other
+    (102, 102,  64,  97,  52,   0,   0,   0, 102,   0, 102,   0,   0,  30,   0,   0),  # letter
+    (102, 102,  64,   0,  52,   0, 102,   0,   0,   0,   0,   0,   0,   0,  63, 102),  # ideograph
+    (102, 102,  64, 102, 102, 102,   0,   0, 102, 102,   0,   0, 102, 102,   0,  18),  # symbol
 )  # fmt: skip
-HEURISTIC_KINDS = ("ascii", "json", "escaped", "latin", "plain")  # what :func:`_heuristic_kind` tells apart
-# What a kind adds at some gaps (same unit): JSON, text escaped in a JSON string, prose in a language the
-# vocabulary knows less well.
+HEURISTIC_KINDS = (
+    "ascii",
+    "json",
+    "escaped",
+    "latin",
+    "plain",
+    "capitals",
+)  # what :func:`_heuristic_kind` tells apart
+# What a kind weighs some gaps at instead (same unit): JSON, text escaped in a JSON string, prose in a language the
+# vocabulary knows less well, prose in capitals.
 HEURISTIC_KIND_GAPS: dict[str, dict[tuple[str, str], int]] = {
     "json": {
-        ("space", "space"): 5,
-        ("digit", "digit"): 0,
-        ("other", "lower"): 2,
-        ("lower", "lower"): 0,
-        ("quote", "lower"): 0,
-        ("lower", "quote"): 0,
-        ("newline", "space"): 8,
+        ("space", "space"): 12,
+        ("other", "lower"): 33,
+        ("lower", "lower"): 2,
+        ("quote", "lower"): 40,
+        ("newline", "space"): 75,
         ("space", "lower"): 0,
-        ("lower", "space"): 0,
-        ("upper", "lower"): 0,
+        ("upper", "lower"): 20,
     },
     "escaped": {
-        ("space", "space"): 7,
-        ("digit", "digit"): 13,
-        ("other", "lower"): 2,
+        ("space", "space"): 12,
+        ("other", "lower"): 29,
         ("lower", "lower"): 0,
-        ("digit", "control"): 1,
-        ("control", "space"): 0,
-        ("lower", "other"): 0,
+        ("digit", "control"): 69,
+        ("control", "space"): 4,
         ("space", "lower"): 0,
-        ("lower", "space"): 0,
-        ("other", "space"): 0,
+        ("other", "space"): 68,
     },
     "latin": {
         ("space", "lower"): 0,
-        ("newline", "lower"): 0,
-        ("lower", "lower"): 4,
-        ("lower", "upper"): 0,
-        ("upper", "lower"): 0,
-        ("lower", "space"): 0,
-        ("lower", "stop"): 0,
-        ("letter", "lower"): 0,
-        ("lower", "letter"): 1,
+        ("newline", "lower"): 68,
+        ("lower", "lower"): 10,
+        ("lower", "upper"): 62,
+        ("upper", "lower"): 10,
+        ("letter", "lower"): 48,
+        ("lower", "letter"): 68,
     },
     "plain": {
-        ("space", "lower"): 46,
-        ("newline", "lower"): 0,
-        ("lower", "lower"): 3,
-        ("lower", "upper"): 16,
+        ("space", "lower"): 21,
+        ("newline", "lower"): 65,
+        ("lower", "lower"): 13,
+        ("lower", "upper"): 78,
         ("upper", "lower"): 0,
-        ("lower", "space"): 4,
-        ("lower", "stop"): 0,
-        ("letter", "lower"): 0,
-        ("lower", "letter"): 0,
+        ("letter", "lower"): 35,
+        ("lower", "letter"): 52,
+    },
+    "capitals": {
+        ("upper", "upper"): 4,
+        ("underscore", "upper"): 7,
+        ("space", "upper"): 0,
+        ("newline", "upper"): 69,
+        ("stop", "space"): 67,
+        ("quote", "upper"): 67,
+        ("bracket", "upper"): 29,
     },
 }
 
 
 def _gap_table(weights: Mapping[tuple[str, str], int]) -> bytes:
-    table = bytearray(256)
+    """The weight of each of the 256 gaps: :data:`HEURISTIC_GAPS`', but ``weights``' at the gaps it names."""
+    table = bytearray(weight for row in HEURISTIC_GAPS for weight in row)
     for (before, after), weight in weights.items():
         table[16 * HEURISTIC_CLASSES.index(before) + HEURISTIC_CLASSES.index(after)] = weight
     return bytes(table)
 
 
-_GAP_WEIGHTS = bytes(weight for row in HEURISTIC_GAPS for weight in row)
-_KIND_GAP_WEIGHTS = {kind: _gap_table(weights) for kind, weights in HEURISTIC_KIND_GAPS.items()}
+_GAP_WEIGHTS = {kind: _gap_table(HEURISTIC_KIND_GAPS.get(kind, {})) for kind in HEURISTIC_KINDS}
 
 # Scripts by their code points (first, last): a 2-byte character's script is its lead byte's (a block of 64),
 # a 3-byte one's its first two bytes' (64), a 4-byte one's (4,096), so each range starts and ends on such a
@@ -1005,47 +1018,47 @@ HEURISTIC_SCRIPTS: dict[str, tuple[tuple[int, int], ...]] = {
     "other 3-byte characters": (), "other 4-byte characters": (),
 }  # fmt: skip
 HEURISTIC_SCRIPT_WEIGHTS: dict[str, float] = {  # tokens per character
-    "Latin-1 symbols": 0.833,
-    "Latin-1 letters": 0.0089,
-    "Latin Extended": 0.0209,
-    "combining marks": 0.4871,
-    "Greek": 0.459,
+    "Latin-1 symbols": 0.8,
+    "Latin-1 letters": 0.1066,
+    "Latin Extended": 0.1045,
+    "combining marks": 0.6208,
+    "Greek": 0.4499,
     "Cyrillic (U+0400-U+043F)": 0.0,
     "Cyrillic (U+0440-U+047F)": 0.0,
-    "Cyrillic supplement": 1.5711,
-    "Armenian": 1.7248,
-    "Hebrew": 0.6049,
-    "Arabic": 0.3003,
-    "Syriac, Thaana, NKo": 1.5819,
-    "Devanagari": 0.5724,
-    "Bengali": 0.8354,
-    "Gurmukhi": 1.4076,
-    "Gujarati": 1.4217,
-    "Oriya": 3.1238,
-    "Tamil": 0.9463,
-    "Telugu": 1.4304,
-    "Kannada": 1.4074,
-    "Malayalam": 1.1525,
-    "Sinhala": 1.5632,
-    "Thai": 0.3819,
-    "Lao": 1.6119,
-    "Tibetan": 1.5076,
-    "Myanmar": 1.4759,
-    "Georgian": 1.5462,
-    "Hangul Jamo": 3.1238,
-    "Ethiopic": 2.43,
-    "Khmer": 1.1064,
-    "Latin Extended Additional (Vietnamese)": 0.5206,
-    "Greek Extended": 3.1238,
-    "general punctuation (U+2000-U+207F)": 0.5372,
-    "symbols, arrows, box drawing, dingbats (U+2080-U+2BFF)": 0.5243,
-    "kana and CJK punctuation": 0.6864,
-    "Han": 0.7695,
-    "Hangul": 0.9687,
-    "compatibility and fullwidth forms (U+F900-U+FFFF)": 1.0413,
-    "emoji (U+1E000-U+1FFFF)": 1.6607,
-    "other 3-byte characters": 3.1238,
-    "other 4-byte characters": 4.1651,
+    "Cyrillic supplement": 1.7724,
+    "Armenian": 1.8018,
+    "Hebrew": 0.582,
+    "Arabic": 0.231,
+    "Syriac, Thaana, NKo": 1.6232,
+    "Devanagari": 0.564,
+    "Bengali": 0.8509,
+    "Gurmukhi": 1.3554,
+    "Gujarati": 1.429,
+    "Oriya": 3.0,
+    "Tamil": 1.0195,
+    "Telugu": 1.5265,
+    "Kannada": 1.4981,
+    "Malayalam": 1.2966,
+    "Sinhala": 1.6047,
+    "Thai": 0.5014,
+    "Lao": 1.7562,
+    "Tibetan": 1.685,
+    "Myanmar": 1.5889,
+    "Georgian": 1.6198,
+    "Hangul Jamo": 3.0,
+    "Ethiopic": 2.6161,
+    "Khmer": 1.2138,
+    "Latin Extended Additional (Vietnamese)": 0.5,
+    "Greek Extended": 3.0,
+    "general punctuation (U+2000-U+207F)": 0.5359,
+    "symbols, arrows, box drawing, dingbats (U+2080-U+2BFF)": 0.6973,
+    "kana and CJK punctuation": 0.0,
+    "Han": 0.0,
+    "Hangul": 0.625,
+    "compatibility and fullwidth forms (U+F900-U+FFFF)": 1.0,
+    "emoji (U+1E000-U+1FFFF)": 1.7332,
+    "other 3-byte characters": 3.0,
+    "other 4-byte characters": 4.0,
 }
 _SCRIPT_NAMES = tuple(HEURISTIC_SCRIPTS)
 _LATIN_SCRIPTS = ("Latin-1 letters", "Latin Extended", "combining marks", "Latin Extended Additional (Vietnamese)")
@@ -1112,14 +1125,64 @@ def _script_counts(raw: bytes) -> dict[str, int]:
     return counts
 
 
-HEURISTIC_SAMPLE = 1024  # characters analysed at most per text (four windows of 256)
-HEURISTIC_WINDOWS = 4
-_ENGLISH = re.compile(rb" (?:the|and|of|to|is) ").findall  # English has one in every few words
+# A Han character cl100k has no token for is split into two or three byte tokens, and which is the character's own
+# property: so the tokens inside Han characters are read off each character, not fitted. The tokens cl100k makes of
+# each character of U+4000-U+9FFF alone (1 to 3; two bits each, four to a byte, zlib'd, base85'd; written by
+# ``python bench/fit_heuristic.py --han-table``): random common characters cost 1.5 tokens each, prose 1.1-1.2.
+HAN_FIRST = 0x4000
+HAN_TOKENS = (
+    "c-q}qOK#&Z3`G~-*FboQoMH@w`w$Qh(Hv!t&|M2Oh<(b@&$2$0EH|B54BOOoO!4#h5#?p+q<Q{Ymb?D3<S*eG)0h2w6Q10w!uxD^Z>^m7rQV"
+    "h<1LpL8F1?tSezo_0D-suHS>C)Hp}DH=?w))#L*665Nw@b--uodPv%Jn5d<>#z=%#heHJj({-}eg3+oIrQ0!GCO33*`VSN&oA6+1$>uma{2D"
+    "09O+pkW7M#RCvoCe6YtKa>7e`FpUx`a_(MS+{D4AF1rhdHp+?8|7ZXx>TDm8h0kXa;`nl;H<E2j2eQ%9!~(*&7_oroS5LekunD7S1)0eqcJ8"
+    "j_-QOHq^y3C!}+wzaPC`uq+NQ%{!wg)M3~}}Q-A$G#QgVuptoY;;Hpj`ty~rQ&P%o)V`Gz~NESotl|YvLq#;K%G0fIm3G_QF+DtD0bp2bqY^"
+    "kgoMstG}D5T62GLXS)H-)Hg_f*F3srnCiPR^8}M0CUN;)>U1Cd$cn@x>jl1n;J`-4qUNF*MKO5Cm7Dh&iP7|8VtRRwu*@kM950M2xc-Vk=M;"
+    "fk+J?ph_8Th+&r8s*LBH#YZCY{K@{G;D9v5(rpuluvA+>0aryKrU(&+SSdiR6rkd(kLX23&1c;h!0`x8iv%s83f4Scs#y;ue!ctu=Qry=b0@"
+    "$zTm=9lOwt_M@Wd1q%9n08(ms&wvryw>c`vK*D(<Ie2cSIt(*6IlnEw+u@O$;2LZ~?IzR%A8Q4)X{F)Z;rGXKY&i^e$M=;a-o|BKeDswsn}!"
+    "H{zc>iKZ17MywVQP+>v{ED#2x-RZzt+t(}z+v0o#MPdMVvQLoD&qCIr-XuX`v=H-`Ck750oIiJ9QZF){M+;YUbl-!W#79%cbQWQrmPoY%imE"
+    "NX!{!u9X<bd56a$f>}{Q`ei&6=5C302|DXHo-`ev}&;MKWRTt<x`p=X_nJ)gw7g9~NdWAH9?au$AEM<BDq8$VEQAHmJMt!EP<{<Ggf*0G`vO"
+    "&Bl2t@p<@jc5gAZq!8d|I`SS<zkj71sz~ElW83wgyiWnuJvUAMN_bS1R)7`|tl+_5Ks@{~}1FR^-p&)Yz<`vRF+~u0Z_0LT!Rens&#7WFv0X"
+    "|9RQzhvf2^+-Ze7=79q7JahKm{|WLRCHLdMdH>g6|F?h-?cqQ7)rX-!#D<Tv"
+)
+
+
+@functools.cache
+def _han_patterns() -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """The Han characters cl100k makes one token of, and those it makes three of (built on the first Han text)."""
+    packed = zlib.decompress(base64.b85decode("".join(HAN_TOKENS)))
+    tokens = [1 + (byte >> shift & 3) for byte in packed for shift in (0, 2, 4, 6)]
+    runs: dict[int, list[str]] = {1: [], 3: []}
+    for count, run in itertools.groupby(enumerate(tokens), key=lambda pair: pair[1]):
+        if count in runs:
+            first, *rest = (HAN_FIRST + at for at, _ in run)
+            runs[count].append(f"{chr(first)}-{chr(rest[-1])}" if rest else chr(first))
+    one, three = (re.compile(f"[{''.join(runs[count])}]") for count in (1, 3))
+    return one, three
+
+
+def _han_inside(sample: str, characters: int) -> int:
+    """The tokens that start inside the ``characters`` Han characters of ``sample``: none in those cl100k has a
+    token for, one in those it splits in two, two in those it splits in three (each character as it is alone)."""
+    one, three = _han_patterns()
+    return characters + len(three.findall(sample)) - len(one.findall(sample))
+
+
+_NUMBER_PIECES = re.compile(rb"222(?=2)").findall  # in the classes: each piece of three digits another digit follows
+HEURISTIC_SAMPLE = 2048  # characters analysed at most per text (16 windows of 128: many small ones vary less)
+HEURISTIC_WINDOWS = 16
+ADLER_SPAN = 512  # gaps one adler32 sums: 512 x 127 stays below its modulus, 65521
+_ENGLISH = re.compile(rb" (?:the|and|of|to|is) ").findall  # English has one in every few words (in small letters)
+_WORD_ENDS = re.compile(rb"[a-z](?![a-z])").findall  # the last letter of every word (of a text in small letters)
 _PROSE_CLASSES = b"0137"  # lower, upper, space, stop: what prose is made of
+_NAME_CLASSES = b"0134b"  # and names in capitals (``MAX_TOKENS``): lower, upper, space, newline, underscore
 JSON_RATE = 80  # JSON: a key (``":``) in every 80 bytes or more
 ESCAPE_RATE = 40  # text escaped in a JSON string: a backslash (``\\n``, ``\\"``...) in every 40 bytes or more
 PROSE_RATE = 16  # prose: under one character in 16 is anything else
 ENGLISH_RATE = 150  # English: one of its commonest words in every 150 bytes (about every 25 words) or more
+# Words that end in a, i, o or u: under one in 12 in English (one in 17 in its prose, fewer in a run of its common
+# words, a title, a text in capitals); one in 10 to 9 in 10 in the languages that end words in vowels (Romance,
+# Bantu, Austronesian...), whose words cl100k splits more.
+VOWEL_END_RATE = 12
+CAPITALS_RATE = 3  # prose in capitals (a disclaimer, a heading): three capitals to every small letter or more
 
 
 def _sample(text: str) -> tuple[str, float]:
@@ -1133,8 +1196,9 @@ def _sample(text: str) -> tuple[str, float]:
 
 def _heuristic_kind(raw: bytes, classes: bytes, scripts: Mapping[str, int]) -> str:
     """JSON (a key every few dozen bytes), text escaped in a JSON string (``escaped``: a backslash every few dozen
-    bytes), Latin-script prose in a language other than English: with diacritics (``latin``), or of letters, spaces
-    and stops with no English word among them (``plain``); else ``ascii``."""
+    bytes), prose or names in capitals (``capitals``: a license's disclaimer, ``MAX_TOKENS``), Latin-script prose
+    in a language other than English: with diacritics (``latin``), or of letters, spaces and stops with no English
+    word among them and many words ending in a vowel (``plain``); else ``ascii``."""
     if raw.count(b'":') * JSON_RATE > len(raw):
         return "json"
     if raw.count(b"\\") * ESCAPE_RATE > len(raw):
@@ -1145,15 +1209,33 @@ def _heuristic_kind(raw: bytes, classes: bytes, scripts: Mapping[str, int]) -> s
         if sum(scripts.values()) * PROSE_RATE >= len(classes):
             return "ascii"  # another script's text
     prose = len(classes.translate(None, _PROSE_CLASSES)) * PROSE_RATE < len(classes)
-    if prose and len(_ENGLISH(raw)) * ENGLISH_RATE < len(raw):
-        return "plain"
+    names = prose or len(classes.translate(None, _NAME_CLASSES)) * PROSE_RATE < len(classes)
+    if names and classes.count(b"1") > CAPITALS_RATE * classes.count(b"0"):
+        return "capitals"
+    if prose and len(_ENGLISH(lowered := raw.lower())) * ENGLISH_RATE < len(raw):
+        ends = b"".join(_WORD_ENDS(lowered))
+        vowels = len(ends) - len(ends.translate(None, b"aiou"))
+        return "plain" if vowels * VOWEL_END_RATE >= len(ends) > 0 else "ascii"
     return "ascii"
 
 
-def _measured(text: str) -> tuple[float, str, tuple[bytes, bytes], dict[str, int], bytes]:
-    """What the heuristic reads off ``text``: the factor that scales its sample back up, its kind, its gaps (each
-    one byte: 16 x the class before + the class after; those at even places, those at odd ones), the count of
-    each script's characters and the class of each character (the sample's)."""
+class TextReading(NamedTuple):
+    """What the heuristic reads off a text (its sample's): the factor that scales the sample back up, its kind, its
+    gaps (each one byte: 16 x the class before + the class after; those at even places, those at odd ones), the
+    count of each script's characters, the class of each character, and the tokens known to start inside its numbers
+    (cl100k cuts a number into pieces of three digits: :data:`_NUMBER_PIECES`) and its Han characters (read off
+    each character: :data:`HAN_TOKENS`)."""
+
+    scale: float
+    kind: str
+    gaps: tuple[bytes, bytes]
+    scripts: dict[str, int]
+    classes: bytes
+    inside: int
+
+
+def _measured(text: str) -> TextReading:
+    """What the heuristic reads off ``text`` (:class:`TextReading`)."""
     sample, scale = (text, 1.0) if len(text) <= HEURISTIC_SAMPLE else _sample(text)
     if sample.isascii():
         raw = sample.encode()
@@ -1164,32 +1246,40 @@ def _measured(text: str) -> tuple[float, str, tuple[bytes, bytes], dict[str, int
     # the gap between each two neighbours: unhexlify reads the even and the odd ones apart
     even, odd = (classes[:-1], classes[1:]) if len(classes) & 1 else (classes, classes[1:-1])
     gaps = binascii.unhexlify(even), binascii.unhexlify(odd)
-    return scale, _heuristic_kind(raw, classes, scripts), gaps, scripts, classes
+    inside = len(_NUMBER_PIECES(classes))
+    inside += _han_inside(sample, scripts["Han"]) if "Han" in scripts else 0
+    return TextReading(scale, _heuristic_kind(raw, classes, scripts), gaps, scripts, classes, inside)
 
 
 def _weighed(gaps: tuple[bytes, bytes], weights: bytes) -> int:
-    """The sum of the gaps' weights (each at most 127: a half sums below adler32's modulus)."""
-    even, odd = gaps
-    return (zlib.adler32(even.translate(weights)) & 0xFFFF) + (zlib.adler32(odd.translate(weights)) & 0xFFFF) - 2
+    """The sum of the gaps' weights, :data:`ADLER_SPAN` at a time (each at most 127: a span sums below adler32's
+    modulus)."""
+    total = 0
+    for half in gaps:
+        weighed = half.translate(weights)
+        for at in range(0, len(weighed), ADLER_SPAN):
+            total += (zlib.adler32(weighed[at : at + ADLER_SPAN]) & 0xFFFF) - 1
+    return total
 
 
-def heuristic_features(text: str) -> tuple[str, list[float], dict[str, float]]:
+def heuristic_features(text: str) -> tuple[str, list[float], dict[str, float], float]:
     """The kind of ``text``, how many gaps between neighbouring characters of each of the 256 pairs of classes it
-    has, and each script's characters (all scaled up from the sample of a long text): what :func:`heuristic_tokens`
-    weighs, after the text's first token."""
-    scale, kind, (even, odd), scripts, _ = _measured(text)
+    has, each script's characters, and the tokens known to start inside characters (all scaled up from the sample
+    of a long text): what :func:`heuristic_tokens` weighs and adds, after the text's first token."""
+    scale, kind, (even, odd), scripts, _, inside = _measured(text)
     counts = collections.Counter(even + odd)
-    return kind, [counts[pair] * scale for pair in range(256)], {name: n * scale for name, n in scripts.items()}
+    weighed = [counts[pair] * scale for pair in range(256)]
+    return kind, weighed, {name: n * scale for name, n in scripts.items()}, inside * scale
 
 
 def heuristic_tokens(text: str) -> int:
     """Estimate the cl100k token count of ``text`` without a tokenizer (fitted so that no class of its corpus is
-    under): its first token, and the weights of its gaps and of its scripts' characters (:func:`heuristic_features`)."""
+    more than 2 % under): its first token, the weights of its gaps and of its scripts' characters, and the tokens
+    known inside its numbers and Han characters (:func:`heuristic_features`)."""
     if not text:
         return 0
-    scale, kind, gaps, scripts, _ = _measured(text)
-    tokens = _weighed(gaps, _GAP_WEIGHTS) + (_weighed(gaps, _KIND_GAP_WEIGHTS[kind]) if kind != "ascii" else 0)
-    tokens /= HEURISTIC_GAP_UNIT
+    scale, kind, gaps, scripts, _, inside = _measured(text)
+    tokens = _weighed(gaps, _GAP_WEIGHTS[kind]) / HEURISTIC_GAP_UNIT + inside
     if scripts:
         tokens += sum(HEURISTIC_SCRIPT_WEIGHTS[name] * n for name, n in scripts.items())
     return 1 + round(tokens * scale)  # the first token, and those that start at a gap or inside a character
@@ -1273,7 +1363,7 @@ def _layout(classes: bytes) -> str:
 def _text_label(text: str) -> str:
     """One text's class: the script of most of its characters when it has a good share of them, else its kind
     (the heuristic's ``json``, ``escaped``, ``latin`` or ``plain``, else its layout: ``code`` or ``ascii``)."""
-    scale, kind, _, scripts, classes = _measured(text)
+    scale, kind, _, scripts, classes, _ = _measured(text)
     top = max(scripts, key=scripts.__getitem__, default=None)
     if top and scripts[top] * scale >= TEXT_CLASS_SCRIPT * len(text):
         return top

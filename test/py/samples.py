@@ -10,9 +10,14 @@ and Korean).
 from __future__ import annotations
 
 import base64
+import collections
+import datetime
 import hashlib
 import json
 import random
+import re
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,4 +127,82 @@ def corpus_pieces(part: str | None = None) -> list[tuple[str, str, str]]:
                 end = cut + 1 if cut > start else end
             out.append((entry["class"], entry["part"], text[start:end]))
             start = end
+    return out
+
+
+# --- shapes the corpus has little of, generated from its own documents' words ----------------------------------------
+GENERATED_PIECES = 24  # pieces of each shape in each part
+COMMON_WORDS = 800  # "common": the words (4 to 8 letters) and Han characters a part's documents use most
+
+
+def _part_text(klass: str, part: str) -> str:
+    return "\n".join(
+        (CORPUS / e["file"]).read_text(encoding="utf-8") for e in corpus() if (e["class"], e["part"]) == (klass, part)
+    )
+
+
+def _common(items: list[str], keep: int) -> list[str]:
+    return [item for item, _ in collections.Counter(items).most_common(keep)]
+
+
+START = datetime.datetime(2026, 1, 1)
+
+
+def _record(rng: random.Random, words: list[str]) -> dict:
+    """A generated record: ids, numbers, dates, flags, names and addresses, a nested list and object."""
+    word = lambda: rng.choice(words)  # noqa: E731
+    return {
+        "id": rng.randint(1, 10**9),
+        "uuid": str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+        "name": f"{word().title()} {word().title()}",
+        "email": f"{word()}.{word()}{rng.randint(1, 99)}@example.org",
+        "created": f"{START + datetime.timedelta(seconds=rng.randrange(10**8)):%Y-%m-%dT%H:%M:%SZ}",
+        "active": rng.random() < 0.5,
+        "score": round(rng.uniform(0, 1000), rng.randint(0, 4)),
+        "parent": None if rng.random() < 0.3 else rng.randint(1, 10**6),
+        "tags": [word() for _ in range(rng.randint(0, 4))],
+        "address": {"street": f"{rng.randint(1, 999)} {word().title()} Street", "zip": f"{rng.randint(0, 99999):05d}"},
+    }
+
+
+def _shapes(rng: random.Random, part: str) -> dict[str, Callable[[int], str]]:
+    """Each shape: a text of about ``size`` characters, from the words of this part's documents."""
+    english = _part_text("English prose", part)
+    words = re.findall(r"[a-z]+", english)
+    common = _common([w for w in words if 4 <= len(w) <= 8], COMMON_WORDS)
+    han = _common(re.findall(r"[\u4e00-\u9fff]", _part_text("Chinese", part)), COMMON_WORDS)
+
+    def run(pick: Callable[[], str], sep: str = " ") -> Callable[[int], str]:
+        return lambda size: sep.join(pick() for _ in range(max(1, size // 7)))
+
+    legal = re.findall(r"[A-Z]+", _part_text("capitals (legal)", part))
+
+    def capitals(size: int) -> str:
+        sentences = []
+        while sum(map(len, sentences)) < size:
+            words = [rng.choice(legal) for _ in range(rng.randint(8, 30))]
+            sentences.append(", ".join(" ".join(words[i : i + 6]) for i in range(0, len(words), 6)) + ".")
+        return " ".join(sentences)
+
+    return {
+        "English word runs": run(lambda: rng.choice(common)),
+        "Title Case words": run(lambda: rng.choice(common).title()),
+        "legal words in capitals": capitals,
+        "JSON records": lambda size: json.dumps(
+            [_record(rng, common) for _ in range(1 + size // 400)], separators=(",", ":")
+        ),
+        "Han characters": lambda size: "".join(rng.choice(han) for _ in range(size // 2)),
+    }
+
+
+def generated_pieces(part: str | None = None) -> list[tuple[str, str, str]]:
+    """(class, part, text) of generated shapes: runs of common 4-8-letter English words (plain and Title Case),
+    sentences of the words of the licenses' disclaimers in capitals, minified JSON records, random common Han
+    characters. The fitted pieces draw on the fitted documents' words, the held-back ones on the held-back
+    documents' (seeded)."""
+    out = []
+    for name in ("fit", "held") if part is None else (part,):
+        rng = random.Random(f"generated-{name}")
+        for klass, make in _shapes(rng, name).items():
+            out += [(klass, name, make(rng.choice(PIECE_SIZES))) for _ in range(GENERATED_PIECES)]
     return out

@@ -17,7 +17,7 @@ from builders import COOKBOOK, conversation, user
 from conftest import load_session, session_files
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from samples import corpus, corpus_pieces, samples
+from samples import corpus_pieces, generated_pieces, samples
 
 import context_shrink as cs
 
@@ -134,24 +134,121 @@ def test_heuristic_beats_chars_over_four_where_it_matters(cl100k: cs.Tokenizer) 
 
 def test_heuristic_features_and_sum_agree() -> None:
     text = "Привет, 世界! def f(x): return x*2  # 0xdeadbeef नमस्ते 😀 " * 200  # long: sampled
-    kind, gaps, scripts = cs.heuristic_features(text)
-    weights = cs.HEURISTIC_GAPS, cs.HEURISTIC_KIND_GAPS.get(kind, {})
-    raw = sum(n * weights[0][pair // 16][pair % 16] for pair, n in enumerate(gaps))
-    names = cs.HEURISTIC_CLASSES
-    raw += sum(n * weights[1].get((names[pair // 16], names[pair % 16]), 0) for pair, n in enumerate(gaps))
-    raw = 1 + raw / cs.HEURISTIC_GAP_UNIT + sum(cs.HEURISTIC_SCRIPT_WEIGHTS[name] * n for name, n in scripts.items())
+    kind, gaps, scripts, inside = cs.heuristic_features(text)
+    names, own = cs.HEURISTIC_CLASSES, cs.HEURISTIC_KIND_GAPS.get(kind, {})
+    weight = lambda pair: own.get((names[pair // 16], names[pair % 16]), cs.HEURISTIC_GAPS[pair // 16][pair % 16])  # noqa: E731
+    raw = sum(n * weight(pair) for pair, n in enumerate(gaps)) / cs.HEURISTIC_GAP_UNIT + inside
+    raw += 1 + sum(cs.HEURISTIC_SCRIPT_WEIGHTS[name] * n for name, n in scripts.items())
     assert abs(cs.heuristic_tokens(text) - raw) <= 1
     assert {"Cyrillic (U+0400-U+043F)", "Han", "Devanagari", "emoji (U+1E000-U+1FFFF)"} <= set(scripts)
-    assert sum(gaps) == pytest.approx(1023 * len(text) / 1024)  # every gap of the 1,024-character sample, scaled
+    assert inside > 0  # the number's pieces of three digits, and the tokens inside its Han characters
+    sample = cs.HEURISTIC_SAMPLE
+    assert sum(gaps) == pytest.approx((sample - 1) * len(text) / sample)  # every gap of the sample, scaled
 
 
-@pytest.mark.parametrize("klass", sorted({e["class"] for e in corpus()}))
+HELD_BACK = corpus_pieces("held") + generated_pieces("held")
+
+
+@pytest.mark.parametrize("klass", sorted({klass for klass, _, _ in HELD_BACK}))
 def test_the_estimate_is_right_by_class_on_the_held_back_corpus(cl100k: cs.Tokenizer, klass: str) -> None:
-    """The fitted heuristic on the half of the corpus its fit never saw (test/data/corpus): every class within
-    +10 % of cl100k and none more than 5 % under (an underestimate is refused by the server)."""
-    texts = [text for c, _, text in corpus_pieces("held") if c == klass]
+    """The fitted heuristic on the half of the corpus its fit never saw (test/data/corpus), and on the generated
+    shapes drawn from that half's words: every class within +10 % of cl100k and none more than 5 % under (an
+    underestimate is refused by the server)."""
+    texts = [text for c, _, text in HELD_BACK if c == klass]
     ratio = sum(map(cs.heuristic_tokens, texts)) / sum(map(cl100k.count, texts))
     assert 0.95 <= ratio <= 1.10, f"{klass}: heuristic / cl100k = {ratio:.3f} on {len(texts)} held-back pieces"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**60), st.sampled_from(["", " ", "x", "id=", "-", "0."]))
+def test_a_number_is_cut_into_pieces_of_three_digits_as_cl100k_cuts_it(
+    cl100k: cs.Tokenizer, n: int, before: str
+) -> None:
+    """Right by construction, not fitted: cl100k's pre-tokenizer cuts a run of digits into pieces of at most three
+    (``\\p{N}{1,3}``), so the tokens inside a number are counted, not estimated."""
+    digits = str(n)
+    assert 1 + cs.heuristic_features(digits)[3] == cl100k.count(digits)
+    assert cs.heuristic_features(before + digits)[3] == (len(digits) - 1) // 3
+
+
+def test_every_han_character_is_weighed_at_the_tokens_cl100k_makes_of_it(cl100k: cs.Tokenizer) -> None:
+    """HAN_TOKENS is cl100k's own count for each Han character alone (1 to 3): the tokens inside a Han
+    character are read off it, for every one of U+4000-U+9FFF (random common characters were 22 % under when one
+    rate per character was fitted to prose)."""
+    first, last = cs.HAN_FIRST, 0x9FFF
+    for code in range(first, last + 1):
+        char = chr(code)
+        assert cs.heuristic_features(char)[3] == cl100k.count(char) - 1, hex(code)
+
+
+WORDS = """about above across action after again against almost along already always among animal answer around became
+because become before began begin behind being below better between bring brought build built called cannot
+carry caught center certain change children circle city class clear close color common complete could country
+course cover cross dance death decide deep develop different direction doctor dollar during early earth eight
+either energy enough equal even evening every example except explain family farmer father field figure final
+finger finish follow force forest found friend front garden general girl given glass govern great green ground
+group happen heard heart heavy history horse house human hundred idea important inch island itself knowledge
+language large later laugh learn leave letter light little machine market matter measure middle might minute
+modern money month morning mother mountain music nation nature near never night north nothing notice number
+object ocean office often order other paper party people perhaps period person picture piece place plain plant
+point position power present problem produce product public question quick quite reach ready reason record
+region remember report rest result river rock round science second section seem sentence serve settle several
+shape short should side simple since single sister small social soldier something sound south space speak
+special spell spring square stand start state station still stone story street strong student study subject
+suggest summer surface system table teacher there these thing think third those though thought thousand three
+through together toward town track trade travel tree trouble under until usual valley village voice water
+weather week weight where which while white whole window winter without woman women wonder word work world would
+write written young""".split()  # noqa: SIM905
+LEGAL = """THE SOFTWARE IS PROVIDED AS WITHOUT WARRANTY OF ANY KIND EXPRESS OR IMPLIED INCLUDING BUT NOT LIMITED TO
+WARRANTIES MERCHANTABILITY FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT IN NO EVENT SHALL AUTHORS
+COPYRIGHT HOLDERS BE LIABLE CLAIM DAMAGES OTHER LIABILITY WHETHER AN ACTION CONTRACT TORT OTHERWISE ARISING FROM
+OUT CONNECTION WITH USE DEALINGS THIS BY CONTRIBUTORS DISCLAIMED DIRECT INDIRECT INCIDENTAL SPECIAL EXEMPLARY
+CONSEQUENTIAL PROCUREMENT SUBSTITUTE GOODS SERVICES LOSS DATA PROFITS BUSINESS INTERRUPTION HOWEVER CAUSED ON
+THEORY STRICT NEGLIGENCE WAY EVEN IF ADVISED POSSIBILITY SUCH DAMAGE THERE PROGRAM EXTENT PERMITTED APPLICABLE
+LAW EXCEPT WHEN STATED WRITING PARTIES ENTIRE RISK AS QUALITY PERFORMANCE WITH YOU SHOULD PROVE DEFECTIVE ASSUME
+COST ALL NECESSARY SERVICING REPAIR CORRECTION""".split()  # noqa: SIM905
+HAN = (
+    "的一是不了人我在有他这中大来上个国到说们为子和你地出道也时年得就那要下以生会自着去之过家学对可里后小么心多天而能好都然没日"
+    "于起还发成事只作当想看文无开手十用主行方又如前所本见经头面公同三已老从动两长知民样现分将外但身些与高意进把法此实回二理美点"
+    "月明其种声全工己话儿者向情部正名定女问力机给等几很业最间新什打便位因重被走电四第门相次东政海口使教西再平真听世气信北少关并"
+    "内加化由却代军产入先山五太水万市眼体别处总才场师书比住员九笑性通目华报立马命张活难神数件安表原车白应路期叫死常提感金何更反"
+)
+
+
+def issue_shapes(rng: random.Random) -> dict[str, str]:
+    """The shapes an attack run found far off, generated here from lists of this file (not the corpus's)."""
+    words = [w for w in WORDS if 4 <= len(w) <= 8]
+
+    def record() -> dict[str, Any]:
+        return {"id": rng.randint(1, 10**12), "name": f"{rng.choice(words).title()} {rng.choice(words).title()}",
+                "email": f"{rng.choice(words)}{rng.randint(1, 999)}@example.com", "active": rng.random() < 0.5,
+                "score": round(rng.random() * 100, rng.randint(0, 6)), "lat": rng.uniform(-90, 90),
+                "tags": [rng.choice(words) for _ in range(rng.randint(0, 4))], "parent": None}  # fmt: skip
+
+    def legal() -> str:
+        return " ".join(" ".join(rng.choice(LEGAL) for _ in range(rng.randint(8, 30))) + "." for _ in range(8))
+
+    return {
+        "runs of common 4-8-letter English words": " ".join(rng.choice(words) for _ in range(rng.randint(50, 500))),
+        "legal text in capitals": legal(),
+        "minified JSON records": json.dumps([record() for _ in range(rng.randint(3, 40))], separators=(",", ":")),
+        "random common Han characters": "".join(rng.choice(HAN) for _ in range(rng.randint(100, 1500))),
+        "random Han characters": "".join(chr(rng.randint(0x4E00, 0x9FA5)) for _ in range(rng.randint(100, 1500))),
+    }
+
+
+@pytest.mark.parametrize("shape", list(issue_shapes(random.Random(0))))
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_estimate_is_right_on_shapes_generated_apart_from_the_corpus(
+    cl100k: cs.Tokenizer, shape: str, seed: int
+) -> None:
+    """Each shape within +10 % of cl100k and none more than 5 % under, over 30 texts of it (were: English words
+    2.27x, capitals 2.32x, JSON records 0.95x, random Han 0.53x; common Han was right, its characters mostly one
+    token each)."""
+    rng = random.Random(seed)
+    texts = [issue_shapes(rng)[shape] for _ in range(30)]
+    ratio = sum(map(cs.heuristic_tokens, texts)) / sum(map(cl100k.count, texts))
+    assert 0.95 <= ratio <= 1.10, f"{shape}: heuristic / cl100k = {ratio:.3f}"
 
 
 def utf8_length(name: str) -> int:
@@ -177,9 +274,9 @@ def test_every_script_is_weighed_and_every_weight_keeps_the_sum_exact() -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.integers(0, 255), min_size=1, max_size=1025), st.integers(0, 127))
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=2 * cs.HEURISTIC_SAMPLE + 1), st.integers(0, 127))
 def test_the_gap_sum_is_exact_at_any_size_and_weight(pairs: list[int], top: int) -> None:
-    """Each half of a sample's gaps (at most 513) is summed by adler32 without wrapping, whatever the weights."""
+    """A sample's gaps are summed by adler32, ADLER_SPAN at a time, without wrapping, whatever the weights."""
     weights = bytes([top]) * 256
     even, odd = bytes(pairs[::2]), bytes(pairs[1::2])
     assert cs._weighed((even, odd), weights) == top * len(pairs)
@@ -232,6 +329,9 @@ def test_every_character_counts_once_in_its_own_script(text: str) -> None:
         ("Toute personne a droit à la liberté de pensée, de conscience et de religion ; ce droit " * 3, "latin"),
         ("def tokens(text: str) -> int:\n    return max(1, len(text) // 4)  # rough\n" * 3, "ascii"),
         ("人人有思想、良心和宗教自由的权利\uff1b此项权利包括改变他的宗教或信仰的自由。" * 3, "ascii"),
+        ('THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED. ' * 3, "capitals"),
+        ("garden mountain picture letter simple family river though school picture " * 3, "ascii"),  # no "the"
+        ("Omnes homines liberi aequique dignitate atque iuribus nascuntur ratione conscientiaque " * 3, "plain"),
     ],
 )
 def test_the_kind_tells_languages_apart(text: str, kind: str) -> None:
