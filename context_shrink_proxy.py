@@ -141,6 +141,8 @@ from context_shrink_state import (
 from context_shrink_wire import (
     RECALL_TOKENS,
     WIRES,
+    Call,
+    Rounds,
     Wire,
     recall_lines,
     sse_events,
@@ -872,6 +874,93 @@ class Replayed(httpx2.AsyncByteStream):
                 yield chunk
 
 
+def _plain_events(upstream: httpx2.Response) -> bool:
+    """Whether a reply is a successful event stream the proxy can read as it comes (not encoded)."""
+    plain = upstream.headers.get("content-encoding", "identity") == "identity"
+    return upstream.status_code < 400 and plain and "text/event-stream" in upstream.headers.get("content-type", "")
+
+
+async def sse_blocks(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An event stream's events one by one, each with its blank line (:func:`whole_events`, then split)."""
+    async for chunk in whole_events(chunks):
+        for block in re.split(rb"(?<=\n\n)|(?<=\r\n\r\n)", chunk):
+            if block:
+                yield block
+
+
+def sse_payload(block: bytes) -> dict[str, Any] | bool | None:
+    """An event's JSON payload; None for data that is not a JSON object (``[DONE]``); False for an event
+    without data (a comment, a keep-alive)."""
+    lines = block.decode("utf-8", "replace").splitlines()
+    data = "\n".join(line[5:].lstrip(" ") for line in lines if line.startswith("data:"))
+    if not any(line.startswith("data:") for line in lines):
+        return False
+    payload = json_or(data)
+    return payload if isinstance(payload, dict) else None
+
+
+def sse_block(block: bytes, payload: Mapping[str, Any]) -> bytes:
+    """``block`` with its data replaced by ``payload`` (its ``event:`` and ``id:`` lines kept)."""
+    lines = [line for line in block.decode("utf-8", "replace").splitlines() if line and not line.startswith("data:")]
+    return "\n".join([*lines, f"data: {json.dumps(payload, ensure_ascii=False)}"]).encode() + b"\n\n"
+
+
+class RecallStream(httpx2.AsyncByteStream):
+    """A streamed reply while the recall tool is offered, relayed as it comes: each event goes to the client
+    at once until one that may belong to a tool call or ends the reply (the wire's :class:`Rounds`); the rest
+    of that round is held to its end. When it called the recall tool, the held part is dropped, the calls are
+    answered (:meth:`ProxyFront.answered`) and the model asked again, and its new reply follows in the same
+    stream, renumbered; else the held part goes out. So the agent sees the model's first words as they come,
+    and never the recall call. A round the upstream refuses ends the stream with an error event."""
+
+    def __init__(
+        self, front: ProxyFront, upstream: httpx2.Response, exchange: Exchange, folded: list[dict[str, Any]],
+        limit: int, report: ProxyReport,
+    ) -> None:  # fmt: skip
+        self.front, self.upstream, self.exchange = front, upstream, exchange
+        self.folded, self.limit, self.report = folded, limit, report
+
+    async def aclose(self) -> None:
+        await self.upstream.aclose()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        exchange, body, rounds = self.exchange, self.exchange.body, self.exchange.wire.rounds()
+        for round_ in range(RECALL_ROUNDS + 1):
+            rounds.start()
+            held: list[tuple[bytes, dict[str, Any] | bool | None]] = []
+            async for block in sse_blocks(self.upstream.aiter_raw()):
+                payload = sse_payload(block)
+                if not held and (payload is False or (payload is not None and not rounds.holds(payload))):
+                    if (out := self.relayed(rounds, block, payload, round_)) is not None:
+                        yield out
+                else:
+                    held.append((block, payload))
+            await self.upstream.aclose()
+            asked = [c for c in exchange.wire.calls(b"".join(b for b, _ in held), True) if c.name == RECALL_TOOL]
+            if not asked or round_ == RECALL_ROUNDS:
+                for block, payload in held:
+                    if (out := self.relayed(rounds, block, payload, round_)) is not None:
+                        yield out
+                return
+            body = self.front.answered(exchange, body, asked, self.folded, self.limit, self.report, round_)
+            self.upstream = await self.front.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
+            if not _plain_events(self.upstream):
+                error = scrub_secrets(await self.front.read_whole(self.upstream), self.front.secrets)
+                why = f"upstream {self.front.config.base} answered a recall with {self.upstream.status_code}"
+                log.warning("proxy: %s: %s", why, error[:200])
+                event = {"error": {"message": f"context-shrink proxy: {why}", "type": "upstream_error"}}
+                yield f"data: {json.dumps(event)}\n\n".encode()
+                return
+
+    @staticmethod
+    def relayed(rounds: Rounds, block: bytes, payload: dict[str, Any] | bool | None, round_: int) -> bytes | None:
+        """An event as the client gets it: as it came, renumbered for a later round, or None (not at all)."""
+        if not isinstance(payload, dict):
+            return block
+        out = rounds.relayed(payload, round_ > 0)
+        return None if out is None else block if out is payload else sse_block(block, out)
+
+
 class ProxyFront:
     """The proxy's HTTP front: ``POST .../chat/completions``, ``.../responses`` and ``.../messages`` are
     shrunk (:func:`shrink_request`; the latter two through their chat views) and retried once, strictly
@@ -1149,7 +1238,12 @@ class ProxyFront:
         """The reply the agent gets: while the model calls the recall tool (at most :data:`RECALL_ROUNDS` times),
         the proxy answers it from what this request folded away (:func:`recall_lines`) and asks again, the
         model's call and the answer appended, the last time without the tool; the agent sees only the reply
-        without such a call. A reply too large to hold, or encoded, is relayed as it is."""
+        without such a call. A streamed reply is relayed as it comes (:class:`RecallStream`); a whole one is read
+        first, and relayed as it is when too large to hold or encoded."""
+        if exchange.streamed and _plain_events(upstream):
+            stream = RecallStream(self, upstream, exchange, folded, limit, report)
+            return httpx2.Response(upstream.status_code, headers=upstream.headers, request=upstream.request,
+                                   stream=stream)  # fmt: skip
         body = exchange.body
         for round_ in range(RECALL_ROUNDS + 1):
             if upstream.status_code >= 400 or upstream.headers.get("content-encoding", "identity") != "identity":
@@ -1160,15 +1254,24 @@ class ProxyFront:
             asked = [c for c in exchange.wire.calls(b"".join(head), exchange.streamed) if c.name == RECALL_TOOL]
             if rest is not None or not asked or round_ == RECALL_ROUNDS:
                 return replay
-            count = self.state.tokenizer.count
-            results = [recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls) for c in asked]
-            report.recalled = (report.recalled or 0) + len(asked)
-            log.info("proxy: the model recalled %s", ", ".join(repr(c.query()) for c in asked))
-            body = exchange.wire.answered(body, asked, results)
-            if round_ == RECALL_ROUNDS - 1:  # the last ask: the tool is not offered again (with_tool put it last)
-                body = {**body, "tools": body["tools"][:-1]}
+            body = self.answered(exchange, body, asked, folded, limit, report, round_)
             upstream = await self.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
         return upstream
+
+    def answered(
+        self, exchange: Exchange, body: dict[str, Any], asked: list[Call], folded: list[dict[str, Any]], limit: int,
+        report: ProxyReport, round_: int,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The request asked again after the model's recall calls ``asked``: each answered from what was folded
+        away (:func:`recall_lines`), and the tool no longer offered after the last round but one."""
+        count = self.state.tokenizer.count
+        results = [recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls) for c in asked]
+        report.recalled = (report.recalled or 0) + len(asked)
+        log.info("proxy: the model recalled %s", ", ".join(repr(c.query()) for c in asked))
+        body = exchange.wire.answered(body, asked, results)
+        if round_ == RECALL_ROUNDS - 1:  # the last ask: the tool is not offered again (with_tool put it last)
+            body = {**body, "tools": body["tools"][:-1]}
+        return body
 
     async def deliver(
         self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport

@@ -556,9 +556,120 @@ def sse_events(data: bytes) -> list[dict[str, Any]]:
     return events
 
 
+class Rounds(Protocol):
+    """A streamed reply relayed while the recall tool is offered: the model's replies, one per round (a recall
+    answered, then asked again), go to the client as one. An event goes out as it comes until one that may be
+    part of a tool call, or that ends the reply, arrives (:meth:`holds`): from there the round is held to its
+    end, to be dropped if it called the recall tool. A later round's events are renumbered to follow what the
+    client already has, its opening events dropped (:meth:`relayed`)."""
+
+    def start(self) -> None: ...
+
+    def holds(self, event: Mapping[str, Any]) -> bool: ...
+
+    def relayed(self, event: dict[str, Any], later: bool) -> dict[str, Any] | None: ...
+
+
+class ChatRounds:
+    """Chat Completions: every chunk stands alone; a tool call's deltas, the finishing chunk and the usage hold."""
+
+    def start(self) -> None:
+        pass
+
+    def holds(self, event: Mapping[str, Any]) -> bool:
+        choices = [c for c in event.get("choices") or [] if isinstance(c, dict)]
+        if not choices:
+            return "usage" in event  # the usage chunk ends the reply; an opening one without choices goes out
+        return any(c.get("finish_reason") or (c.get("delta") or {}).get("tool_calls") for c in choices)
+
+    def relayed(self, event: dict[str, Any], later: bool) -> dict[str, Any] | None:
+        return event
+
+
+class ResponsesRounds:
+    """The Responses API: an output item that is not a message or reasoning holds, and so do the reply's end
+    events; a later round's items follow the ones relayed (``output_index``), its ``sequence_number`` too, and
+    its closing response is the first one's (its id, and the output items relayed before it)."""
+
+    ENDS = ("response.completed", "response.incomplete", "response.failed", "error")
+    OPENING = ("response.created", "response.in_progress")
+
+    def __init__(self) -> None:
+        self.items = self.offset = 0  # output items relayed; those relayed before this round
+        self.sequence: int | None = None  # the last sequence number relayed
+        self.id: Any = None  # the response's id, as the first round opened it
+        self.done: dict[int, Any] = {}  # the output items relayed whole, by their place
+
+    def start(self) -> None:
+        self.offset = self.items
+
+    def closing(self, event: dict[str, Any]) -> dict[str, Any]:
+        """A later round's response event as the first round's: its id, and the items relayed before it."""
+        response = event.get("response")
+        if not isinstance(response, dict):
+            return event
+        earlier = [self.done[i] for i in sorted(self.done) if i < self.offset]
+        own = response.get("output") if isinstance(response.get("output"), list) else []
+        return {**event, "response": {**response, "id": self.id, "output": [*earlier, *own]}}
+
+    def holds(self, event: Mapping[str, Any]) -> bool:
+        kind, item = str(event.get("type") or ""), event.get("item")
+        call = isinstance(item, dict) and item.get("type") not in ("message", "reasoning")
+        return kind in self.ENDS or call or kind.startswith("response.function_call")
+
+    def relayed(self, event: dict[str, Any], later: bool) -> dict[str, Any] | None:
+        if later and event.get("type") in self.OPENING:
+            return None
+        if later and isinstance(event.get("output_index"), int):
+            event = {**event, "output_index": event["output_index"] + self.offset}
+        if isinstance(event.get("sequence_number"), int):
+            if later and self.sequence is not None:
+                event = {**event, "sequence_number": self.sequence + 1}
+            self.sequence = event["sequence_number"]
+        if later and self.id is not None:
+            event = self.closing(event)
+        kind, place = event.get("type"), event.get("output_index")
+        if kind == "response.created" and isinstance(event.get("response"), dict):
+            self.id = event["response"].get("id")
+        if kind == "response.output_item.added" and isinstance(place, int):
+            self.items = max(self.items, place + 1)
+        if kind == "response.output_item.done" and isinstance(place, int):
+            self.done[place] = event.get("item")
+        return event
+
+
+class MessagesRounds:
+    """Anthropic Messages: a content block that is not text or thinking holds, and so do the reply's end events;
+    a later round's blocks follow the ones relayed (``index``), its ``message_start`` dropped."""
+
+    ENDS = ("message_delta", "message_stop", "error")
+    SAID = ("text", "thinking", "redacted_thinking")
+
+    def __init__(self) -> None:
+        self.blocks = self.offset = 0  # content blocks relayed; those relayed before this round
+
+    def start(self) -> None:
+        self.offset = self.blocks
+
+    def holds(self, event: Mapping[str, Any]) -> bool:
+        block = event.get("content_block")
+        opens_call = event.get("type") == "content_block_start" and (block or {}).get("type") not in self.SAID
+        return event.get("type") in self.ENDS or opens_call
+
+    def relayed(self, event: dict[str, Any], later: bool) -> dict[str, Any] | None:
+        if later and event.get("type") == "message_start":
+            return None
+        if later and isinstance(event.get("index"), int):
+            event = {**event, "index": event["index"] + self.offset}
+        if event.get("type") == "content_block_start" and isinstance(event.get("index"), int):
+            self.blocks = max(self.blocks, event["index"] + 1)
+        return event
+
+
 class Wire(Protocol):
     """One wire API as the proxy sees it: its body as a chat view and written back, and what recall needs: its
-    tool format, the calls in a reply (whole or streamed), and a request answering them."""
+    tool format, the calls in a reply (whole or streamed), a request answering them, and how a streamed reply
+    is relayed round after round (:class:`Rounds`)."""
 
     def view(self, body: Mapping[str, Any]) -> ChatView: ...
 
@@ -570,9 +681,13 @@ class Wire(Protocol):
 
     def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]: ...
 
+    def rounds(self) -> Rounds: ...
+
 
 class ChatWire:
     """Chat Completions (OpenCode and most clients): the body is its own chat view."""
+
+    rounds = ChatRounds
 
     def view(self, body: Mapping[str, Any]) -> ChatView:
         messages = validate_messages(body.get("messages"))
@@ -613,6 +728,8 @@ class ChatWire:
 class ResponsesWire:
     """The Responses API (Codex CLI)."""
 
+    rounds = ResponsesRounds
+
     view = staticmethod(responses_view)
     write = staticmethod(responses_body)
 
@@ -646,6 +763,8 @@ class ResponsesWire:
 
 class MessagesWire:
     """Anthropic Messages (Claude Code)."""
+
+    rounds = MessagesRounds
 
     view = staticmethod(messages_view)
     write = staticmethod(messages_body)

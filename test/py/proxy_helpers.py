@@ -24,10 +24,11 @@ def proxy(upstream: str, *flags: str, log: Path, env: dict[str, str] | None = No
 
 
 @contextlib.contextmanager
-def started(*arguments: str, log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Run ``context_shrink.py <arguments> --port P`` until it listens; yields ``http://127.0.0.1:P``."""
+def started(*arguments: str, log: Path, env: dict[str, str] | None = None, module: Path | None = None) -> Iterator[str]:
+    """Run ``context_shrink.py <arguments> --port P`` (this checkout's, or ``module``) until it listens; yields
+    ``http://127.0.0.1:P``."""
     port = free_port()
-    command = [sys.executable, str(MODULE), *arguments, "--port", str(port)]
+    command = [sys.executable, str(module or MODULE), *arguments, "--port", str(port)]
     environment = {**os.environ, "CONTEXT_SHRINK_TOKENIZER": "tiktoken", **(env or {})}
     with log.open("ab") as err:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=environment)

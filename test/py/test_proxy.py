@@ -17,12 +17,12 @@ from typing import Any
 import httpx2
 import pytest
 from agent_requests import claude_request, codex_request, opencode_request
-from agent_upstream import AgentUpstream
 from builders import chat_history, conversation
 from checks import anthropic_problems, responses_problems
 from fake_openai import FakeOpenAI, serve
 from mcp_calls import call, ok, run
 from proxy_helpers import MODULE, proxy, started
+from recalling import PREAMBLE, RecallingModel, SlowRecaller
 from starlette.responses import JSONResponse
 from tiny_llama import free_port
 from upstreams import SUMMARY, Recorder, proxied
@@ -576,25 +576,6 @@ def test_an_edited_anthropic_message_keeps_every_part_it_did_not_change(tmp_path
 # --------------------------------------------------------------------------- recall by the model (#27)
 
 
-class RecallingModel(AgentUpstream):
-    """A model that calls the proxy's recall tool while it is offered, ``times`` times at most, then answers
-    ``done``; it records what each recall answered."""
-
-    def __init__(self, window: int, query: str, times: int = 1) -> None:
-        super().__init__(window, [], 0)
-        self.query, self.times, self.recalled = query, times, []
-
-    def next_call(self, tools: list[Any], view: csw.ChatView | None = None) -> tuple[str, str] | None:
-        if view is None:
-            return None
-        calls = [c for m in view.messages for c in m.get("tool_calls") or []]
-        ids = {c["id"] for c in calls if c["function"]["name"] == cs.RECALL_TOOL}
-        self.recalled = [cs.plain_content(m.get("content")) for m in view.messages if m.get("tool_call_id") in ids]
-        if len(ids) >= self.times or not any(n == cs.RECALL_TOOL for n, _ in tools):
-            return None
-        return cs.RECALL_TOOL, json.dumps({"query": self.query})
-
-
 def chat_request(turns: int, result_size: int) -> dict[str, Any]:
     """An OpenCode-like Chat Completions request: a task, then turns of a shell call and its output."""
     messages: list[dict[str, Any]] = [
@@ -632,7 +613,12 @@ def test_a_model_that_recalls_gets_the_folded_content_and_the_agent_never_sees_t
     with serve(model) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
         reply = httpx2.post(url + path, json=body, timeout=60)
     assert reply.status_code == 200, reply.text
-    assert "recalled=1" in reply.headers["x-context-shrink"] and not model.refused
+    assert not model.refused  # a streamed reply's header goes out before the model recalls: the log says it
+    assert (
+        "recalled=1" in reply.headers["x-context-shrink"]
+        if not stream
+        else "the model recalled" in (tmp_path / "log").read_text()
+    )
     assert model.recalled and "line 0" in model.recalled[0]  # the first output, folded away, came back
     assert cs.RECALL_TOOL not in reply.text and "done" in reply.text  # the agent sees only the answer
     first, second = [b for _, b in model.log[-2:]]
@@ -640,6 +626,111 @@ def test_a_model_that_recalls_gets_the_folded_content_and_the_agent_never_sees_t
     problems = {"chat": lambda b: cs.api_problems(b["messages"]), "responses": responses_problems,
                 "messages": anthropic_problems}[api]  # fmt: skip
     assert problems(second) == []
+
+
+def streamed_reply_problems(api: str, payloads: list[Any]) -> list[str]:
+    """What a client of ``api`` would trip on in a streamed reply made of several rounds: its events out of
+    order or numbered twice, an opening or a closing event repeated."""
+    events = [p for p in payloads if isinstance(p, dict)]
+    if api == "chat":
+        return [] if payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1 else ["[DONE] not once, last"]
+    if api == "responses":
+        numbers = [e["sequence_number"] for e in events]
+        added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+        kinds = [e["type"] for e in events]
+        problems = [] if numbers == list(range(len(numbers))) else [f"sequence numbers {numbers}"]
+        problems += [] if added == list(range(len(added))) else [f"output items {added}"]
+        problems += [] if kinds.count("response.created") == 1 and kinds[-1] == "response.completed" else [str(kinds)]
+        return problems
+    started = [e["index"] for e in events if e["type"] == "content_block_start"]
+    kinds = [e["type"] for e in events]
+    problems = [] if started == list(range(len(started))) else [f"content blocks {started}"]
+    problems += [] if kinds.count("message_start") == 1 and kinds[-1] == "message_stop" else [str(kinds)]
+    return problems
+
+
+def reply_words(api: str, payloads: list[Any]) -> str:
+    """The text the client assembles from a streamed reply."""
+    events = [p for p in payloads if isinstance(p, dict)]
+    if api == "chat":
+        return "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices") or [])
+    if api == "responses":
+        return "".join(e.get("delta") or "" for e in events if e["type"] == "response.output_text.delta") + "".join(
+            p["text"] for e in events if e["type"] == "response.output_item.done"
+            for p in e["item"].get("content") or [] if e["output_index"] > 0
+        )  # fmt: skip
+    return "".join(e["delta"].get("text") or "" for e in events if e["type"] == "content_block_delta")
+
+
+@pytest.mark.parametrize("recalls", [0, 1])
+@pytest.mark.parametrize("api", list(RECALL_APIS))
+def test_a_streamed_reply_with_recall_offered_reaches_the_agent_as_it_comes(
+    api: str, recalls: int, tmp_path: Path
+) -> None:
+    """#50: while the recall tool is offered, the model's first words reach the agent while the model is still
+    replying (the model waits for the client to have them); a recall call is answered in the same stream, the
+    agent never sees it, and the rounds read as one reply (one opening, one end, blocks and items numbered on)."""
+    path, build = RECALL_APIS[api]
+    model = SlowRecaller(6000, "cat f0", times=recalls)
+    body = {**build(24, 80), "stream": True}
+    payloads: list[Any] = []
+    flags = ("--window", "6000", "--no-archive")
+    with (
+        serve(model) as upstream,
+        proxy(upstream, *flags, log=tmp_path / "log") as url,
+        httpx2.stream("POST", url + path, json=body, timeout=60) as reply,
+    ):
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data:"):
+                payloads.append(cs.json_or(line[5:].strip(), line[5:].strip()))
+                model.heard.set() if PREAMBLE in line else None
+    assert model.in_time and model.in_time[0], "the agent had no word before the model's reply ended"
+    assert len(model.log) == 1 + recalls and (not recalls or "line 0" in model.recalled[0])
+    text = json.dumps(payloads)
+    assert cs.RECALL_TOOL in json.dumps(model.log[0][1]["tools"]) and cs.RECALL_TOOL not in text
+    assert reply_words(api, payloads).startswith(PREAMBLE) and "done" in reply_words(api, payloads)
+    assert streamed_reply_problems(api, payloads) == []
+    if recalls:
+        assert "the model recalled 'cat f0'" in (tmp_path / "log").read_text()
+
+
+def sdk_reply(api: str, url: str, body: dict[str, Any]) -> tuple[str, list[str]]:
+    """A streamed request through the official SDK's streaming helper, which assembles the events into one reply
+    (and refuses events out of order): the reply's text and the kinds of its parts."""
+    import anthropic
+    import openai
+
+    if api == "messages":
+        client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="sk-local-test", max_retries=0)
+        fields = {k: body[k] for k in ("model", "max_tokens", "system", "messages", "tools") if k in body}
+        with client.messages.stream(**fields) as stream:
+            message = stream.get_final_message()
+        return "".join(getattr(b, "text", "") for b in message.content), [b.type for b in message.content]
+    llm = openai.OpenAI(base_url=url, api_key="sk-local-test", max_retries=0)
+    if api == "responses":
+        fields = {k: body[k] for k in ("model", "input", "instructions", "tools") if k in body}
+        with llm.responses.stream(**fields) as stream:
+            response = stream.get_final_response()
+        return response.output_text, [item.type for item in response.output]
+    with llm.chat.completions.stream(model=body["model"], messages=body["messages"], tools=body["tools"]) as stream:
+        completion = stream.get_final_completion()
+    message = completion.choices[0].message
+    return message.content or "", ["tool_calls"] * len(message.tool_calls or []) + ["content"]
+
+
+@pytest.mark.parametrize("api", list(RECALL_APIS))
+def test_the_official_sdks_read_a_streamed_reply_with_a_recall_as_one_reply(api: str, tmp_path: Path) -> None:
+    """The openai and anthropic Python SDKs' streaming helpers (which check each event's place and the
+    response's identity) assemble the rounds of a recall into one reply: the model's words, no recall call."""
+    build = RECALL_APIS[api][1]
+    model = SlowRecaller(6000, "cat f0", times=1)
+    model.heard.set()  # the model does not wait: this test reads the reply whole
+    with serve(model) as upstream, proxy(upstream, "--window", "6000", "--no-archive", log=tmp_path / "log") as url:
+        text, parts = sdk_reply(api, url, build(24, 80))
+    assert len(model.log) == 2 and "line 0" in model.recalled[0]  # recalled, then asked again
+    assert text.startswith(PREAMBLE) and text.endswith("done") and "function_call" not in parts
+    assert "tool_use" not in parts and "tool_calls" not in parts
 
 
 def test_recalls_are_bounded_per_request_and_the_last_answer_has_no_tool(tmp_path: Path) -> None:
