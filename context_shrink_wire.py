@@ -21,6 +21,7 @@ __all__ = [
 ]
 
 
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -307,19 +308,38 @@ def _view_places(view: ChatView, sent: Sequence[Mapping[str, Any]]) -> list[int 
     for message in sent:
         found = unchanged.get(fingerprint(message))
         places.append(found.popleft() if found else next((by_call[c] for c in calls(message) if c in by_call), None))
-    taken = {k for k in places if k is not None}
-    for j, message in enumerate(sent):
-        text = plain_content(message.get("content"))
-        if places[j] is not None or text.startswith((SUMMARY_MARKER, LEDGER_MARKER)):
-            continue
-        low = next((places[i] for i in range(j - 1, -1, -1) if places[i] is not None), -1)
-        high = next((places[i] for i in range(j + 1, len(sent)) if places[i] is not None), len(view.messages))
-        between = [k for k in range(low + 1, high) if k not in taken and view.origins[k] != -1
-                   and view.messages[k]["role"] == message["role"]]  # fmt: skip
-        if len(between) == 1:
-            places[j] = between[0]
-            taken.add(between[0])
+    _place_the_rest(view, sent, places)
     return places
+
+
+def _place_the_rest(view: ChatView, sent: Sequence[Mapping[str, Any]], places: list[int | None]) -> None:
+    """Place each changed message that is the one message of its role missing between its placed neighbours,
+    in one pass: the neighbours from a pass each way, the missing ones of each role kept sorted (``bisect``),
+    so a request of many changed messages costs n log n, not n squared."""
+    taken = {k for k in places if k is not None}
+    free: dict[str, list[int]] = collections.defaultdict(list)  # by role, in order: not placed, not the view's own
+    for k, message in enumerate(view.messages):
+        if k not in taken and view.origins[k] != -1:
+            free[message["role"]].append(k)
+    placed: dict[str, list[int]] = collections.defaultdict(list)  # by role, sorted: placed by this pass
+    placed_now: set[int] = set()
+    after, high = [len(view.messages)] * len(sent), len(view.messages)
+    for j in range(len(sent) - 1, -1, -1):  # the nearest placed message after each one
+        after[j] = high
+        high = places[j] if places[j] is not None else high
+    low = -1
+    for j, message in enumerate(sent):
+        if places[j] is not None or plain_content(message.get("content")).startswith((SUMMARY_MARKER, LEDGER_MARKER)):
+            low = places[j] if places[j] is not None else low
+            continue
+        role = message["role"]
+        first, last = bisect.bisect_right(free[role], low), bisect.bisect_left(free[role], after[j])
+        gone = bisect.bisect_left(placed[role], after[j]) - bisect.bisect_right(placed[role], low)
+        if last - first - gone == 1:  # the one missing: the range holds it and the ``gone`` placed already
+            k = next(k for k in free[role][first:last] if k not in placed_now)
+            places[j] = low = k
+            bisect.insort(placed[role], k)
+            placed_now.add(k)
 
 
 def _anthropic_content(content: Any) -> list[dict[str, Any]]:
@@ -338,14 +358,13 @@ def _anthropic_content(content: Any) -> list[dict[str, Any]]:
     return blocks
 
 
-def _edited_message(original: Mapping[str, Any], view: ChatView, origin: int,
+def _edited_message(original: Mapping[str, Any], view: ChatView, mine: Sequence[int],
                     sent: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:  # fmt: skip
-    """The Anthropic message ``original`` (body message ``origin``) with only what the pipeline changed
-    changed, block by block: every block whose chat message went out unchanged is kept as sent (images,
+    """The Anthropic message ``original`` (the view's messages ``mine`` stand for it) with only what the pipeline
+    changed changed, block by block: every block whose chat message went out unchanged is kept as sent (images,
     ``is_error``, ``cache_control``, citations and all); a changed tool result keeps its block with the new
     content; a changed text or call is rebuilt in its place; a dropped one goes. None when nothing is left
     (an assistant turn that held only thinking, its reasoning removed)."""
-    mine = [k for k, o in enumerate(view.origins) if o == origin]
     results = iter(k for k in mine if view.messages[k]["role"] == "tool")
     rest = next((k for k in mine if view.messages[k]["role"] != "tool"), None)
     out: list[dict[str, Any]] = []
@@ -425,6 +444,9 @@ def messages_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mappin
     block by block (:func:`_edited_message`); a message the pipeline wrote (a summary, the ledger) goes into a
     user turn. No message leaves with empty content; adjacent turns of one role are joined."""
     places = _view_places(view, sent)
+    members: dict[int, list[int]] = collections.defaultdict(list)  # each body message's chat messages, in order
+    for k, o in enumerate(view.origins):
+        members[o].append(k)
     out: dict[str, Any] = {k: v for k, v in body.items() if k != "system"}
     groups: list[tuple[int | None, dict[int, Mapping[str, Any]], list[Mapping[str, Any]]]] = []
     for message, k in zip(sent, places, strict=True):
@@ -443,9 +465,9 @@ def messages_body(body: Mapping[str, Any], view: ChatView, sent: Sequence[Mappin
             blocks = [b for m in messages for b in _anthropic_blocks(m)]
             message: dict[str, Any] | None = {"role": role, "content": blocks} if blocks else None
         else:
-            message = _edited_message(body["messages"][origin], view, origin, placed)
+            message = _edited_message(body["messages"][origin], view, members[origin], placed)
             if message is not None and all(fingerprint(m) == fingerprint(view.messages[k]) for k, m in placed.items()) \
-                    and len(placed) == view.origins.count(origin):  # fmt: skip
+                    and len(placed) == len(members[origin]):  # fmt: skip
                 message = dict(body["messages"][origin])  # all of it went out unchanged: as the client sent it
         if message is not None:
             _join_turn(written, message)
