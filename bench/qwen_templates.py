@@ -25,6 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 from workloads import load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
+import context_shrink_models as csm  # noqa: E402
 
 MODELS = {"qwen2.5": "qwen2.5-72b-instruct", "qwen3": "qwen3-8b", "qwen3.5": "qwen3.6-27b"}
 STRING_TEMPLATES = {"qwen2.5", "qwen3"}  # the templates that concatenate content as a string
@@ -112,7 +113,7 @@ def main() -> int:
                     except Exception:  # the family's template refuses this prefix (and so does ours, below)
                         prompt = None
                     try:
-                        mine = cs.QWEN_TEMPLATES[family].render(prefix, tools)
+                        mine = csm.QWEN_TEMPLATES[family].render(prefix, tools)
                     except cs.ContextShrinkError:
                         mine = None
                     if prompt is None or mine is None:

@@ -14,6 +14,7 @@ from types import ModuleType
 import pytest
 
 import context_shrink as cs
+import context_shrink_models as csm
 import context_shrink_proxy as csp
 import context_shrink_sessions as css
 import context_shrink_state as cst
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.core  # the fast loop: ./test/test.sh --fast
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = Path(cs.__file__).read_text(encoding="utf-8")
-ALIASES: dict[str, ModuleType] = {"cs": cs, "csp": csp, "css": css, "cst": cst, "csw": csw}
+ALIASES: dict[str, ModuleType] = {"cs": cs, "csm": csm, "csp": csp, "css": css, "cst": cst, "csw": csw}
 COMPANION_FILES = sorted(REPO.glob("context_shrink_*.py"))
 ALL_FILES = [REPO / "context_shrink.py", *COMPANION_FILES]
 

@@ -13,6 +13,7 @@ from builders import assistant, conversation, tool, user
 from mcp_calls import call, ok, run
 
 import context_shrink as cs
+import context_shrink_models as csm
 
 tokenizers = pytest.importorskip("tokenizers")
 jinja2 = pytest.importorskip("jinja2")
@@ -99,7 +100,7 @@ def test_hf_cache_lookup_is_offline_and_takes_the_main_revision(
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    assert cs.find_hf_tokenizer("Acme/Tiny-7B") == path
+    assert csm.find_hf_tokenizer("Acme/Tiny-7B") == path
     tok = cs.resolve_tokenizer("hf:Acme/Tiny-7B")
     assert tok.name == "hf:Acme/Tiny-7B (chat template)"
     # auto picks the model's own tokenizer when the model is named and cached
@@ -107,7 +108,7 @@ def test_hf_cache_lookup_is_offline_and_takes_the_main_revision(
     assert auto.name == tok.name and auto.exact(messages()) == rendered(messages(), path)
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    assert cs.hf_cache_dir() == tmp_path / "hub"
+    assert csm.hf_cache_dir() == tmp_path / "hub"
 
 
 @pytest.mark.parametrize(
@@ -187,7 +188,7 @@ def test_qwen_renders_its_family_template_exactly(family: str) -> None:
     nested values), results in a row, reasoning and a content list (test/data/qwen, rendered with jinja2 from
     the models' templates): byte for byte."""
     expected = (qwen_case.DATA / "qwen" / f"{family}.txt").read_text(encoding="utf-8")
-    assert cs.QWEN_TEMPLATES[family].render(qwen_case.messages(), qwen_case.tools()) == expected
+    assert csm.QWEN_TEMPLATES[family].render(qwen_case.messages(), qwen_case.tools()) == expected
 
 
 @pytest.mark.parametrize(("model", "family"), [("qwen3.6-27b", "qwen3.5"), ("qwen2.5-7b-instruct", "qwen2.5")])
@@ -204,7 +205,7 @@ def test_qwen_counts_the_rendered_prompt_through_the_tools(tmp_path: Path, model
     long = [*qwen_case.messages()[:-1], *conversation(30, size=60)[1:]]
     trimmed = ok(run(call(server, "trim_context", {"messages": long, "tools": qwen_case.tools(),
                                                    "max_context_tokens": 3000})))  # fmt: skip
-    prompt = cs.QWEN_TEMPLATES[family].render(trimmed["messages"], qwen_case.tools())
+    prompt = csm.QWEN_TEMPLATES[family].render(trimmed["messages"], qwen_case.tools())
     assert trimmed["fits"] and trimmed["tokens_after"] == len(encoder.encode(prompt, allowed_special="all")) <= 3000
 
 

@@ -39,6 +39,7 @@ def test_twine_passes_both_artefacts(dist: Path) -> None:
 
 COMPANIONS = [
     "context_shrink_proxy.py",
+    "context_shrink_models.py",
     "context_shrink_sessions.py",
     "context_shrink_state.py",
     "context_shrink_wire.py",
@@ -174,7 +175,8 @@ def test_the_module_copied_alone_serves_the_mcp_tools(tmp_path: Path) -> None:
     """The card's promise: ``context_shrink.py`` copied into an empty folder is the whole stdio MCP server. Run
     with this environment's packages but nothing of the checkout (``-S`` and site-packages on PYTHONPATH: no
     .pth file puts the checkout back), it lists every tool and answers them; a tool given ``session`` and the
-    ``proxy`` command name the companion file they need instead of failing with a traceback."""
+    ``proxy`` command name the companion file they need instead of failing with a traceback, and a model's own
+    tokenizer (``qwen:``) falls back to another count, saying which file it needs."""
     copy = tmp_path / "context_shrink.py"
     copy.write_bytes((ROOT / "context_shrink.py").read_bytes())
     packages = sysconfig.get_paths()["purelib"]
@@ -200,3 +202,8 @@ def test_the_module_copied_alone_serves_the_mcp_tools(tmp_path: Path) -> None:
                            text=True, timeout=60, cwd=tmp_path, env=env, check=False)  # fmt: skip
     assert proxy.returncode == 2 and "Traceback" not in proxy.stderr, proxy.stderr
     assert "context_shrink_proxy.py beside context_shrink.py" in proxy.stderr
+    qwen = {**env, "CONTEXT_SHRINK_TOKENIZER": "qwen:Qwen3-8B"}
+    counted = subprocess.run([*command, "count", "--input", str(copy)], capture_output=True, text=True, timeout=60,
+                             cwd=tmp_path, env=qwen, check=False)  # fmt: skip
+    assert counted.returncode == 0 and "Traceback" not in counted.stderr, counted.stderr  # counted another way
+    assert "context_shrink_models.py beside context_shrink.py" in counted.stderr + counted.stdout
