@@ -23,7 +23,9 @@ from fake_openai import FakeOpenAI, serve
 from mcp_calls import call, ok, run
 from proxy_helpers import MODULE, proxy, started
 from recalling import PREAMBLE, RecallingModel, SlowRecaller
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from tiny_llama import free_port
 from upstreams import SUMMARY, Recorder, proxied
 
@@ -884,3 +886,49 @@ def test_the_repeated_share_is_what_a_prompt_cache_keeps() -> None:
     assert csp.repeated_share(before, csp.prefix_prints(changed)) == 0.0
     cut = [first[0], *first[3:]]  # a cut after the system prompt: only the system prompt is kept
     assert csp.repeated_share(before, csp.prefix_prints(cut)) == round(before[0][1] / csp.prefix_prints(cut)[-1][1], 4)
+
+
+class ChangingModels(FakeOpenAI):
+    """An upstream whose ``GET /v1/models`` answers differently every time (as llama.cpp's does: its ``created``
+    is the time of the request), saying which answer it gave in a header, so each relayed answer can be checked
+    against the very one the upstream sent."""
+
+    def __init__(self) -> None:
+        super().__init__(window=100_000)
+        self.given: dict[str, bytes] = {}
+        self.app.router.routes.insert(0, Route("/v1/models", self.models, methods=["GET"]))
+
+    async def models(self, request: Request) -> Response:
+        answer = os.urandom(8).hex()
+        body = json.dumps({"object": "list", "data": [{"id": "m", "created": answer, "pad": "x" * 3000}]}).encode()
+        self.given[answer] = body
+        return Response(body, media_type="application/json", headers={"x-answer": answer})
+
+
+def test_a_small_answer_is_relayed_byte_for_byte_under_load(tmp_path: Path) -> None:
+    """#50: 400 ``GET /v1/models`` from 16 clients at once, while long requests are shrunk beside them: every
+    answer the client gets is byte for byte the one the upstream gave for that request. (The attack run's one
+    difference was llama.cpp's own: its ``created`` is the time of each request, so two GETs a second apart
+    differ, straight to it as through the proxy.)"""
+    fake = ChangingModels()
+    wrong: list[str] = []
+
+    def get_models(url: str) -> None:
+        with httpx2.Client(timeout=60) as client:
+            for _ in range(25):
+                reply = client.get(url + "/models")
+                if reply.status_code != 200 or reply.content != fake.given.get(reply.headers.get("x-answer", "")):
+                    wrong.append(f"{reply.status_code} {reply.headers.get('x-answer')}")
+
+    def shrink_long(url: str) -> None:
+        for _ in range(3):
+            httpx2.post(url + "/chat/completions", json=chat_request(200, 400), timeout=120)
+
+    with serve(fake) as upstream, proxy(upstream, "--window", "8000", "--no-archive", log=tmp_path / "log") as url:
+        threads = [threading.Thread(target=get_models, args=(url,)) for _ in range(16)]
+        threads += [threading.Thread(target=shrink_long, args=(url,)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(fake.given) >= 400 and wrong == []
