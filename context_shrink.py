@@ -4220,9 +4220,17 @@ def fact_ledger(
         if not chosen[kind]:
             continue
         room -= spent
-    lines = [head] + [line for kind, title in sections.items() if chosen[kind]
-                      for line in [title, *(f"- {item}" for item in chosen[kind])]]  # fmt: skip
-    return "\n".join(lines) if len(lines) > 1 else None
+
+    def written() -> str:
+        lines = [head] + [line for kind, title in sections.items() if chosen[kind]
+                          for line in [title, *(f"- {item}" for item in chosen[kind])]]  # fmt: skip
+        return "\n".join(lines) if len(lines) > 1 else ""
+
+    # the parts' counts need not add up to the whole's (an estimate samples a long text): the last items go
+    # while the whole is over, values first, the user's words last
+    while (ledger := written()) and count(ledger) > budget:
+        chosen[next(kind for kind in ("values", "assistant", "user") if chosen[kind])].pop()
+    return ledger or None
 
 
 def request_key(prompt: Sequence[Mapping[str, Any]], max_tokens: int) -> str:
