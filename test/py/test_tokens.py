@@ -331,7 +331,7 @@ def test_every_character_counts_once_in_its_own_script(text: str) -> None:
         ("人人有思想、良心和宗教自由的权利\uff1b此项权利包括改变他的宗教或信仰的自由。" * 3, "ascii"),
         ('THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED. ' * 3, "capitals"),
         ("garden mountain picture letter simple family river though school picture " * 3, "ascii"),  # no "the"
-        ("Omnes homines liberi aequique dignitate atque iuribus nascuntur ratione conscientiaque " * 3, "plain"),
+        ("Kila mtu ana haki ya uhuru wa mawazo, dhamira na dini; haki hii inajumuisha uhuru " * 3, "plain"),
     ],
 )
 def test_the_kind_tells_languages_apart(text: str, kind: str) -> None:
