@@ -38,8 +38,8 @@ def test_twine_passes_both_artefacts(dist: Path) -> None:
 
 
 COMPANIONS = [
-    "context_shrink_proxy.py",
     "context_shrink_models.py",
+    "context_shrink_proxy.py",
     "context_shrink_sessions.py",
     "context_shrink_state.py",
     "context_shrink_wire.py",
