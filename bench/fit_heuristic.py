@@ -141,8 +141,11 @@ def columns() -> list[tuple[str, object]]:
     return cols + [("script", name) for name in cs.HEURISTIC_SCRIPTS]
 
 
-def row(text: str, index: dict[tuple[str, object], int]) -> list[float]:
-    kind, gaps, scripts, _ = cs.heuristic_features(text)
+def row(
+    features: tuple[str, list[float], dict[str, float], float], index: dict[tuple[str, object], int]
+) -> list[float]:
+    """One text's features (:func:`context_shrink.heuristic_features`) as the fit's columns."""
+    kind, gaps, scripts, _ = features
     out = [0.0] * len(index)
     for pair, n in enumerate(gaps):
         out[index[("gap", tied(pair))]] += n
@@ -206,8 +209,9 @@ def refit(pieces: list[tuple[str, str, str]], tok: cs.Tokenizer) -> None:
     cols = columns()
     index = {c: i for i, c in enumerate(cols)}
     fit = [(klass, text) for klass, part, text in pieces if part == "fit"]
-    x = np.array([row(text, index) for _, text in fit])
-    known = np.array([cs.heuristic_features(text)[3] for _, text in fit])  # the tokens known inside characters
+    features = [cs.heuristic_features(text) for _, text in fit]  # each text read once
+    x = np.array([row(f, index) for f in features])
+    known = np.array([f[3] for f in features])  # the tokens known inside characters
     y = np.array([tok.count(text) - 1 for _, text in fit], float) - known  # after each text's first token
     totals = collections.Counter()
     for (klass, _), tokens in zip(fit, y + known, strict=True):
