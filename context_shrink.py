@@ -155,10 +155,12 @@ __all__ = [
     "forget",
     "group_units",
     "guard_summary",
+    "held_note",
     "heuristic_features",
     "heuristic_tokens",
     "history_shape",
     "image_tokens",
+    "is_value",
     "json_or",
     "jsonrpc_id",
     "leading_system",
@@ -178,6 +180,7 @@ __all__ = [
     "plan_trim",
     "prune_messages",
     "pseudo_tool",
+    "ranked_values",
     "read_file_bytes",
     "read_file_text",
     "read_jsonl_lines",
@@ -1966,27 +1969,59 @@ def _lines_and_tokens(text: str) -> str:
     return f"{text.count(chr(10)) + 1:,} lines, ~{heuristic_tokens(text):,} tokens"
 
 
-# What a value looks like, as opposed to a name merely seen in code: the words of a text that hold one of these
-# are what a cleared result and a ledger keep (commits, snapshots, addresses, hosts and ports, codes, flags).
-_VALUE_SHAPES = re.compile(
-    r"(?i:[0-9a-f]{2}(?::[0-9a-f]{2}){5})"  # a MAC address
-    r"|\d{1,3}(?:\.\d{1,3}){3}"  # an IPv4 address
-    r"|\.[\w-]+:\d{2,5}\b"  # host:port (the word around it is taken whole)
-    r"|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,}\b"  # a hex id: a commit, a snapshot, a digest
-    r"|\b[A-Z][A-Z0-9]*[-_]?\d{2,}\b"  # a code or a key: E7319, OPS-90417, ERR_4471
-    r"|\b[A-Z][A-Z0-9]+(?:_[A-Z0-9]+)+\b"  # a constant or a flag: ENABLE_LEDGER_V2
-    r"|(?<![\w.])@[\w][\w.-]{2,}"  # a handle: @payments-oncall-eu
-    r"|\bv?\d+\.\d+\.\d+(?:[-+][\w.]+)?\b"  # a version
-)
-_WORD_BREAK = frozenset(" \t\r\n'\"`()[]{}<>,;|=")
-_BREAK = re.compile(r"[\s'\"`()\[\]{}<>,;|=]")
+# What a value is, by construction rather than by a list of formats: a word of a text (between spaces, quotes,
+# brackets, commas...) that mixes digits with letters or separators (a commit, a snapshot id, an address, a host and
+# port, a MAC, a version, a date, a path with a number, a code: ``snap-0b7c4e91d2f5``, ``4E:91:7C:0B``, ``OPS-90417``),
+# a number of five digits or more (a ticket, an order), a constant or a flag (``ENABLE_LEDGER``), a handle
+# (``@payments-oncall-eu``), or a long word of random letters (a key: few vowels, the case changing every few letters;
+# names in code have words, so vowels, and change case once a word). Names merely seen in code are none of these.
+_WORD = r"[^\s'\"`()\[\]{}<>,;|=]"
+_VALUE_CANDIDATES = re.compile(rf"(?<!{_WORD})(?={_WORD}*?(?:[\d@]|[A-Z]_)|{_WORD}{{16}}){_WORD}{{4,}}")
+_MIXED = re.compile(r"(?=\D*\d)(?=\d*\D)|\d{5}")  # at the start: a digit and a non-digit somewhere, or 5 digits
+_NAMED_VALUE = re.compile(r"@\w[\w.-]{2,}|[A-Z][A-Z0-9]+(?:_[A-Z0-9]+)+")  # a handle, a constant or a flag
+_RANDOM_LETTERS = re.compile(r"[A-Za-z+/=_-]{16,}")
+VOWELS = frozenset("aeiouyAEIOUY")
 VALUE_CHARS = 160  # of values a cleared tool result keeps in its placeholder
 VALUE_WORD = 80  # a longer word (a base64 blob, a minified line) holds no value
 VALUE_SCAN = (16_000, 8_000)  # characters of a long text looked at for values: its head, its tail
 
 
+def is_value(word: str) -> bool:
+    """Whether ``word`` (one word, no spaces) is a value an agent needs verbatim to act again (the rule above)."""
+    if not 4 <= len(word) <= VALUE_WORD:
+        return False
+    if any(c.isdigit() for c in word):
+        return _MIXED.match(word) is not None
+    return _NAMED_VALUE.fullmatch(word) is not None or _random_letters(word)
+
+
+def _random_letters(word: str) -> bool:
+    letters = [c for c in word if c.isalpha()]
+    if not _RANDOM_LETTERS.fullmatch(word) or len(letters) < 16:
+        return False
+    vowels = sum(c in VOWELS for c in letters)
+    changes = sum(a.islower() != b.islower() for a, b in itertools.pairwise(letters))
+    return vowels * 4 < len(letters) and changes * 5 >= len(letters)
+
+
+def value_shape(value: str) -> str:
+    """A value's shape: each run of digits, of small letters and of capitals as one character (``9``, ``a``,
+    ``A``), the rest as it is: the timestamps of a log share one, as do a list's addresses."""
+    return _SHAPE_RUNS.sub(lambda m: "9" if m[0][0].isdigit() else "a" if m[0][0].islower() else "A", value)
+
+
+_SHAPE_RUNS = re.compile(r"\d+|[^\W\d_]+")
+
+
+def ranked_values(values: Sequence[str]) -> list[str]:
+    """``values`` (distinct), those whose shape is rarest among them first, in their order otherwise: one id
+    among a log's thousand timestamps comes before them, not after."""
+    shapes = collections.Counter(value_shape(v) for v in values)
+    return sorted(values, key=lambda v: shapes[value_shape(v)])
+
+
 def text_values(text: str) -> tuple[str, ...]:
-    """The words of ``text`` that hold a value (:data:`_VALUE_SHAPES`), whole and in order, once each: what an
+    """The words of ``text`` that hold a value (:func:`is_value`), whole and in order, once each: what an
     agent needs verbatim to act again (``snap-0b7c4e91d2f5``, ``lic-03.internal.example:27009``). One scan of
     the text, of a long one its head and tail (:data:`VALUE_SCAN`: bounded time on a megabyte of log); cached
     (:data:`VALUES`: a history's old results are asked again every turn)."""
@@ -1997,20 +2032,8 @@ def _scan_values(text: str) -> tuple[str, ...]:
     head, tail = VALUE_SCAN
     if len(text) > head + tail:
         return tuple(dict.fromkeys([*_scan_values(text[:head]), *_scan_values(text[-tail:])]))
-    found: dict[str, None] = {}
-    end = 0
-    for match in _VALUE_SHAPES.finditer(text):
-        if match.start() < end:
-            continue  # inside the word already looked at
-        stop = _BREAK.search(text, match.end())
-        end = stop.start() if stop else len(text)
-        start = match.start()
-        while start > 0 and text[start - 1] not in _WORD_BREAK and match.start() - start < VALUE_WORD:
-            start -= 1
-        word = text[start:end].strip(".:!?*#")
-        if 4 <= len(word) <= VALUE_WORD and (start == 0 or text[start - 1] in _WORD_BREAK):
-            found[word] = None
-    return tuple(found)
+    words = (m[0].strip(".:!?*#") for m in _VALUE_CANDIDATES.finditer(text))
+    return tuple(dict.fromkeys(w for w in words if is_value(w)))
 
 
 VALUES = _TextMemo(_scan_values, COUNT_CACHE_CHARS, follows=True)  # bounded like the count cache
@@ -2040,13 +2063,13 @@ def is_cleared(message: Mapping[str, Any]) -> bool:
 
 def held_note(text: str) -> str:
     """The part of a cleared result's placeholder that names the values ``text`` held (up to
-    :data:`VALUE_CHARS`), or ``""``; cached (:data:`HELD`)."""
+    :data:`VALUE_CHARS`, the rarest shapes first: :func:`ranked_values`), or ``""``; cached (:data:`HELD`)."""
     return HELD[text]
 
 
 def _held_note(text: str) -> str:
     values, used = [], 0
-    for value in text_values(text):
+    for value in ranked_values(text_values(text)):
         if used + len(value) + 2 > VALUE_CHARS:
             break
         values.append(value)
@@ -4176,11 +4199,13 @@ def user_words(message: Mapping[str, Any]) -> str:
 
 def _ledger_items(gone: Sequence[Mapping[str, Any]], later: str) -> dict[str, list[str]]:
     """The facts of ``gone``, by kind: the user's messages (verbatim, oldest first), what the assistant referred
-    to, and the values tool results held (those ``later`` text names first, then oldest first)."""
+    to, and the values tool results held (those ``later`` text names first, each part the rarest shapes first,
+    then oldest first: :func:`ranked_values`)."""
     users = [user_words(m) for m in gone if m.get("role") == "user"]
     said = [r for m in gone if m.get("role") == "assistant" for r in _call_references(m)]
     values = list(dict.fromkeys(v for m in gone if m.get("role") in RESULT_ROLES
                                 for v in text_values(plain_content(m.get("content")))))  # fmt: skip
+    values = ranked_values(values)
     values = [v for v in values if v in later] + [v for v in values if v not in later]
     return {"user": list(dict.fromkeys(u for u in users if u)), "assistant": list(dict.fromkeys(said)),
             "values": values}  # fmt: skip

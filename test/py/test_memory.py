@@ -54,6 +54,103 @@ def test_names_merely_seen_in_code_are_not_values() -> None:
     assert not [v for v in found if re.fullmatch(r"[a-z_]+|[A-Z][a-zA-Z]+Error", v)], found
 
 
+# Values of shapes generated from their parts (#49 item 5: by construction, not by a list of formats), and names.
+HEX, B62 = "0123456789abcdef", string.ascii_letters + string.digits
+NAME_WORDS = ("parser", "cache", "budget", "window", "session", "handler", "retry", "schema", "request", "token",
+              "config", "manager", "factory", "stream", "response", "identifier", "international")  # fmt: skip
+
+
+def _with_digit(draw: Any, alphabet: str, low: int, high: int) -> str:
+    chars = draw(st.lists(st.sampled_from(alphabet), min_size=low - 1, max_size=high - 1))
+    return "".join(chars) + draw(st.sampled_from("0123456789"))
+
+
+@st.composite
+def generated_values(draw: Any) -> str:
+    n = draw(st.integers(0, 10**9))
+    pick = draw(st.integers(0, 10))
+    sep = draw(st.sampled_from(":-."))
+    octets = [f"{b:02x}" for b in draw(st.lists(st.integers(0, 255), min_size=4, max_size=8))]
+    if pick == 0:  # a MAC or a colon-separated hex value, either case
+        return sep.join(octets).upper() if n % 2 else sep.join(octets)
+    if pick == 1:  # a hex id: a commit, a digest, a snapshot
+        return draw(st.sampled_from(["", "snap-", "sha256:", "vol-"])) + "".join(draw(st.permutations(
+            _with_digit(draw, HEX, 7, 40))))  # fmt: skip
+    if pick == 2:  # a UUID
+        return str(__import__("uuid").UUID(int=n * 7919 + pick))
+    if pick == 3:  # a version
+        parts = draw(st.lists(st.integers(0, 300), min_size=2, max_size=4))
+        version = draw(st.sampled_from(["", "v", "release-"])) + ".".join(map(str, parts))
+        return version if len(version) >= 4 else f"v{version}"  # a shorter word is no value (``1.0``)
+    if pick == 4:  # a timestamp or a date
+        return f"20{n % 100:02d}-{n % 12 + 1:02d}-{n % 28 + 1:02d}" + ("" if n % 3 else f"T{n % 24:02d}:{n % 60:02d}Z")
+    if pick == 5:  # a path with a number in it
+        words = draw(st.lists(st.sampled_from(NAME_WORDS), min_size=1, max_size=3))
+        return "/".join(words) + f"-{n % 1000}.log" + ("" if n % 2 else f":{n % 900 + 1}")
+    if pick == 6:  # a code or a ticket
+        return "".join(draw(st.lists(st.sampled_from(string.ascii_uppercase), min_size=1, max_size=5))) + \
+            draw(st.sampled_from(["-", "_", ""])) + str(n % 10**6 + 10)  # fmt: skip
+    if pick == 7:  # a host and port, or an address
+        host = draw(st.sampled_from(NAME_WORDS)) + draw(st.sampled_from(["", "-03", ".internal.example"]))
+        return f"{host}:{n % 60000 + 1000}" if n % 2 else ".".join(str(int(o, 16)) for o in octets[:4])
+    if pick == 8:  # a number long enough to be an id (an order, a ticket)
+        return str(n % 10**9 + 10**4)
+    if pick == 9:  # a key of random letters and digits behind a prefix
+        return draw(st.sampled_from(["sk_live_", "ghp_", "tok-", ""])) + "".join(draw(st.permutations(
+            _with_digit(draw, B62, 16, 40))))  # fmt: skip
+    rng = random.Random(n)  # a key of random letters alone: consonants, the case changing every one to three
+    key, upper = "", False
+    while len(key) < 20 + n % 20:
+        key += "".join(rng.choice("bcdfghjklmnpqrstvwxz") for _ in range(rng.randint(1, 3)))
+        key = key[:-1] + (key[-1].upper() if upper else key[-1])
+        upper = not upper
+    return key
+
+
+@st.composite
+def generated_names(draw: Any) -> str:
+    words = draw(st.lists(st.sampled_from(NAME_WORDS), min_size=1, max_size=4))
+    style = draw(st.integers(0, 4))
+    if style == 0:
+        return "_".join(words)
+    if style == 1:
+        return words[0] + "".join(w.title() for w in words[1:])
+    if style == 2:
+        return "".join(w.title() for w in words) + draw(st.sampled_from(["", "Error", "Factory"]))
+    if style == 3:
+        return ".".join(words)  # an attribute path
+    return str(draw(st.integers(0, 9999)))  # a small number: a count, a line, a year
+
+
+@settings(max_examples=300, deadline=None)
+@given(generated_values(), st.integers(0, 50))
+def test_a_value_of_any_generated_shape_is_found_whole(value: str, seed: int) -> None:
+    assert cs.is_value(value), value
+    assert value in cs.text_values(noisy_file(seed, value))
+    assert value in cs.text_values(f"The user said: remember {value}, it matters.")
+
+
+@settings(max_examples=300, deadline=None)
+@given(generated_names())
+def test_a_generated_name_or_small_number_is_not_a_value(name: str) -> None:
+    assert not cs.is_value(name), name
+    assert name not in cs.text_values(f"    return self.{name}(request)\n# see {name} above")
+
+
+def test_a_rare_value_comes_before_a_log_full_of_timestamps() -> None:
+    rng = random.Random(7)
+    lines = [f"2026-12-{d:02d}T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}Z INFO ok"
+             for d in range(1, 29) for _ in range(10)]  # fmt: skip
+    lines.insert(150, "2026-12-15T10:00:00Z WARN restored from snap-0b7c4e91d2f5")
+    text = "\n".join(lines)
+    assert cs.text_values(text)[0].startswith("2026-12-01T")  # found in the text's order
+    assert "snap-0b7c4e91d2f5" in cs.held_note(text)  # kept first in the 160 characters of a placeholder
+    gone = [user("check the log"), assistant(None, "c1"), tool("c1", text), assistant("done")]
+    ledger = cs.fact_ledger(gone, [], COUNT, 200)
+    assert ledger is not None and "snap-0b7c4e91d2f5" in ledger
+    assert cs.ranked_values(["2026-12-01", "2026-12-02", "E7319", "2026-12-03"])[0] == "E7319"
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.text(alphabet=string.printable, max_size=3000))
 def test_values_are_words_of_the_text_in_order_once_each(text: str) -> None:
