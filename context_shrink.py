@@ -205,6 +205,7 @@ __all__ = [
     "trim_messages",
     "turn_in_progress",
     "unknown_names",
+    "upstream_namespace",
     "user_words",
     "validate_messages",
     "validate_tools",
@@ -547,6 +548,22 @@ def redis_name(url: str) -> str:
     return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
 
 
+def upstream_namespace(url: str) -> str:
+    """The store's namespace when none is named: the upstream's, so proxies in front of different upstreams
+    never write to or recall from one archive, while replicas of one (the same URL, however it is written: case,
+    a default port, a trailing ``/`` or ``/v1``) share theirs. Its host and port, and a digest of the whole
+    URL (``127.0.0.1-8080-3f2a9c1e``)."""
+    parts = urllib.parse.urlsplit(url.strip())
+    scheme, host = parts.scheme.lower() or "http", (parts.hostname or "").lower()
+    try:
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError:
+        port = 0
+    path = parts.path.rstrip("/").removesuffix("/v1").rstrip("/")
+    digest = hashlib.sha256(f"{scheme}://{host}:{port}{path}".encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9.-]', '_', host)[:40] or 'upstream'}-{port}-{digest}"
+
+
 class Settings:
     """The one reader of settings, for the MCP server and the proxy alike: a command-line flag, else the first
     environment variable set among the prefixes, else the default (None here). One policy for a value that
@@ -739,8 +756,12 @@ class Config:
     root: Path = dataclasses.field(default_factory=Path.cwd)
     archive_dir: Path | None = None  # an earlier version's JSONL archive, imported when recall_context first searches
     state: str | None = None  # the proxy's store, whose archive recall_context searches; None: the default place
-    namespace: str = "default"  # the deployment's name in that store
+    namespace: str = ""  # the deployment's name in that store; "": the backend's (:func:`upstream_namespace`)
     session_stores: tuple[str, ...] = ()  # the agents whose own session stores the tools may read
+
+    def __post_init__(self) -> None:
+        if not self.namespace:  # the proxy in front of this backend archives under that name too
+            object.__setattr__(self, "namespace", upstream_namespace(self.base_url))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:

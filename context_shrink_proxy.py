@@ -125,6 +125,7 @@ from context_shrink import (
     start_logging,
     state_key,
     thawed,
+    upstream_namespace,
     validate_messages,
 )
 from context_shrink_state import (
@@ -266,7 +267,7 @@ class ProxyConfig:
     api_key: str | None = dataclasses.field(default=None, repr=False)  # replaces the client's Authorization
     archive_dir: Path | None = None  # None: no archive; else an earlier version's JSONL archive, imported once
     state: str | None = None  # the store (--state); None: SQLite in the default place
-    namespace: str = "default"  # the deployment's name: every key in the store is kept under it
+    namespace: str = ""  # the deployment's name, every key in the store under it; "": the upstream's
     origins: tuple[str, ...] = ()  # browser origins allowed beside this machine's (--allow-origin)
     archive_max_bytes: int = ARCHIVE_MAX_BYTES
     archive_max_days: int = ARCHIVE_MAX_DAYS
@@ -277,6 +278,10 @@ class ProxyConfig:
     header_timeout: float = HEADER_TIMEOUT
     body_timeout: float = BODY_TIMEOUT
     idle_timeout: float = IDLE_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if not self.namespace:  # a store per upstream: replicas of one share it, no other proxy does
+            object.__setattr__(self, "namespace", upstream_namespace(self.base))
 
     @property
     def summary_options(self) -> SummaryOptions:
@@ -1914,7 +1919,7 @@ def _proxy_flags(sub: argparse.ArgumentParser) -> None:
                      "redis://HOST:PORT/DB (default CONTEXT_SHRINK_STATE, else sqlite: in $XDG_STATE_HOME/"
                      "context-shrink)")  # fmt: skip
     sub.add_argument("--namespace", help="the deployment's name in the store (default CONTEXT_SHRINK_NAMESPACE, "
-                     "else default)")  # fmt: skip
+                     "else the upstream's host, port and a digest of its URL)")  # fmt: skip
     sub.add_argument("--archive-dir", help="an earlier version's JSONL archive, imported once (default "
                      "CONTEXT_SHRINK_ARCHIVE_DIR)")  # fmt: skip
     sub.add_argument("--archive-max-bytes", type=int, help="the archive's size limit (default 256 MiB)")

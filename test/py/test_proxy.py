@@ -187,13 +187,14 @@ def test_over_the_window_compacts_then_reuses_the_summary(tmp_path: Path) -> Non
     log = (tmp_path / "log").read_text()
     assert "action=compact" in log and SECRET not in log
     assert all(SECRET.encode() not in p.read_bytes() for p in tmp_path.glob("state.sqlite3*"))
-    store = cst.SqliteStore(state)
+    store = cst.SqliteStore(state, cs.upstream_namespace(upstream))  # the proxy's store: the upstream's namespace
     searched, entries = store.search("file_0.py", None, 100)
     assert history[1] in [e["message"] for e in entries]  # what was folded away is on disk, verbatim
     assert len({e["id"] for e in entries}) == len(entries) and searched >= len(entries)
     store.close()
     # the MCP server reads the same setting the proxy's --state names: recall finds what it wrote
-    config = cs.Config.from_env({"CONTEXT_SHRINK_STATE": f"sqlite:{state}", "CONTEXT_SHRINK_ROOT": str(tmp_path)})
+    config = cs.Config.from_env({"CONTEXT_SHRINK_STATE": f"sqlite:{state}", "CONTEXT_SHRINK_ROOT": str(tmp_path),
+                                 "CONTEXT_SHRINK_BASE_URL": upstream})  # fmt: skip
     recalled = ok(run(call(cs.build_server(config), "recall_context", {"query": "file_0.py"})))
     assert recalled["archive"] == f"sqlite:{state}" and history[1] in [e["message"] for e in recalled["entries"]]
 

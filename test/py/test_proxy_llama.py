@@ -20,6 +20,7 @@ from conftest import served_llama
 from proxy_helpers import MODULE, proxy
 from tiny_llama import free_port
 
+import context_shrink as cs
 import context_shrink_state as cst
 
 openai = pytest.importorskip("openai")
@@ -60,7 +61,7 @@ def test_a_growing_conversation_is_never_refused(shrinking: str, small_llama: st
     direct = httpx2.post(small_llama + "/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
     assert direct.status_code == 400 and "exceed_context_size_error" in direct.text  # the history is far too long
     assert "action=none" in actions[0] and any("action=none" not in a for a in actions[-4:])
-    store = cst.SqliteStore(tmp_path / "state.sqlite3")
+    store = cst.SqliteStore(tmp_path / "state.sqlite3", cs.upstream_namespace(small_llama))
     searched, found = store.search("parser", None, 100)
     assert searched >= 1 and found[0]["message"] in messages  # what was dropped is on disk, verbatim
     store.close()

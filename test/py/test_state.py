@@ -29,6 +29,7 @@ from state_runs import summary_call, turns
 from tiny_llama import free_port
 
 import context_shrink as cs
+import context_shrink_proxy as csp
 import context_shrink_state as cst
 
 KINDS = ("memory", "sqlite", "redis")
@@ -191,6 +192,22 @@ def test_the_state_settings_are_checked_at_start(tmp_path: Path) -> None:
     assert (config.state, config.namespace) == (f"sqlite:{tmp_path}/s.db", "n")
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(["http", "https"]), st.sampled_from(["127.0.0.1", "vllm", "api.example.com", "[::1]"]),
+       st.one_of(st.none(), st.integers(1, 65535)), st.sampled_from(["", "/v1", "/api/v1", "/team-b/v1"]))  # fmt: skip
+def test_the_default_namespace_is_the_upstreams(scheme: str, host: str, port: int | None, path: str) -> None:
+    url = f"{scheme}://{host}{'' if port is None else f':{port}'}{path}"
+    name = cs.upstream_namespace(url)
+    assert cs.Settings({"CONTEXT_SHRINK_NAMESPACE": name}).namespace() == name  # a namespace the flag accepts
+    shouted = f"{scheme.upper()}://{host.upper()}{'' if port is None else f':{port}'}{path}"
+    written = {url, shouted, url + "/", url if path.endswith("/v1") else url + "/v1"}
+    assert {cs.upstream_namespace(u) for u in written} == {name}  # however one upstream is written: one store
+    assert cs.upstream_namespace(url.replace(host, "other-host")) != name
+    assert cs.upstream_namespace(f"{scheme}://{host}:{(port or 80) % 65535 + 1}{path}") != name
+    assert cs.Config(base_url=url).namespace == name == csp.ProxyConfig(upstream=url).namespace
+    assert cs.Config(base_url=url, namespace="team-a").namespace == "team-a"
+
+
 def test_redis_without_its_client_is_an_error_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "redis", None)  # as if the redis extra were not installed
     with pytest.raises(cs.ConfigError, match=r"context-shrink-mcp\[redis\]") as caught:
@@ -294,8 +311,11 @@ def test_recall_finds_what_the_proxy_archived_through_the_mcp_tool(tmp_path: Pat
     assert reply.status_code == 200 and "action=compact" in reply.headers["x-context-shrink"]
     conversation_id = cst.conversation_id(history)
     assert f"conversation={conversation_id}" in reply.headers["x-context-shrink"]
-    config = cs.Config.from_env({"CONTEXT_SHRINK_STATE": state, "CONTEXT_SHRINK_ROOT": str(tmp_path)})
-    server = cs.build_server(config)
+    env = {"CONTEXT_SHRINK_STATE": state, "CONTEXT_SHRINK_ROOT": str(tmp_path)}
+    other = cs.build_server(cs.Config.from_env({**env, "CONTEXT_SHRINK_BASE_URL": "http://127.0.0.1:1/v1"}))
+    assert ok(run(call(other, "recall_context", {"query": "file_0.py"})))["found"] == 0  # another upstream's store
+    config = cs.Config.from_env({**env, "CONTEXT_SHRINK_BASE_URL": upstream.upper().removesuffix("/V1") + "/"})
+    server = cs.build_server(config)  # the same upstream however written: the proxy's namespace
     recalled = ok(run(call(server, "recall_context", {"query": "file_0.py"})))
     assert recalled["archive"] == state and recalled["entries"][0]["message"] == history[1]
     assert recalled["entries"][0]["conversation"] == conversation_id
@@ -318,11 +338,11 @@ def test_an_old_jsonl_archive_is_imported_once(tmp_path: Path) -> None:
     broken = [json.dumps({"id": "x", "hash": "y" * 64, "message": {"role": "user"}}), json.dumps({"message": 3})]
     (archive / ("a" * 16 + ".jsonl")).write_text("\n".join([*lines, *broken]) + "\nnot json\n")
     fake = FakeOpenAI(window=4096)
-    for _ in range(2):  # started twice: imported once
-        with serve(fake) as upstream, proxy(upstream, "--state", state, "--archive-dir", str(archive),
-                                            log=tmp_path / "log"):  # fmt: skip
-            pass
-    store = cst.SqliteStore(tmp_path / "state.sqlite3")
+    with serve(fake) as upstream:
+        for _ in range(2):  # started twice in front of one upstream (one namespace): imported once
+            with proxy(upstream, "--state", state, "--archive-dir", str(archive), log=tmp_path / "log"):
+                pass
+    store = cst.SqliteStore(tmp_path / "state.sqlite3", cs.upstream_namespace(upstream))
     searched, found = store.search("zebra3", None, 5)
     assert searched == 5 and found[0]["message"] == old[3] and found[0]["conversation"] == "a" * 16
     assert (tmp_path / "log").read_text().count("imported 5 message(s)") == 1
