@@ -66,6 +66,7 @@ __all__ = [
     "MAX_RETRIES",
     "MAX_RETRY_AFTER",
     "MERGE_PROMPT",
+    "MODEL_LIMIT_FIELDS",
     "PATCHED_FOR",
     "PROTECTED_MESSAGES",
     "PROXY_MAX_RESERVE",
@@ -150,6 +151,7 @@ __all__ = [
     "estimate_messages",
     "extract_identifiers",
     "fact_ledger",
+    "field_at",
     "fingerprint",
     "fit_request",
     "forget",
@@ -5915,19 +5917,30 @@ async def _window_llama_props(backend: Backend, model: str | None) -> int | None
     return (await backend.probe("GET", f"{backend.root}/props"))["default_generation_settings"]["n_ctx"]
 
 
+MODEL_WINDOW_FIELDS = (
+    ("meta", "n_ctx"),  # llama.cpp (per slot)
+    ("max_model_len",),  # vLLM, SGLang
+    ("loaded_context_length",),  # LM Studio
+    ("top_provider", "context_length"),  # OpenRouter
+    ("context_length",),  # OpenRouter, Together
+    ("context_window",),  # Groq
+    ("max_context_length",),  # Mistral, LM Studio
+)  # where a model list's entry names its window, the likeliest first
+MODEL_LIMIT_FIELDS = (*MODEL_WINDOW_FIELDS, ("meta", "n_ctx_train"))  # and the model's own most (llama.cpp)
+
+
+def field_at(entry: Any, path: Sequence[str]) -> Any:
+    """The value at ``path`` in nested JSON objects, or None."""
+    for key in path:
+        entry = entry.get(key) if isinstance(entry, dict) else None
+    return entry
+
+
 async def _window_models(backend: Backend, model: str | None) -> int | None:
     reply = await backend.probe("GET", f"{backend.base_url}/models")
     entry = _pick(reply.get("data") or reply.get("models"), model, "id", "name", "model") or {}
-    for value in (
-        (entry.get("meta") or {}).get("n_ctx"),  # llama.cpp (per slot)
-        entry.get("max_model_len"),  # vLLM, SGLang
-        entry.get("loaded_context_length"),  # LM Studio
-        (entry.get("top_provider") or {}).get("context_length"),  # OpenRouter
-        entry.get("context_length"),  # OpenRouter, Together
-        entry.get("context_window"),  # Groq
-        entry.get("max_context_length"),  # Mistral, LM Studio
-    ):
-        if isinstance(value, int) and value > 0:
+    for path in MODEL_WINDOW_FIELDS:
+        if isinstance(value := field_at(entry, path), int) and value > 0:
             return value
     return None
 

@@ -86,6 +86,7 @@ from context_shrink import (
     DEFAULT_SUMMARY_CONCURRENCY,
     MAX_CONTEXT_TOKENS_LIMIT,
     MAX_FILE_BYTES,
+    MODEL_LIMIT_FIELDS,
     PROBE_TIMEOUT,
     RECALL_TOOL,
     Backend,
@@ -110,6 +111,7 @@ from context_shrink import (
     calibrated,
     canonical_json,
     count_messages,
+    field_at,
     fit_request,
     json_or,
     log,
@@ -966,6 +968,35 @@ class RecallStream(httpx2.AsyncByteStream):
         return None if out is None else block if out is payload else sse_block(block, out)
 
 
+WINDOW_PATHS = frozenset({"/v1/models", "/props"})  # where an agent reads a model's window from the server
+
+
+def _reported(reply: dict[str, Any], enforced: Callable[[str | None], int | None]) -> int:
+    """Lower, in place, each window ``reply`` names to what ``enforced`` says for its model (a model list's
+    entries by their id or name; ``/props`` for the one it serves); how many values changed."""
+    changed = 0
+
+    def lower(entry: Any, paths: Sequence[Sequence[str]], model: str | None) -> None:
+        nonlocal changed
+        if not isinstance(entry, dict) or not (window := enforced(model)):
+            return
+        for path in paths:
+            holder = field_at(entry, path[:-1])
+            value = holder.get(path[-1]) if isinstance(holder, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > window:
+                holder[path[-1]] = window
+                changed += 1
+
+    for key in ("data", "models"):
+        for entry in reply.get(key) if isinstance(reply.get(key), list) else []:
+            name = next((entry[k] for k in ("id", "name", "model") if isinstance(entry, dict) and
+                         isinstance(entry.get(k), str)), None)  # fmt: skip
+            lower(entry, MODEL_LIMIT_FIELDS, name)
+    model = reply.get("model_alias") if isinstance(reply.get("model_alias"), str) else None
+    lower(reply, [("default_generation_settings", "n_ctx")], model)
+    return changed
+
+
 class ProxyFront:
     """The proxy's HTTP front: ``POST .../chat/completions``, ``.../responses`` and ``.../messages`` are
     shrunk (:func:`shrink_request`; the latter two through their chat views) and retried once, strictly
@@ -1084,7 +1115,40 @@ class ProxyFront:
         extra = {"x-context-shrink": said.header()} if why else {}
         if upstream.status_code >= 400 and self.secrets:
             return await self.error_reply(upstream, extra)
+        if request.method == "GET" and upstream.status_code == 200 and request.url.path in WINDOW_PATHS:
+            return await self.window_reported(upstream, request.url.query)
         return self.relay(upstream, extra)
+
+    def enforced_window(self, model: str | None) -> int | None:
+        """The window the proxy fits ``model``'s requests to when it knows one the upstream may not say: learnt
+        from a refusal, else ``--window``; one learnt for the only model there is when none is named."""
+        learnt = self.state.windows
+        if model is None:
+            known = [w for m, w in learnt.items() if isinstance(m, str) and not m.startswith("summariser ") and w]
+            return self.config.window if len(known) != 1 else known[0]
+        return learnt.get(model) or self.config.window
+
+    async def window_reported(self, upstream: httpx2.Response, query: str) -> Response:
+        """A model list or llama.cpp's ``/props`` as the upstream sent it, but where it names a model's window
+        (:data:`MODEL_LIMIT_FIELDS`, ``default_generation_settings.n_ctx``), the window the proxy enforces when
+        that is smaller: an agent that sizes its history by what the server says sees the truth. Byte for byte
+        when nothing changes, and for a reply too large to hold or encoded."""
+        head, rest = await self.read_head(upstream)
+        if rest is not None:
+            return self.relay(upstream, chunks=rest)
+        headers, raw = self.reply_headers(upstream), b"".join(head)
+        if upstream.headers.get("content-encoding", "identity") != "identity":
+            return Response(raw, 200, headers=headers)
+        try:
+            reply = json.loads(raw)
+        except ValueError:
+            reply = None
+        named = urllib.parse.parse_qs(query).get("model", [None])[0]
+        changed = _reported(reply, lambda model: self.enforced_window(model or named)) if isinstance(reply, dict) else 0
+        if not changed:
+            return Response(raw, 200, headers=headers)
+        said = ProxyReport(action="forwarded", reason=f"the window the proxy enforces in {changed} field(s)")
+        return Response(_encode(reply), 200, headers={**headers, "x-context-shrink": said.header()})
 
     async def chat(self, request: Request, raw: bytes) -> Response:
         try:

@@ -906,6 +906,36 @@ class ChangingModels(FakeOpenAI):
         return Response(body, media_type="application/json", headers={"x-answer": answer})
 
 
+class OverstatedWindow(FakeOpenAI):
+    """An upstream whose model list says a window four times the one it serves (a llama.cpp whose slots share it
+    out), and its training window larger still."""
+
+    async def models(self, request: Request) -> Response:
+        meta = {"n_ctx": self.window * 4, "n_ctx_train": self.window * 32, "n_vocab": 151936}
+        return JSONResponse({"object": "list", "data": [{"id": "m", "owned_by": "llamacpp", "meta": meta}]})
+
+    def __init__(self) -> None:
+        super().__init__(window=3000)
+        self.app.router.routes.insert(0, Route("/v1/models", self.models, methods=["GET"]))
+
+
+def test_the_model_list_says_the_window_a_refusal_taught(tmp_path: Path) -> None:
+    """#49: once refusals taught the proxy the window the upstream really serves, an agent that reads the window
+    from ``GET /v1/models`` through the proxy reads that one (and the byte-identical list before)."""
+    fake = OverstatedWindow()
+    with serve(fake) as upstream, proxy(upstream, "--no-archive", log=tmp_path / "log") as url:
+        direct = httpx2.get(upstream + "/models", timeout=30)
+        before = httpx2.get(url + "/models", timeout=30)
+        for _ in range(2):  # a refusal's window is believed when a second one says it again
+            reply = httpx2.post(url + "/chat/completions", json=chat_request(60, 300), timeout=120)
+        after = httpx2.get(url + "/models", timeout=30)
+    assert before.content == direct.content and "x-context-shrink" not in before.headers  # nothing learnt yet
+    assert reply.status_code == 200 and fake.oversized  # the window the list said was refused
+    meta = after.json()["data"][0]["meta"]
+    assert meta["n_ctx"] == meta["n_ctx_train"] <= 3000 and meta["n_vocab"] == 151936
+    assert "window the proxy enforces in 2 field(s)" in after.headers["x-context-shrink"]
+
+
 def test_a_small_answer_is_relayed_byte_for_byte_under_load(tmp_path: Path) -> None:
     """#50: 400 ``GET /v1/models`` from 16 clients at once, while long requests are shrunk beside them: every
     answer the client gets is byte for byte the one the upstream gave for that request. (The attack run's one

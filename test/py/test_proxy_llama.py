@@ -142,6 +142,29 @@ def test_other_paths_pass_through_byte_identical(shrinking: str, small_llama: st
     assert (relayed.status_code, relayed.content) == (direct.status_code, direct.content)
 
 
+def test_the_window_the_proxy_enforces_is_the_one_an_agent_reads(small_llama: str, tmp_path: Path) -> None:
+    """#49: an agent that asks the server for its window (llama.cpp's ``/props``, ``/v1/models``) through a proxy
+    told a smaller one gets that one; everything else in the answers is the server's."""
+    root = small_llama.removesuffix("/v1")
+    with proxy(small_llama, "--window", "1024", "--no-archive", log=tmp_path / "log") as url:
+        front = url.removesuffix("/v1")
+        props = [httpx2.get(u + "/props", timeout=30) for u in (root, front)]
+        models = [httpx2.get(u + "/models", timeout=30) for u in (small_llama, url)]
+    direct, relayed = props[0].json(), props[1].json()
+    assert direct["default_generation_settings"]["n_ctx"] == 2048
+    assert relayed["default_generation_settings"]["n_ctx"] == 1024 and "1 field" in props[1].headers["x-context-shrink"]
+    relayed["default_generation_settings"]["n_ctx"] = 2048
+    assert relayed == direct  # nothing else changed
+    direct, relayed = models[0].json()["data"][0], models[1].json()["data"][0]
+    for key in ("n_ctx", "n_ctx_train"):
+        if key in direct["meta"]:
+            assert relayed["meta"][key] == min(direct["meta"][key], 1024), key
+            relayed["meta"][key] = direct["meta"][key]
+    relayed.pop("created", None)
+    direct.pop("created", None)
+    assert relayed == direct
+
+
 def test_concurrent_streams_complete(shrinking: str) -> None:
     async def one(llm: Any, k: int) -> tuple[str, str | None]:
         stream = await llm.chat.completions.create(
