@@ -61,6 +61,7 @@ __all__ = [
     "HEURISTIC_SCRIPTS",
     "HEURISTIC_SCRIPT_WEIGHTS",
     "IMAGE_TOKENS_DEFAULT",
+    "LEAN_SHARE",
     "LEDGER_MARKER",
     "MAX_CONTEXT_TOKENS_LIMIT",
     "MAX_RETRIES",
@@ -87,6 +88,7 @@ __all__ = [
     "TRANSCRIPT_BEGIN",
     "TRANSCRIPT_END",
     "UNKNOWN_TOOL_MARGIN",
+    "UNLEANED",
     "VALUE_SCAN",
     "VALUE_WORD",
     "AnalyzeOptions",
@@ -101,6 +103,7 @@ __all__ = [
     "EstimateOptions",
     "FitReport",
     "Folder",
+    "Lean",
     "Measured",
     "MemoryTables",
     "Overflow",
@@ -153,7 +156,9 @@ __all__ = [
     "fact_ledger",
     "field_at",
     "fingerprint",
+    "first_sentence",
     "fit_request",
+    "fixed_tokens",
     "forget",
     "group_units",
     "guard_summary",
@@ -166,6 +171,8 @@ __all__ = [
     "json_or",
     "jsonrpc_id",
     "leading_system",
+    "lean_request",
+    "lean_tools",
     "least_form",
     "load_messages_file",
     "load_sdk",
@@ -223,6 +230,7 @@ import binascii
 import bisect
 import collections
 import contextlib
+import copy
 import dataclasses
 import difflib
 import dis  # loaded with inspect already
@@ -4282,6 +4290,89 @@ def fact_ledger(
     return ledger or None
 
 
+# --- the fixed part, leaner when it leaves the turn no room -------------------------------------------------
+# An agent's system prompt and tools are sent with every request. When they take more than LEAN_SHARE of the
+# window, the tools' descriptions are cut to their first sentence (the tool's own to it and a marker naming
+# RECALL_TOOL, which returns the whole of it): the only strings changed are those under a ``description`` key of
+# a tool or of a schema in it, so names, parameters, types, enums, required lists and defaults are the agent's,
+# byte for byte, by construction. The same tools give the same bytes on every request (the prefix stays cached).
+LEAN_SHARE = 0.5  # of the window: a fixed part above it has its tools' descriptions cut
+LEAN_LEAST = 80  # characters a cut must save, else a description is kept whole
+_VALUES_IN_SCHEMA = frozenset({"enum", "const", "default", "examples", "example"})  # data, never walked into
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of ``text`` (to its first stop and a space, or its first line break)."""
+    text = text.strip()
+    end = _SENTENCE_END.search(text)
+    return text[: end.start()].rstrip() if end else text
+
+
+def lean_tools(tools: Sequence[Any], recall: bool = True) -> tuple[list[Any], dict[str, str]]:
+    """``tools`` (of any wire API: Chat Completions', Responses', Anthropic's) with every long description cut
+    to its first sentence, and each changed tool's whole descriptions by its name (what :data:`RECALL_TOOL`
+    returns); the tool's own description says where the rest is (``recall``: the recall tool is offered).
+    Cached: an agent sends the same tools every request."""
+    key = canonical_json([tools, recall])
+    if (found := LEANED.get(key)) is None:
+        found = LEANED[key] = _lean_tools(tools, recall)
+        while len(LEANED) > LEANED_MOST:
+            LEANED.pop(next(iter(LEANED)))
+    return copy.deepcopy(found[0]), dict(found[1])
+
+
+def fixed_tokens(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any], count: Callable[[str], int]) -> int:
+    """An agent's fixed part as ``count`` (a local estimate: the same every request) sees it: the text of its
+    leading system messages and its tools' JSON, in whatever wire format they came."""
+    lead = leading_system(messages)
+    texts = [plain_content(m.get("content")) for m in messages[:lead]]
+    return sum(map(count, texts)) + (count(json.dumps(tools, ensure_ascii=False)) if tools else 0)
+
+
+LEANED: dict[str, tuple[list[Any], dict[str, str]]] = {}
+LEANED_MOST = 16  # tool lists kept leaned (agents, their versions)
+
+
+def _lean_tools(tools: Sequence[Any], recall: bool) -> tuple[list[Any], dict[str, str]]:
+    out, whole = [], {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        name = str((function if isinstance(function, dict) else tool).get("name") or "") if isinstance(
+            tool, dict) else ""  # fmt: skip
+        cut: list[tuple[str, str]] = []
+        rest = f' [… the rest: {RECALL_TOOL} "{name}"]' if recall and name else " […]"
+        out.append(_leaner(tool, None, cut, rest))
+        if cut:
+            whole[name] = "\n".join([f"The tool {name}, described in full:"] + [
+                text if where is None else f"Parameter {where}: {text}" for where, text in cut])  # fmt: skip
+    return out, whole
+
+
+def _leaner(node: Any, where: str | None, cut: list[tuple[str, str]], rest: str) -> Any:
+    """``node`` with its long descriptions cut (``where``: the parameter it describes, None for the tool)."""
+    if isinstance(node, list):
+        return [_leaner(item, where, cut, rest) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "description" and isinstance(value, str):
+            short = first_sentence(value)
+            if len(value) - len(short) >= LEAN_LEAST:
+                cut.append((where, value))
+                value = short + (rest if where is None else " […]")
+            out[key] = value
+        elif key in _VALUES_IN_SCHEMA:
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {name: _leaner(schema, name if where is None else f"{where}.{name}", cut, rest)
+                        for name, schema in value.items()}  # fmt: skip
+        else:
+            out[key] = _leaner(value, where, cut, rest)
+    return out
+
+
 def request_key(prompt: Sequence[Mapping[str, Any]], max_tokens: int) -> str:
     """A key that identifies a summariser request by its content (the same request, the same key)."""
     return fingerprint([prompt, max_tokens])[:24]
@@ -5221,7 +5312,8 @@ class Policy:
     """How :func:`shrink` climbs its rungs: which ones, above what share of the budget, and how far each goes;
     ``protect_turn`` keeps the turn in progress out of summaries and reduces its results last; ``ledger`` adds a
     :func:`fact_ledger` of what a cut or a summary took out; ``recall``: the proxy offers the model a tool
-    over what it folded away (its ledger says so)."""
+    over what it folded away (its ledger says so); ``lean_tools``: the proxy cuts the tools' descriptions to their
+    first sentence when the agent's fixed part takes over :data:`LEAN_SHARE` of the window (:func:`lean_tools`)."""
 
     rungs: tuple[str, ...] = RUNGS
     trigger: float = 0.9  # shrink above this share of the budget (window minus the reply's reserve)
@@ -5232,6 +5324,7 @@ class Policy:
     protect_turn: bool = True
     ledger: bool = True
     recall: bool = True  # the proxy offers the model RECALL_TOOL over what it folded away
+    lean_tools: bool = True  # the proxy cuts the tools' descriptions when the fixed part is over LEAN_SHARE
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.rungs if r not in RUNGS]
@@ -6350,6 +6443,66 @@ async def fit_request(
               report.action, report.ms, report.summary_calls,
               f"; {report.reason}" if report.reason else "")  # fmt: skip
     return {**body, "messages": result["messages"]}, report
+
+
+@dataclasses.dataclass(frozen=True)
+class Lean:
+    """A request body with its tools' descriptions cut (:func:`lean_request`), or as it came: ``whole`` the cut
+    tools' whole descriptions by name (what :data:`RECALL_TOOL` returns), ``said`` what the door says of it."""
+
+    body: dict[str, Any]
+    whole: dict[str, str] = dataclasses.field(default_factory=dict)
+    said: str | None = None
+
+
+UNLEANED = Lean({})  # nothing cut
+
+
+_DIET_MARKERS = re.compile(r"^\[… \d+ lines? cut …\]$", re.MULTILINE)  # :func:`diet_marker`'s lines
+SystemEditor = Callable[[dict[str, Any], Callable[[str], str]], dict[str, Any]]  # a wire's ``with_system``
+
+
+async def lean_request(
+    state: ServerMemory, body: dict[str, Any], chat: Mapping[str, Any], authorization: str | None,
+    with_system: SystemEditor | None = None,
+) -> Lean:  # fmt: skip
+    """``body`` (in its wire's format; ``chat`` its chat view) with a leaner fixed part when the agent's system
+    prompt and tools (:func:`fixed_tokens`, the local estimate: the same every request) take over
+    :data:`LEAN_SHARE` of the window: its tools' descriptions cut to their first sentence (:func:`lean_tools`) and
+    its system prompt's repeated lines removed by the verbatim diet (:func:`dieted_text`: every kept line as it
+    was, each gap marked), written by the wire's ``with_system``. As it is otherwise, with the policy's
+    ``lean_tools`` off, when the window is unknown, or for a body it cannot read (the request path says why)."""
+    policy, tools = state.policy, body.get("tools") if isinstance(body.get("tools"), list) else []
+    if not policy.lean_tools:
+        return Lean(body)
+    count = state.tokenizer.count
+    try:
+        messages = validate_messages(chat.get("messages"))
+        window = await server_window(state, model_of(chat), authorization)
+        if window is None or fixed_tokens(messages, tools, count) <= LEAN_SHARE * window:
+            return Lean(body)
+        short, whole = lean_tools(tools, policy.recall) if tools else ([], {})
+    except (ContextShrinkError, TypeError, AttributeError, ValueError, RecursionError):
+        return Lean(body)
+    lines, saved = [0], [0]  # the system prompt's lines and tokens the diet takes out
+
+    def diet(text: str) -> str:
+        if (lighter := DIETED[text]) is None:
+            return text
+        markers = len(_DIET_MARKERS.findall(lighter)) - len(_DIET_MARKERS.findall(text))
+        lines[0] += text.count("\n") - lighter.count("\n") + markers  # the lines it took out
+        saved[0] += count(text) - count(lighter)
+        return lighter
+
+    leaner = {**body, "tools": short} if whole else body
+    dieted = with_system(leaner, diet) if with_system is not None else None
+    leaner = dieted if dieted is not None and saved[0] > 0 else leaner
+    if leaner is body:
+        return Lean(body)
+    said = [f"{len(whole)} tools described by their first sentence" if whole else "",
+            f"the system prompt {lines[0]} lines shorter" if leaner is dieted else ""]  # fmt: skip
+    saved[0] += fixed_tokens([], tools, count) - fixed_tokens([], short, count) if whole else 0
+    return Lean(leaner, whole, f"{', '.join(filter(None, said))} (-{saved[0]} tokens)")
 
 
 def fixed_part(state: ServerMemory, request: ChatRequest, measured: Measured) -> int:

@@ -89,12 +89,14 @@ from context_shrink import (
     MODEL_LIMIT_FIELDS,
     PROBE_TIMEOUT,
     RECALL_TOOL,
+    UNLEANED,
     Backend,
     BackendCaches,
     Config,
     ConfigError,
     ContextShrinkError,
     FitReport,
+    Lean,
     MemoryTables,
     Overflow,
     Policy,
@@ -114,6 +116,7 @@ from context_shrink import (
     field_at,
     fit_request,
     json_or,
+    lean_request,
     log,
     log_level_flag,
     model_of,
@@ -145,6 +148,7 @@ from context_shrink_wire import (
     RECALL_TOKENS,
     WIRES,
     Call,
+    ChatView,
     Rounds,
     Wire,
     recall_lines,
@@ -314,7 +318,8 @@ def shrink_header(report: Mapping[str, Any]) -> str:
     """The ``x-context-shrink`` response header: what the proxy did to the request."""
     parts = [f"tokens_before={report['tokens_before']}", f"tokens_after={report['tokens_after']}"]
     parts += [f"action={report['action']}"]
-    keys = ("count", "counted_by", "window", "reserve", "ms", "retried", "summary_cached", "recalled", "conversation")
+    keys = ("count", "counted_by", "window", "reserve", "ms", "retried", "summary_cached", "recalled", "lean",
+            "conversation")  # fmt: skip
     parts += [f"{k}={_header_text(report[k], 100)}" for k in keys if report.get(k) is not None]
     if report.get("reason"):
         parts.append("reason=" + _header_text(report["reason"], 200))
@@ -358,6 +363,7 @@ class ProxyReport(FitReport):
     conversation: str | None = None
     recalled: int | None = None  # the model's calls to the recall tool, answered by the proxy
     repeated: float | None = None  # the share of what was sent that repeats the previous request's start
+    lean: str | None = None  # what cutting the tools' descriptions did (:func:`context_shrink.lean_tools`)
 
     def header(self, **changes: Any) -> str:
         """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead."""
@@ -516,7 +522,8 @@ function render(stats) {
   fill("decisions", recent.slice(-25).reverse(), (r) => [
     [new Date(r.at * 1000).toLocaleTimeString()], [r.model || "\\u2013"], [r.action, r.status >= 400 ? "bad" : ""],
     [number(r.tokens_before), "num"], [number(r.tokens_after), "num"],
-    [r.count + (r.counted_by ? " · " + r.counted_by : ""), "reason"], [r.reason || "", "reason"]]);
+    [r.count + (r.counted_by ? " · " + r.counted_by : ""), "reason"],
+    [[r.reason, r.lean && "fixed part: " + r.lean].filter(Boolean).join("; "), "reason"]]);
   const models = Object.entries(stats.models || {});
   fill("models", models, ([name, m]) => [[name], [number(m.requests), "num"], [number(m.shrunk), "num"],
     [number(m.refusals_avoided), "num"], [number(m.tokens_saved), "num"], [number(m.refusals), "num"]]);
@@ -561,7 +568,7 @@ PAGE_HEADERS = {  # the page runs its own inline script and style, and reads onl
     "cache-control": "no-store",
 }
 RECENT_FIELDS = ("tokens_before", "tokens_after", "action", "window", "count", "counted_by", "reason", "ms",
-                 "summary_calls", "summary_cached", "refusals", "retried", "recalled", "repeated")  # fmt: skip
+                 "summary_calls", "summary_cached", "refusals", "retried", "recalled", "repeated", "lean")  # fmt: skip
 
 
 class ProxyStats:
@@ -860,6 +867,7 @@ class Exchange:
     headers: dict[str, str]
     streamed: bool
     calls: list[dict[str, Any]]  # the request's messages that hold tool calls (a recall may name one)
+    described: dict[str, str] = dataclasses.field(default_factory=dict)  # cut tools' whole descriptions, by name
 
 
 class Replayed(httpx2.AsyncByteStream):
@@ -1158,7 +1166,13 @@ class ProxyFront:
         except (ValueError, RecursionError) as exc:  # not a body we understand: the upstream answers it
             why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             return await self.passthrough(request, raw, f"not shrunk: {why}" if why else None)
-        return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent), WIRES["chat"])
+        lean = await lean_request(
+            self.state, body, body, request.headers.get("authorization"), WIRES["chat"].with_system
+        )
+        if lean.body is not body:
+            body, raw = lean.body, _encode(lean.body)
+        return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent), WIRES["chat"],
+                                   lean)  # fmt: skip
 
     async def translated(
         self,
@@ -1178,18 +1192,28 @@ class ProxyFront:
         except (ValueError, RecursionError) as exc:
             why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             return await self.passthrough(request, raw, f"not shrunk: {why}")
-        chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
-                "max_tokens": body.get(reserve), "stream": body.get("stream")}  # fmt: skip
-        chat = {k: v for k, v in chat.items() if v is not None}
+
+        def chat_of(view: ChatView) -> dict[str, Any]:
+            chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
+                    "max_tokens": body.get(reserve), "stream": body.get("stream")}  # fmt: skip
+            return {k: v for k, v in chat.items() if v is not None}
+
+        chat = chat_of(view)
+        lean = await lean_request(self.state, body, chat, request.headers.get("authorization"), wire.with_system)
+        if lean.body is not body:  # the tools' descriptions cut, in the wire's own format
+            body, raw = lean.body, _encode(lean.body)
+            view = await off_loop(len(raw), lambda: wire.view(body))
+            chat = chat_of(view)
 
         def encode(sent: dict[str, Any]) -> bytes:
             return raw if sent is chat else _encode(wire.write(body, view, sent["messages"]))
 
-        return await self.exchange(request, chat, encode, wire)
+        return await self.exchange(request, chat, encode, wire, lean)
 
     async def exchange(
-        self, request: Request, body: dict[str, Any], encode: Callable[[dict[str, Any]], bytes], wire: Wire
-    ) -> Response:
+        self, request: Request, body: dict[str, Any], encode: Callable[[dict[str, Any]], bytes], wire: Wire,
+        lean: Lean = UNLEANED,
+    ) -> Response:  # fmt: skip
         """Shrink a chat-shaped ``body``, send it (``encode`` writes it in the request's own wire format) and
         retry once, strictly smaller, after a length refusal. When something was folded away, the model is
         offered the recall tool (:meth:`recalled`)."""
@@ -1197,10 +1221,11 @@ class ProxyFront:
         url = self.config.target(request.url.path, request.url.query)
         headers = _forward_headers(request.headers, self.config, chat=True)
         sent, report = await self.shrunk(body, authorization, None)
+        report.lean = lean.said
         try:
             for attempt in range(2):
                 content = encode(sent)
-                recall = self.recall_room(body, sent, report)
+                recall = self.recall_room(body, sent, report, bool(lean.whole))
                 if recall:
                     content = _encode(wire.with_tool(json.loads(content)))
                 upstream = await self.open_upstream("POST", url, headers, content)
@@ -1213,7 +1238,8 @@ class ProxyFront:
             if recall and upstream.status_code < 400:
                 folded = [m for _, m in await anyio.to_thread.run_sync(folded_away, body["messages"], sent["messages"])]
                 calls = [m for m in body["messages"] if m.get("tool_calls")]
-                exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls)
+                exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls,
+                                    lean.whole)  # fmt: skip
                 upstream = await self.recalled(upstream, exchange, folded, recall, report)
             if body["messages"]:  # what the server's prompt cache can keep of what was sent
                 conversation = conversation_id(body["messages"])
@@ -1279,7 +1305,7 @@ class ProxyFront:
             return Response(error, upstream.status_code, headers=said)
         log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
                     "of %s", self.config.base, limit, retried.tokens_after, refused)  # fmt: skip
-        return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals)
+        return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals, lean=report.lean)
 
     async def reported_window(self, model: str | None, authorization: str | None) -> int | None:
         """The window the upstream itself reports for ``model`` (cached), if it reports one: a refusal that
@@ -1288,11 +1314,12 @@ class ProxyFront:
             return (await self.state.backend(self.config.base, authorization).context_window(model))[0]
         return None
 
-    def recall_room(self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport) -> int:
+    def recall_room(self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport, leaned: bool = False) -> int:
         """The tokens a recall may return for this request: none unless the policy offers recall, something
-        was folded away, the agent sends tools and lets the model choose; at most :data:`RECALL_TOKENS` and what
-        the window leaves beside the sent request."""
-        if not self.state.policy.recall or sent is body or not body.get("tools") or report.window is None:
+        was folded away (or the tools' descriptions cut: ``leaned``), the agent sends tools and lets the model
+        choose; at most :data:`RECALL_TOKENS` and what the window leaves beside the sent request."""
+        folded = sent is not body or leaned  # messages, or the tools' descriptions
+        if not self.state.policy.recall or not folded or not body.get("tools") or report.window is None:
             return 0
         if body.get("tool_choice") not in (None, "auto") and body.get("tool_choice") != {"type": "auto"}:
             return 0
@@ -1334,7 +1361,8 @@ class ProxyFront:
         """The request asked again after the model's recall calls ``asked``: each answered from what was folded
         away (:func:`recall_lines`), and the tool no longer offered after the last round but one."""
         count = self.state.tokenizer.count
-        results = [recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls) for c in asked]
+        results = [recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls, exchange.described)
+                   for c in asked]  # fmt: skip
         report.recalled = (report.recalled or 0) + len(asked)
         log.info("proxy: the model recalled %s", ", ".join(repr(c.query()) for c in asked))
         body = exchange.wire.answered(body, asked, results)
@@ -1637,6 +1665,7 @@ def proxy_policy(read: Settings) -> Policy:
         "keep_last": read.integer("KEEP_LAST", 0, 10_000, "keep_last", proxy),
         "max_summary_tokens": read.integer("MAX_SUMMARY_TOKENS", 32, 100_000, "max_summary_tokens", proxy),
         "recall": read.boolean("RECALL", "recall", proxy),
+        "lean_tools": read.boolean("LEAN_TOOLS", "lean_tools", proxy),
     }
     try:
         return Policy(**{name: value for name, value in values.items() if value is not None})
@@ -2007,6 +2036,8 @@ def _proxy_flags(sub: argparse.ArgumentParser) -> None:
     )
     sub.add_argument("--recall", help=f"on or off: offer the model the {RECALL_TOOL} tool over what was folded "
                      "away (default on)")  # fmt: skip
+    sub.add_argument("--lean-tools", help="on or off: cut the tools' descriptions to their first sentence when the "
+                     "system prompt and tools take over half the window (default on)")  # fmt: skip
     sub.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
 
 

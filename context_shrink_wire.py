@@ -38,6 +38,7 @@ from context_shrink import (
     LEDGER_MARKER,
     RECALL_TOOL,
     SUMMARY_MARKER,
+    SYSTEM_ROLES,
     ContextShrinkError,
     assistant_message,
     fingerprint,
@@ -496,7 +497,7 @@ def _as_blocks(content: Any) -> list[dict[str, Any]]:
 RECALL_DESCRIPTION = (
     "Fetch back, verbatim, what was folded away from this conversation to fit the model's window (earlier "
     "messages, tool results, files read): the lines that match the query, with context. Query by a file name, "
-    "a command, an identifier or words."
+    "a command, an identifier or words; by a tool's name, that tool's whole description."
 )
 RECALL_SCHEMA = {"type": "object", "properties": {"query": {"type": "string", "description": "Words or an id."}},
                  "required": ["query"], "additionalProperties": False}  # fmt: skip
@@ -510,16 +511,25 @@ def recall_lines(
     limit: int,
     count: Callable[[str], int],
     calls: Sequence[Mapping[str, Any]] = (),
+    described: Mapping[str, str] | None = None,
 ) -> str:
     """What ``messages`` (those folded away) hold that matches ``query``, within ``limit`` tokens, newest
     message first as ``[message N, role]`` blocks: the results of a tool call (among ``messages`` and
     ``calls``, the request's messages: a call may be kept while its result was folded) whose name and
     arguments hold every word (a file read by its name, a command), from their head; else every line holding
     all the words (or, when none does, any of them) with :data:`RECALL_CONTEXT` lines around it. A sentence says so when
-    nothing matches."""
+    nothing matches. A query that names a tool in ``described`` (tools whose descriptions the request carries
+    cut: :func:`context_shrink.lean_tools`) gets that tool's whole descriptions."""
     words = [w for w in re.findall(r"[\w.:/@-]+", query.lower()) if len(w) > 1]
     if not words:
         return "The query holds no word to search for."
+    named = [
+        text
+        for name, text in (described or {}).items()
+        if name.lower() in words or name.lower() == query.lower().strip()
+    ]
+    if named:
+        return _within("\n\n".join(named), limit, count)
     called = {c.get("id") for m in [*messages, *calls] for c in m.get("tool_calls") or []
               if all(w in json.dumps(c.get("function") or {}).lower() for w in words)}  # fmt: skip
     texts = []
@@ -553,6 +563,18 @@ def recall_lines(
         if blocks:
             return "\n\n".join(blocks)
     return f"Nothing folded away matches {query!r}."
+
+
+def _within(text: str, limit: int, count: Callable[[str], int]) -> str:
+    """``text``'s lines from its head while they fit ``limit`` tokens, a marker where it is cut."""
+    lines, room = [], limit - 16
+    for line in text.split("\n"):
+        if (cost := count(line) + 1) > room:
+            lines.append("[... cut: the recall's limit]")
+            break
+        lines.append(line)
+        room -= cost
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -688,6 +710,31 @@ class MessagesRounds:
         return event
 
 
+SYSTEM_PART_TYPES = (None, "text", "input_text")  # the parts of a system prompt that hold its text
+
+
+def _edited(content: Any, edit: Callable[[str], str]) -> Any:
+    """A message's content (a text, or a list of parts) with ``edit`` applied to each text in it."""
+    if isinstance(content, str):
+        return edit(content)
+    if isinstance(content, list):
+        return [{**part, "text": edit(part["text"])} if isinstance(part, dict) and isinstance(part.get("text"), str)
+                and part.get("type") in SYSTEM_PART_TYPES else part for part in content]  # fmt: skip
+    return content
+
+
+def _leading_edited(items: Any, edit: Callable[[str], str]) -> Any:
+    """A list of messages (or input items) with ``edit`` applied to the texts of its leading system and developer
+    ones; anything else as it is."""
+    if not isinstance(items, list):
+        return items
+    out, leading = [], True
+    for item in items:
+        leading = leading and isinstance(item, dict) and item.get("role") in SYSTEM_ROLES
+        out.append({**item, "content": _edited(item.get("content"), edit)} if leading else item)
+    return out
+
+
 class Wire(Protocol):
     """One wire API as the proxy sees it: its body as a chat view and written back, and what recall needs: its
     tool format, the calls in a reply (whole or streamed), a request answering them, and how a streamed reply
@@ -698,6 +745,8 @@ class Wire(Protocol):
     def write(self, body: Mapping[str, Any], view: ChatView, sent: Sequence[Mapping[str, Any]]) -> dict[str, Any]: ...
 
     def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def with_system(self, body: Mapping[str, Any], edit: Callable[[str], str]) -> dict[str, Any]: ...
 
     def calls(self, reply: bytes, streamed: bool) -> list[Call]: ...
 
@@ -722,6 +771,9 @@ class ChatWire:
         tool = {"type": "function", "function": {"name": RECALL_TOOL, "description": RECALL_DESCRIPTION,
                                                  "parameters": RECALL_SCHEMA}}  # fmt: skip
         return {**body, "tools": [*(body.get("tools") or []), tool]}
+
+    def with_system(self, body: Mapping[str, Any], edit: Callable[[str], str]) -> dict[str, Any]:
+        return {**body, "messages": _leading_edited(body["messages"], edit)} if "messages" in body else dict(body)
 
     def calls(self, reply: bytes, streamed: bool) -> list[Call]:
         if not streamed:
@@ -760,6 +812,12 @@ class ResponsesWire:
                 "parameters": RECALL_SCHEMA, "strict": False}  # fmt: skip
         return {**body, "tools": [*(body.get("tools") or []), tool]}
 
+    def with_system(self, body: Mapping[str, Any], edit: Callable[[str], str]) -> dict[str, Any]:
+        edited = {**body, "input": _leading_edited(body["input"], edit)} if "input" in body else dict(body)
+        if isinstance(body.get("instructions"), str):
+            edited["instructions"] = edit(body["instructions"])
+        return edited
+
     def calls(self, reply: bytes, streamed: bool) -> list[Call]:
         items: list[Any] = []
         if streamed:
@@ -794,6 +852,9 @@ class MessagesWire:
     def with_tool(self, body: Mapping[str, Any]) -> dict[str, Any]:
         tool = {"name": RECALL_TOOL, "description": RECALL_DESCRIPTION, "input_schema": RECALL_SCHEMA}
         return {**body, "tools": [*(body.get("tools") or []), tool]}
+
+    def with_system(self, body: Mapping[str, Any], edit: Callable[[str], str]) -> dict[str, Any]:
+        return {**body, "system": _edited(body["system"], edit)} if "system" in body else dict(body)
 
     def calls(self, reply: bytes, streamed: bool) -> list[Call]:
         if not streamed:

@@ -26,6 +26,28 @@ def opencode_request(
     return {"model": "m", "messages": messages, "tools": tools, "max_tokens": 1024}
 
 
+def chat_request(turns: int, result_size: int) -> dict[str, Any]:
+    """An OpenCode-like Chat Completions request: a task, then turns of a shell call and its output."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are opencode."},
+        {"role": "user", "content": "fix it"},
+    ]
+    for t in range(turns):
+        call = {
+            "id": f"c{t}",
+            "type": "function",
+            "function": {"name": "shell", "arguments": json.dumps({"cmd": f"cat f{t}"})},
+        }
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"c{t}", "content": f"line {t}\n" * result_size}]  # fmt: skip
+    messages.append({"role": "user", "content": "and now run the tests"})
+    tool = {
+        "type": "function",
+        "function": {"name": "shell", "description": "Run a command.", "parameters": {"type": "object"}},
+    }
+    return {"model": "m", "messages": messages, "tools": [tool], "max_tokens": 512}
+
+
 def codex_request(turns: int, result_size: int, reasoning: bool = True) -> dict[str, Any]:
     """A Codex CLI Responses request: instructions, a user task, then turns of reasoning, a shell call (two
     in parallel every third turn) and their outputs, and a final user message."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx2
 import pytest
-from agent_requests import claude_request, codex_request, opencode_request
+from agent_requests import chat_request, claude_request, codex_request, opencode_request
 from builders import chat_history, conversation
 from checks import anthropic_problems, responses_problems
 from fake_openai import FakeOpenAI, serve
@@ -371,21 +371,28 @@ def test_concurrent_requests_through_the_proxy(tmp_path: Path) -> None:
     assert all(json.loads(r.text)["choices"] for r in replies)
 
 
-def test_an_opencode_shaped_request_is_shrunk_around_its_fixed_part(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lean", ["off", "on"])
+def test_an_opencode_shaped_request_is_shrunk_around_its_fixed_part(lean: str, tmp_path: Path) -> None:
     """The system prompt and tools fill ~85 % of the budget: the proxy counts that fixed part, keeps the
-    newest user turn whole and reduces or drops the older turns until the request fits."""
+    newest user turn whole and reduces or drops the older turns until the request fits. With the fixed part
+    made leaner (#49: its tools described by their first sentence), the whole history fits beside it."""
     fake = FakeOpenAI(window=8192)
     body = opencode_request()
     tok = fake.tokenizer
     fixed = cs.count_messages(body["messages"][:1], tok)[1] + cs.count_tools(body["tools"], tok)
     assert 0.8 < fixed / (8192 - 1024) < 0.9 and cs.count_messages(body["messages"], tok)[1] + fixed > 8192
-    with serve(fake) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=tmp_path / "log") as url:
+    flags = ("--window", "8192", "--no-archive", "--lean-tools", lean)
+    with serve(fake) as upstream, proxy(upstream, *flags, log=tmp_path / "log") as url:
         reply = chat(url, body)
     assert reply.status_code == 200, reply.text
-    assert not fake.oversized and "action=none" not in reply.headers["x-context-shrink"]
     sent = fake.requests[-1]["body"]
-    assert sent["messages"][-1] == body["messages"][-1] and sent["tools"] == body["tools"]
+    assert not fake.oversized and sent["messages"][-1] == body["messages"][-1]
     assert cs.api_problems(sent["messages"]) == []
+    if lean == "off":
+        assert "action=none" not in reply.headers["x-context-shrink"] and sent["tools"] == body["tools"]
+    else:
+        assert "action=none" in reply.headers["x-context-shrink"] and sent["messages"] == body["messages"]
+        assert "lean=10 tools described by their first sentence" in reply.headers["x-context-shrink"]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -464,7 +471,8 @@ def test_near_the_limit_the_upstreams_own_count_decides(tmp_path: Path, rendered
     log = tmp_path / "log"
     longer = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "ok"},
                                    {"role": "user", "content": "and now?"}]}  # fmt: skip
-    with serve(fake) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=log) as url:
+    flags = ("--window", "8192", "--no-archive", "--lean-tools", "off")  # the tools as they came (counted whole)
+    with serve(fake) as upstream, proxy(upstream, *flags, log=log) as url:
         replies = [chat(url, b) for b in (body, body, longer)]
     assert [r.status_code for r in replies] == [200, 200, 200] and not fake.oversized
     header = replies[0].headers["x-context-shrink"]
@@ -577,28 +585,6 @@ def test_an_edited_anthropic_message_keeps_every_part_it_did_not_change(tmp_path
 
 
 # --------------------------------------------------------------------------- recall by the model (#27)
-
-
-def chat_request(turns: int, result_size: int) -> dict[str, Any]:
-    """An OpenCode-like Chat Completions request: a task, then turns of a shell call and its output."""
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are opencode."},
-        {"role": "user", "content": "fix it"},
-    ]
-    for t in range(turns):
-        call = {
-            "id": f"c{t}",
-            "type": "function",
-            "function": {"name": "shell", "arguments": json.dumps({"cmd": f"cat f{t}"})},
-        }
-        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": f"c{t}", "content": f"line {t}\n" * result_size}]  # fmt: skip
-    messages.append({"role": "user", "content": "and now run the tests"})
-    tool = {
-        "type": "function",
-        "function": {"name": "shell", "description": "Run a command.", "parameters": {"type": "object"}},
-    }
-    return {"model": "m", "messages": messages, "tools": [tool], "max_tokens": 512}
 
 
 RECALL_APIS = {"chat": ("/chat/completions", chat_request), "responses": ("/responses", codex_request),

@@ -1,0 +1,218 @@
+"""Any agent, any window (#49): an agent whose system prompt and tools fill most of the window gets its tools'
+descriptions cut to their first sentence, by a rule that cannot change what a tool is (names, parameters, types,
+enums, required lists), the same bytes every request, the rest one recall away; through the real proxy on each
+wire API."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from agent_requests import chat_request, claude_request, codex_request
+from agent_upstream import request_view
+from fake_openai import serve
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from proxy_helpers import proxy
+from recalling import RecallingModel
+
+import context_shrink as cs
+
+WORDS = ("file", "path", "read", "write", "the", "agent", "must", "never", "always", "line", "offset", "limit",
+         "absolute", "relative", "workspace", "command", "output", "tool", "result", "when", "before")  # fmt: skip
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def long_text(rng: random.Random, sentences: int = 6) -> str:
+    text = " ".join(sentence(rng, rng.randint(8, 16)) for _ in range(sentences))
+    return text + "\n\nUsage:\n- " + "\n- ".join(sentence(rng, 10) for _ in range(4))
+
+
+def wide_tool(api: str, k: int, rng: random.Random) -> dict[str, Any]:
+    """A tool as an agent with long descriptions writes it, in ``api``'s shape."""
+    schema = {"type": "object", "properties": {
+        "path": {"type": "string", "description": long_text(rng, 3)},
+        "mode": {"type": "string", "enum": ["fast", "full"], "default": "fast", "description": long_text(rng, 2)},
+        "description": {"type": "string", "description": "What this call is for."},  # a parameter named so
+        "ranges": {"type": "array", "items": {"type": "object", "properties": {
+            "start": {"type": "integer", "description": long_text(rng, 2)}}}},
+    }, "required": ["path"], "additionalProperties": False}  # fmt: skip
+    name, text = f"tool_{k}", long_text(rng)
+    if api == "chat":
+        return {"type": "function", "function": {"name": name, "description": text, "parameters": schema}}
+    if api == "responses":
+        return {"type": "function", "name": name, "description": text, "parameters": schema}
+    return {"name": name, "description": text, "input_schema": schema}
+
+
+def without_descriptions(node: Any) -> Any:
+    """``node`` with every string under a ``description`` key left out: what a tool *is*."""
+    if isinstance(node, list):
+        return [without_descriptions(item) for item in node]
+    if isinstance(node, dict):
+        return {k: without_descriptions(v) for k, v in node.items() if not (k == "description" and isinstance(v, str))}
+    return node
+
+
+def descriptions(node: Any, found: list[str] | None = None) -> list[str]:
+    found = [] if found is None else found
+    if isinstance(node, list):
+        for item in node:
+            descriptions(item, found)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            if k == "description" and isinstance(v, str):
+                found.append(v)
+            elif k not in ("enum", "const", "default", "examples", "example"):
+                descriptions(v, found)
+    return found
+
+
+# ------------------------------------------------------------------------------------------ the rule, pure
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=300),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                               st.sampled_from(["description", "type", "name", "x"]), inner, max_size=3),
+                           max_leaves=12)  # fmt: skip
+SCHEMAS = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer"])},
+                          optional={"description": st.text(max_size=400), "enum": st.lists(JSON_VALUES, max_size=3),
+                                    "default": JSON_VALUES}),
+    lambda inner: st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(
+        st.sampled_from(["description", "path", "enum", "items", "default"]), inner, max_size=4)},
+        optional={"description": st.text(max_size=400), "items": inner, "required": st.lists(st.text(max_size=8))}),
+    max_leaves=10)  # fmt: skip
+
+
+@st.composite
+def tool_lists(draw: Any) -> list[Any]:
+    tools = []
+    for k in range(draw(st.integers(0, 4))):
+        api = draw(st.sampled_from(["chat", "responses", "messages", "other"]))
+        text, schema = draw(st.text(max_size=600)), draw(SCHEMAS)
+        tools.append({"chat": {"type": "function", "function": {"name": f"t{k}", "description": text,
+                                                                 "parameters": schema}},
+                      "responses": {"type": "function", "name": f"t{k}", "description": text, "parameters": schema},
+                      "messages": {"name": f"t{k}", "description": text, "input_schema": schema},
+                      "other": draw(JSON_VALUES)}[api])  # fmt: skip
+    return tools
+
+
+@settings(max_examples=300, deadline=None)
+@given(tool_lists(), st.booleans())
+def test_cutting_descriptions_never_changes_what_a_tool_is(tools: list[Any], recall: bool) -> None:
+    before = json.dumps(tools, sort_keys=True)
+    short, whole = cs.lean_tools(tools, recall)
+    assert json.dumps(tools, sort_keys=True) == before  # the agent's list is not touched
+    assert without_descriptions(short) == without_descriptions(tools)  # names, types, enums, required, defaults
+    assert cs.lean_tools(tools, recall) == (short, whole)  # the same every request
+    for old, new in zip(descriptions(tools), descriptions(short), strict=True):
+        if new != old:  # cut to the first sentence, marked, and kept whole for the recall tool
+            assert new.startswith(cs.first_sentence(old)) and new.endswith("]") and len(new) < len(old)
+            assert any(old in text for text in whole.values())
+
+
+def test_a_long_description_keeps_its_first_sentence_and_says_where_the_rest_is() -> None:
+    tool = wide_tool("messages", 0, random.Random(1))
+    short, whole = cs.lean_tools([tool])
+    first = tool["description"].split(". ")[0] + "."
+    assert short[0]["description"] == f'{first} [… the rest: {cs.RECALL_TOOL} "tool_0"]'
+    assert short[0]["input_schema"]["properties"]["description"] == tool["input_schema"]["properties"]["description"]
+    assert whole["tool_0"].startswith("The tool tool_0, described in full:\n" + tool["description"])
+    assert "Parameter ranges.start: " in whole["tool_0"]
+    assert cs.lean_tools([tool], recall=False)[0][0]["description"] == f"{first} […]"
+
+
+# ------------------------------------------------------------------------------------------ through the proxy
+
+BUILDERS = {"chat": ("/chat/completions", chat_request), "responses": ("/responses", codex_request),
+            "messages": ("/messages", claude_request)}  # fmt: skip
+
+
+def wide_request(api: str, tools: int = 14, turns: int = 2) -> dict[str, Any]:
+    """An agent's request whose tools take over half a window of 8,192: ``tools`` wide ones and its shell."""
+    body = BUILDERS[api][1](turns, 20)
+    rng = random.Random(7)
+    return {**body, "tools": [*body["tools"], *(wide_tool(api, k, rng) for k in range(tools))]}
+
+
+def tool_name(tool: dict[str, Any]) -> str:
+    return str(tool.get("name") or (tool.get("function") or {}).get("name"))
+
+
+@pytest.mark.parametrize("api", list(BUILDERS))
+def test_a_fixed_part_over_half_the_window_is_sent_with_short_descriptions(api: str, tmp_path: Path) -> None:
+    path = BUILDERS[api][0]
+    model = RecallingModel(8192, "tool_3")  # it asks for one tool's whole description
+    first, grown = wide_request(api), wide_request(api, turns=6)
+    fixed = cs.fixed_tokens(request_view(api, first).messages[:1], first["tools"], cs.HEURISTIC.count)
+    assert fixed > cs.LEAN_SHARE * 8192  # the case: the agent's own part takes over half the window
+    with serve(model) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=tmp_path / "log") as url:
+        replies = [httpx2.post(url + path, json=body, timeout=60) for body in (first, first, grown)]
+        stats = httpx2.get(url.removesuffix("/v1") + "/context-shrink/stats", timeout=30).json()
+    assert [r.status_code for r in replies] == [200, 200, 200], replies[0].text
+    header = replies[0].headers["x-context-shrink"]
+    assert "lean=14 tools described by their first sentence (-" in header and "recalled=1" in header
+    assert not model.refused
+    tools = [[t for t in body["tools"] if tool_name(t) != cs.RECALL_TOOL] for _, body in model.log]
+    assert all(without_descriptions(sent) == without_descriptions(first["tools"]) for sent in tools)  # as defined
+    assert len({json.dumps(sent) for sent in tools}) == 1  # the same bytes in every request: the prefix stays cached
+    short = json.dumps(tools[0], ensure_ascii=False)
+    assert f'[… the rest: {cs.RECALL_TOOL} \\"tool_3\\"]' in short and len(short) < len(json.dumps(first["tools"])) / 2
+    assert model.recalled and model.recalled[0].startswith("The tool tool_3, described in full:")
+    whole = first["tools"][4] if api != "chat" else first["tools"][4]["function"]
+    assert whole["description"] in model.recalled[0]  # tool_3's own words, verbatim
+    assert all(r.get("lean", "").startswith("14 tools") for r in stats["recent"])  # on the live page's data
+    assert "lean=14 tools" in (tmp_path / "log").read_text()  # and in the log
+
+
+@pytest.mark.parametrize("api", list(BUILDERS))
+def test_a_small_fixed_part_or_the_flag_off_sends_the_tools_as_they_came(api: str, tmp_path: Path) -> None:
+    path = BUILDERS[api][0]
+    small, wide = wide_request(api, tools=2), wide_request(api)
+    for body, flags in ((small, ()), (wide, ("--lean-tools", "off"))):
+        model = RecallingModel(8192, "tool_1")
+        with serve(model) as upstream, proxy(upstream, "--window", "8192", "--no-archive", *flags,
+                                             log=tmp_path / "log") as url:  # fmt: skip
+            reply = httpx2.post(url + path, json=body, timeout=60)
+        assert reply.status_code == 200 and "lean=" not in reply.headers.get("x-context-shrink", "")
+        assert model.log[0][1]["tools"] == body["tools"]  # as the agent sent them
+
+
+def with_system_text(api: str, body: dict[str, Any], text: str) -> dict[str, Any]:
+    if api == "chat":
+        return {**body, "messages": [{"role": "system", "content": text}, *body["messages"][1:]]}
+    if api == "responses":
+        return {**body, "instructions": text}
+    return {**body, "system": [{"type": "text", "text": text}]}
+
+
+def system_text(api: str, body: dict[str, Any]) -> str:
+    if api == "chat":
+        return body["messages"][0]["content"]
+    return body["instructions"] if api == "responses" else body["system"][0]["text"]
+
+
+@pytest.mark.parametrize("api", list(BUILDERS))
+def test_a_system_prompt_of_repeated_boilerplate_keeps_every_line_it_sends_verbatim(api: str, tmp_path: Path) -> None:
+    rng = random.Random(3)
+    rules = [f"- {sentence(rng, 12)}" for _ in range(12)]
+    prompt = "\n".join(["You are a coding agent.", *rules, "## Again, the rules", *rules, "## And once more", *rules])
+    body = with_system_text(api, wide_request(api), prompt)
+    model = RecallingModel(8192, "tool_1", times=0)
+    with serve(model) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=tmp_path / "log") as url:
+        replies = [httpx2.post(url + BUILDERS[api][0], json=body, timeout=60) for _ in range(2)]
+    assert [r.status_code for r in replies] == [200, 200]
+    sent = [system_text(api, b) for _, b in model.log]
+    assert sent[0] == sent[1] and len(sent[0]) < len(prompt) * 0.5  # the same bytes every request
+    original = prompt.split("\n")
+    kept = [line for line in sent[0].split("\n") if not (line.startswith("[… ") and line.endswith(" cut …]"))]
+    assert all(line in original for line in kept) and set(kept) == set(original)  # verbatim, every line once
+    assert "the system prompt 24 lines shorter (-" in replies[0].headers["x-context-shrink"]
