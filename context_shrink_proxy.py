@@ -1147,10 +1147,7 @@ class ProxyFront:
         headers, raw = self.reply_headers(upstream), b"".join(head)
         if upstream.headers.get("content-encoding", "identity") != "identity":
             return Response(raw, 200, headers=headers)
-        try:
-            reply = json.loads(raw)
-        except ValueError:
-            reply = None
+        reply = json_or(raw)  # someone else's JSON: None when it is not JSON or nested too deeply
         named = urllib.parse.parse_qs(query).get("model", [None])[0]
         changed = _reported(reply, lambda model: self.enforced_window(model or named)) if isinstance(reply, dict) else 0
         if not changed:
