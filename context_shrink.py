@@ -106,6 +106,7 @@ __all__ = [
     "Lean",
     "Measured",
     "MemoryTables",
+    "Opening",
     "Overflow",
     "Policy",
     "PruneOptions",
@@ -123,6 +124,7 @@ __all__ = [
     "SummaryOptions",
     "Tokenizer",
     "TrimOptions",
+    "agent_opening",
     "analyze_messages",
     "anchor_summary",
     "anchored_in",
@@ -152,6 +154,7 @@ __all__ = [
     "elided_result",
     "encoding_for_model",
     "estimate_messages",
+    "evenly_elided",
     "extract_identifiers",
     "fact_ledger",
     "field_at",
@@ -4774,6 +4777,8 @@ STATE_TABLES: dict[str, tuple[int, int]] = {  # table -> (the most entries, the 
     "stats": (1024, 16 << 20),  # (model, conversation) -> counters
     "recent": (200, 4 << 20),  # the latest requests, one by one
     "prints": (64, 16 << 20),  # conversation -> the prints of its last request
+    "tasks": (4096, 1 << 20),  # a conversation's task (its first request's last user message) -> 1
+    "said": (1024, 32 << 20),  # task -> the user's words and the values seen; agent's fixed part -> newest task
     "meta": (64, 1 << 20),  # the deployment's start, the JSONL archives imported
 }
 STATE_MAX_DAYS = 30  # an entry not written for this long goes
@@ -5377,6 +5382,7 @@ class Rungs:
     policy: Policy
     protect: int
     ledger: int
+    examples: frozenset[str] = frozenset()  # the prints of the example messages before the task (not the user's)
 
     def trim(self, messages: Sequence[Mapping[str, Any]], room: int | None = None) -> dict[str, Any]:
         """Trimming on stable cuts, to under the trigger of ``room`` (the budget) so the next turns fit too."""
@@ -5402,6 +5408,7 @@ class Rungs:
         them)."""
         lead = leading_system(out)
         count, recall = self.tokenizer.count, self.policy.recall
+        gone = [m for m in gone if not self.examples or fingerprint(m) not in self.examples]
         text = fact_ledger(gone, out[lead:], count, self.ledger, recall) if self.ledger and gone else None
         return [*out[:lead], {"role": "system", "content": text}, *out[lead:]] if text else out
 
@@ -5452,6 +5459,77 @@ def standing_context(messages: Sequence[Mapping[str, Any]], budget: int, size: C
     return sorted(chosen)
 
 
+OPENING_MOST = 24  # messages: a longer run before the task is history first seen mid-way, not an opening
+OPENING_RUNS = 16  # the different openings remembered per agent (its system prompt)
+
+
+def task_key(message: Mapping[str, Any]) -> str:
+    """How a conversation's task (a user message) is remembered: a digest of it."""
+    return fingerprint(message)[:24]
+
+
+class Opening(NamedTuple):
+    """What precedes a conversation's task (:func:`agent_opening`): ``before`` messages after the leading system
+    ones, never the user's own words; the first ``standing`` of them are the agent's opening, kept as context."""
+
+    standing: int = 0
+    before: int = 0
+
+
+NO_OPENING = Opening()
+
+
+def agent_opening(messages: Sequence[Mapping[str, Any]], tasks: MutableMapping[Any, Any]) -> Opening:
+    """What precedes the conversation's task in ``messages``: the task is the last user message of the
+    conversation's first request (nothing the model said through the proxy can precede it), which every later
+    request keeps; found among the first user messages, else this is a first request and its task is remembered
+    in ``tasks`` with a print of what precedes it. What precedes it (a run without tool calls or results, of at
+    most :data:`OPENING_MOST` messages; else history first seen mid-way, 0) is never the user's words (example
+    exchanges). It is the agent's opening, standing context, on evidence: the agent sent it changed while the
+    conversation after it stayed (context it re-sends updated: files the user added, a repository map), or the
+    same run opened another conversation of the same agent (few-shot examples, rules). Without evidence it is
+    history like the rest (a chat first seen mid-way is summarised, not kept whole)."""
+    lead, n = leading_system(messages), len(messages)
+    users = [i for i in range(lead, min(n, lead + OPENING_MOST + 1)) if messages[i]["role"] == "user"]
+    task = next((i for i in users if task_key(messages[i]) in tasks), None)
+    first = task is None
+    if first:
+        task = next((i for i in range(n - 1, lead - 1, -1) if messages[i]["role"] == "user"), None)
+    if task is None or not _an_opening(messages[lead:task]):
+        return Opening()
+    key, run = task_key(messages[task]), fingerprint(messages[lead:task])[:24]
+    agent = fingerprint([plain_content(m.get("content")) for m in messages[:lead]])[:24]  # its system prompt
+    if first:
+        runs = list(tasks.get(agent) or [])
+        tasks[key] = {"run": run, "standing": run in runs and task > lead}
+        if task > lead and run not in runs:
+            tasks[agent] = [*runs, run][-OPENING_RUNS:]
+        return Opening(task - lead if tasks[key]["standing"] else 0, task - lead)
+    record = tasks[key] if isinstance(tasks[key], dict) else {"run": run, "standing": False}
+    if not record["standing"] and record["run"] != run:  # sent again, changed: the agent's own context
+        tasks[key] = record = {"run": run, "standing": True}
+    return Opening(task - lead if record["standing"] else 0, task - lead)
+
+
+def _an_opening(run: Sequence[Mapping[str, Any]]) -> bool:
+    return len(run) <= OPENING_MOST and not any(m.get("tool_calls") or m["role"] in RESULT_ROLES for m in run)
+
+
+def evenly_elided(run: Sequence[Mapping[str, Any]], room: int, size: Callable[[Any], int]) -> list[dict[str, Any]]:
+    """``run`` within ``room`` tokens, each message cut to the same share of its size (its text's head and tail,
+    :func:`elided_to`; a marker alone when not even those fit): the agent's opening when it alone is over its
+    room. As it is when it fits."""
+    sizes = [size(m) for m in run]
+    if sum(sizes) <= room:
+        return [dict(m) for m in run]
+    share = room / max(1, sum(sizes))
+    out = []
+    for m, tokens in zip(run, sizes, strict=True):
+        reduced = elided_to(m, max(16, int(tokens * share)), size) if tokens * share < tokens else None
+        out.append(reduced[0] if reduced else with_text(m, f"[… ~{tokens:,} tokens elided …]", ""))
+    return out
+
+
 SummaryAsk = tuple[list[dict[str, Any]], dict[str, Any], int, int]  # a SpanSummary's arguments
 Ladder = Generator[SummaryAsk, Any, dict[str, Any]]  # the rungs, climbed: asks for summaries, returns the result
 
@@ -5464,19 +5542,23 @@ async def shrink(
     policy: Policy = Policy(),
     summarise: SpanSummary | None = None,
     counted: int | None = None,
+    opening: Opening = NO_OPENING,
 ) -> dict[str, Any]:
     """Make a request fit ``budget`` by the cheapest rung that is enough, in order: the verbatim diet of large
     tool results, clearing old tool results (a placeholder keeps the values each held), compaction (a summary by
     ``summarise``, reused across turns) of what precedes the turn in progress, trimming on stable cuts (old
     turns dropped, the turn in progress reduced last). What a cut or a summary takes out is kept as a ledger
     (:func:`fact_ledger`); the agent's standing context (:func:`standing_context`) is kept as it is, after the
-    leading system messages, and counted like them. Nothing happens below ``trigger`` x the budget. A failed
+    leading system messages, and counted like them, and so is its ``opening`` (its ``standing`` messages after
+    the leading system ones: :func:`agent_opening`), never summarised, elided evenly only when it alone leaves
+    the turn in progress no room (:func:`evenly_elided`); the rest of what precedes the task (``before``) is
+    history but never quoted as the user's words. Nothing happens below ``trigger`` x the budget. A failed
     summary falls through to trimming with the reason kept. ``counted`` is the messages' count when the caller
     has it (it is not counted again). Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
     ``tokens_before``/``tokens_after``, ``fits``, ``reason`` and ``summary_cached``. Every step runs in a worker
     thread and only ``summarise`` on the caller's event loop (:func:`climbed`), so that one large request does
     not hold up the small ones served beside it."""
-    steps = _shrink_steps(messages, tools, tokenizer, budget, policy, summarise is not None, counted)
+    steps = _shrink_steps(messages, tools, tokenizer, budget, policy, summarise is not None, counted, opening)
     return await climbed(steps, summarise)
 
 
@@ -5510,6 +5592,7 @@ def _shrink_steps(
     policy: Policy,
     summarises: bool,
     counted: int | None,
+    opening: Opening = NO_OPENING,
 ) -> Ladder:
     """:func:`shrink`'s work as steps (pure): it yields what a summary is asked for and is sent the summary."""
     tools_tokens = count_tools(tools, tokenizer)
@@ -5521,18 +5604,29 @@ def _shrink_steps(
         return result
     size = lambda m: count_messages([m], tokenizer)[0][0]  # noqa: E731
     standing = standing_context(messages, budget, size) if policy.protect_turn else []
-    if not standing:
-        return (yield from _climb(messages, tools, tokenizer, budget, policy, summarises, result))
-    held = set(standing)
-    core = [m for i, m in enumerate(messages) if i not in held]
-    room = budget - sum(size(messages[i]) for i in standing)
-    got = yield from _climb(core, tools, tokenizer, room, policy, summarises, {**result, "messages": core})
-    if got["messages"] is core or got["action"] == "none":
+    lead = leading_system(messages)
+    examples = frozenset(fingerprint(m) for m in messages[lead + opening.standing : lead + opening.before])
+    kept = {i: dict(messages[i]) for i in standing}
+    opening = opening.standing
+    if opening and policy.protect_turn:  # the agent's opening, whole unless it alone leaves the turn no room
+        turn = sum(size(m) for m in messages[max(turn_in_progress(messages), lead + opening) :])
+        room = max(budget // 2, budget - turn - policy.ledger_tokens(budget) - sum(map(size, kept.values())))
+        kept.update(zip(range(lead, lead + opening), evenly_elided(messages[lead : lead + opening], room, size),
+                        strict=True))  # fmt: skip
+    if not kept:
+        return (yield from _climb(messages, tools, tokenizer, budget, policy, summarises, result, examples))
+    core = [m for i, m in enumerate(messages) if i not in kept]
+    room = budget - sum(size(m) for m in kept.values())
+    got = yield from _climb(core, tools, tokenizer, room, policy, summarises, {**result, "messages": core}, examples)
+    elided = any(kept[i] != messages[i] for i in range(lead, lead + opening) if i in kept)
+    if (got["messages"] is core or got["action"] == "none") and not elided:
         return {**result, "action": got["action"], "reason": got["reason"]}  # said of the request as it came
     lead = leading_system(got["messages"])
-    out = [*got["messages"][:lead], *(dict(messages[i]) for i in standing), *got["messages"][lead:]]
+    out = [*got["messages"][:lead], *(kept[i] for i in sorted(kept)), *got["messages"][lead:]]
     after = count_messages(out, tokenizer)[1] + tools_tokens
-    return {**got, "messages": out, "tokens_before": before, "tokens_after": after, "fits": after <= budget}
+    action = "+".join(a for a in (got["action"], "opening" if elided else "") if a and a != "none")
+    return {**got, "messages": out, "action": action, "tokens_before": before, "tokens_after": after,
+            "fits": after <= budget}  # fmt: skip
 
 
 def _climb(
@@ -5543,6 +5637,7 @@ def _climb(
     policy: Policy,
     summarises: bool,
     result: dict[str, Any],
+    examples: frozenset[str] = frozenset(),
 ) -> Ladder:
     """:func:`shrink`'s rungs, climbed on ``messages`` (``result``: what is said when nothing is done)."""
     tools_tokens = count_tools(tools, tokenizer)
@@ -5553,7 +5648,7 @@ def _climb(
         return {**result, "messages": out, "action": action, "tokens_after": after, "fits": after <= budget, **extra}
 
     protect = turn_in_progress(messages) if policy.protect_turn else len(messages)
-    rungs = Rungs(tokenizer, budget, tools, policy, protect, policy.ledger_tokens(budget))
+    rungs = Rungs(tokenizer, budget, tools, policy, protect, policy.ledger_tokens(budget), examples)
     lighter, used = list(messages), []
     if "diet" in policy.rungs:
         lighter, diet = diet_results(lighter, tokenizer)
@@ -6225,6 +6320,8 @@ class ServerMemory:
     factors: MutableMapping[Any, Any]  # (model, text class) and model -> calibration
     counts: StoredTable  # (model, tools, prefix hash) -> upstream count
     tool_costs: MutableMapping[Any, Any]  # (model, tools) -> upstream tokens
+    tasks: MutableMapping[Any, Any]  # the tasks conversations began with (:func:`agent_opening`)
+    said: MutableMapping[Any, Any]  # a conversation's user words and values, by its task (:func:`remembered`)
 
     def remember(self, table: MutableMapping[Any, Any], model: Any, value: Any) -> None:
         table[model] = value  # the newest last; the store bounds the table (STATE_TABLES)
@@ -6401,33 +6498,47 @@ async def fit_request(
 ) -> tuple[dict[str, Any], ReportT]:
     """The request body to forward and its ``report``, filled in, in one direction: read, measure once
     (:func:`measure`), then, over the trigger, :func:`shrink` with the door's policy and the summariser bound to
-    this request's model (:func:`shrink_counted`). Raises :class:`ContextShrinkError` for a body it does not
-    understand (the caller forwards it as is)."""
+    this request's model (:func:`shrink_counted`); and what earlier requests of the conversation held that the
+    agent no longer sends kept in a ledger (:func:`remembered`). Raises :class:`ContextShrinkError` for a body it
+    does not understand (the caller forwards it as is)."""
     started = time.perf_counter()
     listed = body.get("messages")
-    request = await off_loop(len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0,
-                             lambda: ChatRequest.read(body))  # fmt: skip
+    size = len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0
+    request = await off_loop(size, lambda: ChatRequest.read(body))
+    opening = await off_loop(size, lambda: agent_opening(request.messages, state.tasks))
+    carried = await off_loop(size, lambda: remembered(state, request, opening))
     report.window = window or await server_window(state, request.model, authorization)
     if report.window is None:
         report.reason = "window unknown"
         return body, report
     budget, report.reserve = request_budget(body, report.window)
-    measured = await measure(state, request, budget, report.window, authorization)
+    sent, report = await _fitted(state, request, budget, authorization, report, opening, started)
+    return with_carried(state, sent, report, carried, budget), report
+
+
+async def _fitted(
+    state: ServerMemory, request: ChatRequest, budget: int, authorization: str | None, report: ReportT,
+    opening: Opening,
+    started: float,
+) -> tuple[dict[str, Any], ReportT]:  # fmt: skip
+    """:func:`fit_request` once the budget is known: measured, and shrunk over the trigger."""
+    body, window = request.body, cast(int, report.window)
+    measured = await measure(state, request, budget, window, authorization)
     report.tokens_before = report.tokens_after = measured.tokens
     report.count, report.counted_by = "exact" if measured.exact else "estimated", measured.source
     report.estimated_as = measured.key[1]
     report.tools_tokens = measured.tools_cost
     log.debug("proxy: %s: %s messages, %s tokens (%s by %s); budget %s of the window %s, shrunk over %s",
               request.model, len(request.messages), measured.tokens, report.count, measured.source, budget,
-              report.window, int(state.policy.trigger * budget))  # fmt: skip
+              window, int(state.policy.trigger * budget))  # fmt: skip
     if measured.tokens <= state.policy.trigger * budget:
         return body, report
     if (fixed := fixed_part(state, request, measured)) >= budget:
-        report.action, report.reason = "forwarded unchanged", fixed_part_problem(fixed, report.window, budget)
+        report.action, report.reason = "forwarded unchanged", fixed_part_problem(fixed, window, budget)
         report.fixed_tokens = fixed
         log.warning("proxy: %s", report.reason)
         return body, report
-    result = await shrink_counted(state, request, measured, budget, report.window, authorization)
+    result = await shrink_counted(state, request, measured, budget, window, authorization, opening)
     if result["action"] == "none":
         return body, report
     if result["action"].startswith("unchanged"):  # nothing could be cut: the original goes out, and says why
@@ -6443,6 +6554,82 @@ async def fit_request(
               report.action, report.ms, report.summary_calls,
               f"; {report.reason}" if report.reason else "")  # fmt: skip
     return {**body, "messages": result["messages"]}, report
+
+
+# --- what a conversation held: the user's words and the values, carried when the agent no longer sends them ------
+REWRITE_SECONDS = 600.0  # a conversation rewritten by its agent goes on within this long of its last request
+SAID_MOST = (32, 96)  # the user's messages (the newest) and the values (the rarest shapes) a conversation keeps
+
+
+def fixed_print(request: ChatRequest) -> str:
+    """The agent's fixed part as an identity: its leading system messages' text and its tools' names."""
+    lead = leading_system(request.messages)
+    names = sorted(str((t.get("function") or {}).get("name")) for t in request.tools)
+    return fingerprint([[plain_content(m.get("content")) for m in request.messages[:lead]], names])[:24]
+
+
+def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> list[dict[str, Any]]:
+    """What earlier requests of this conversation held that this one no longer does (the agent left it out: it
+    compacted its own history, or sends an updated block of context), as messages for :func:`fact_ledger`: the
+    user's words (:func:`user_words`, after the agent's opening: examples are not the user's) and the values
+    (:func:`text_values`) of tool results and of the opening. The conversation's memory (``state.said``, by its
+    task: :func:`agent_opening`) is updated with what this one holds. A conversation first seen whose request
+    already carries history (an assistant message before the newest user message) that is not the agent's
+    fixed opening, in fewer messages than the newest conversation of the same agent (:func:`fixed_print`) sent
+    within :data:`REWRITE_SECONDS`, is that conversation rewritten by the agent itself (its own summary in place
+    of its turns): it goes on with that one's memory. (A client that replays unrelated histories with the same
+    system prompt and tools can be taken for such a rewrite: the ledger then names the other one's facts.)"""
+    messages, lead = request.messages, leading_system(request.messages)
+    start = lead + opening.before
+    if start >= len(messages) or messages[start]["role"] != "user":
+        return []
+    key, fixed = task_key(messages[start]), fixed_print(request)
+    run = fingerprint(messages[lead:start])[:24]
+    memory, now = state.said.get(key), time.time()
+    if memory is None:
+        latest = state.said.get(fixed)
+        history = any(m["role"] == "assistant" for m in messages[lead:-1])
+        inherited = state.said.get(latest) if latest and history else None
+        rewrite = inherited and inherited.get("opening") != run and now - inherited.get("at", 0) < REWRITE_SECONDS
+        memory = (
+            dict(inherited) if rewrite and len(messages) < inherited.get("messages", 0) else {"user": [], "values": []}
+        )
+    users = [w for m in messages[start:] if m["role"] == "user" and (w := user_words(m))]
+    values = [v for i, m in enumerate(messages) if (m["role"] in RESULT_ROLES or lead <= i < start)
+              for v in text_values(plain_content(m.get("content")))]  # fmt: skip
+    present = "\n".join(plain_content(m.get("content")) for m in messages)
+    carried = [{"role": "user", "content": u} for u in memory["user"] if u not in present]
+    gone = [v for v in memory["values"] if v not in present]
+    carried += [{"role": "tool", "content": "\n".join(gone)}] if gone else []
+    updated = {
+        "user": list(dict.fromkeys([*memory["user"], *users]))[-SAID_MOST[0] :],
+        "values": ranked_values(list(dict.fromkeys([*memory["values"], *values])))[: SAID_MOST[1]],
+        "opening": run,
+        "messages": len(messages),
+    }
+    if {**updated, "at": memory.get("at")} != memory or now - memory.get("at", 0) > REWRITE_SECONDS / 4:
+        state.said[key] = {**updated, "at": now}
+    if state.said.get(fixed) != key:
+        state.said[fixed] = key
+    return carried
+
+
+def with_carried(
+    state: ServerMemory, body: dict[str, Any], report: FitReport, carried: list[dict[str, Any]], budget: int
+) -> dict[str, Any]:
+    """``body`` with a ledger of ``carried`` (:func:`remembered`) after its leading system messages, within a
+    ledger's room and what the budget leaves (nothing when less than 64 tokens)."""
+    if not carried or not state.policy.ledger:
+        return body
+    room = min(state.policy.ledger_tokens(budget) or 64, budget - (report.tokens_after or budget))
+    messages = body["messages"]
+    text = fact_ledger(carried, messages, state.tokenizer.count, room, state.policy.recall) if room >= 64 else None
+    if text is None:
+        return body
+    lead = leading_system(messages)
+    report.tokens_after = (report.tokens_after or 0) + state.tokenizer.count(text) + 8
+    report.action = "ledger" if report.action == "none" else f"{report.action}+ledger"
+    return {**body, "messages": [*messages[:lead], {"role": "system", "content": text}, *messages[lead:]]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6521,7 +6708,7 @@ def fixed_part_problem(fixed: int, window: int, budget: int) -> str:
 
 async def shrink_counted(
     state: ServerMemory, request: ChatRequest, measured: Measured, budget: int, window: int,
-    authorization: str | None,
+    authorization: str | None, opening: Opening = NO_OPENING,
 ) -> dict[str, Any]:  # fmt: skip
     """:func:`shrink` at the model's calibration, corrected at most once: when the shrunk request, counted by
     the upstream, is over the budget (after a deep cut the calibration from the whole request can be off for
@@ -6538,9 +6725,10 @@ async def shrink_counted(
             summarise = await server_summariser(state, model, window, authorization, tokenizer, spent)
         counted = _scaled(measured.counts, factor, tokenizer.format.priming)[1]
         if measured.tools_cost is None:  # the tools counted as the messages are
-            return await shrink(request.messages, tools, tokenizer, budget, state.policy, summarise, counted)
+            return await shrink(request.messages, tools, tokenizer, budget, state.policy, summarise, counted, opening)
         cost = measured.tools_cost
-        result = await shrink(request.messages, [], tokenizer, budget - cost, state.policy, summarise, counted)
+        result = await shrink(request.messages, [], tokenizer, budget - cost, state.policy, summarise, counted,
+                              opening)  # fmt: skip
         return {
             **result,
             "tokens_before": result["tokens_before"] + cost,

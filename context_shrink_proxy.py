@@ -707,10 +707,12 @@ class ProxyState(ServerMemory):
     factors: StoredTable = dataclasses.field(init=False)  # (model, text class) and model -> calibration
     counts: StoredTable = dataclasses.field(init=False)  # (model, tools, prefix hash) -> upstream count
     tool_costs: StoredTable = dataclasses.field(init=False)  # (model, tools) -> upstream tokens
+    tasks: StoredTable = dataclasses.field(init=False)  # the tasks conversations began with
+    said: StoredTable = dataclasses.field(init=False)  # a conversation's user words and values
 
     def __post_init__(self) -> None:
         self.summaries, self.stats = SummaryCache(self.store), ProxyStats(self.store)
-        for name in ("windows", "doubts", "answered", "factors", "counts", "tool_costs"):
+        for name in ("windows", "doubts", "answered", "factors", "counts", "tool_costs", "tasks", "said"):
             setattr(self, name, StoredTable(self.store, name))
 
     def learn_refusal(

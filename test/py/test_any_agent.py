@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx2
 import pytest
 from agent_requests import chat_request, claude_request, codex_request
 from agent_upstream import request_view
 from fake_openai import serve
+from generated_agents import Run, Shape, drive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from proxy_helpers import proxy
@@ -216,3 +219,140 @@ def test_a_system_prompt_of_repeated_boilerplate_keeps_every_line_it_sends_verba
     kept = [line for line in sent[0].split("\n") if not (line.startswith("[… ") and line.endswith(" cut …]"))]
     assert all(line in original for line in kept) and set(kept) == set(original)  # verbatim, every line once
     assert "the system prompt 24 lines shorter (-" in replies[0].headers["x-context-shrink"]
+
+
+# ------------------------------------------------------------------------------------------ the agent's opening
+
+
+def opening_agent(turn: int, pairs: int, updated: bool) -> list[dict[str, Any]]:
+    """An agent that sends ``pairs`` leading user/assistant exchanges before the conversation (few-shot examples,
+    or files it re-sends, ``updated`` each turn), then its task and ``turn`` turns."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]
+    for k in range(pairs):
+        text = f"Example {k}: rename x to y." if not updated else f"<files turn={turn}>\nsrc/m{k}.py v{turn}\n</files>"
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": f"ok {k}"}]
+    history.append({"role": "user", "content": "The task: fix the parser."})
+    for t in range(turn):
+        history += [{"role": "assistant", "content": f"answer {t}"}, {"role": "user", "content": f"Turn {t + 1}."}]
+    return history
+
+
+def opening_of(history: list[dict[str, Any]], tasks: dict[str, Any]) -> tuple[int, int]:
+    return tuple(cs.agent_opening(history, tasks))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("pairs", [0, 1, 3])
+def test_context_the_agent_sends_again_changed_is_its_opening_from_the_second_request(pairs: int) -> None:
+    tasks: dict[str, Any] = {}
+    got = [opening_of(opening_agent(t, pairs, updated=True), tasks) for t in range(6)]
+    assert got == [(0, 2 * pairs)] + [(2 * pairs, 2 * pairs)] * 5  # first seen: history; changed: the agent's own
+
+
+@pytest.mark.parametrize("pairs", [0, 1, 3])
+def test_examples_that_open_every_conversation_are_never_the_users_words(pairs: int) -> None:
+    tasks: dict[str, Any] = {}
+    first = [opening_of(opening_agent(t, pairs, updated=False), tasks) for t in range(4)]
+    assert first == [(0, 2 * pairs)] * 4  # one conversation: before its task, history, but not the user's
+    another = [dict(m) for m in opening_agent(0, pairs, updated=False)]
+    another[-1]["content"] = "The task: fix the lexer."
+    assert opening_of(another, tasks) == (2 * pairs, 2 * pairs)  # the same run opens another: the agent's own
+
+
+def test_a_history_first_seen_mid_way_is_history() -> None:
+    tasks: dict[str, Any] = {}
+    chat = [{"role": "system", "content": "s"}] + [{"role": "user" if k % 2 == 0 else "assistant", "content": f"m{k}"}
+                                                   for k in range(9)]  # fmt: skip
+    assert opening_of(chat, tasks) == (0, 8) and opening_of(
+        [*chat, {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}], tasks
+    ) == (0, 8)
+    midway = [{"role": "system", "content": "s"}, {"role": "user", "content": "go"},
+              {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                     "function": {"name": "r", "arguments": "{}"}}]},
+              {"role": "tool", "tool_call_id": "c", "content": "x"}, {"role": "user", "content": "next"}]  # fmt: skip
+    other: dict[str, Any] = {}
+    assert opening_of(midway, other) == (0, 0) and other == {}
+
+
+def test_the_ledger_never_quotes_an_example_as_the_user() -> None:
+    examples = [m for k in range(3) for m in ({"role": "user", "content": f"Example {k}: rename x{k} to y{k}."},
+                                              {"role": "assistant", "content": f"Renamed {k}."})]  # fmt: skip
+    turns = [m for t in range(12) for m in ({"role": "user", "content": f"Turn {t}: keep E{7300 + t}."},
+                                            {"role": "assistant", "content": "done " * 300})]  # fmt: skip
+    history = [{"role": "system", "content": "s"}, *examples, *turns, {"role": "user", "content": "next"}]
+    opening = cs.Opening(0, len(examples))
+    result = anyio.run(lambda: cs.shrink(history, [], cs.HEURISTIC, 3000, cs.Policy(), None, None, opening))
+    ledger = next(m["content"] for m in result["messages"] if m["content"].startswith(cs.LEDGER_MARKER))
+    assert "Turn 0:" in ledger and "Example 0" not in ledger
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(200, 3000), st.integers(1000, 6000))
+def test_an_opening_alone_over_its_room_is_elided_evenly(messages: int, size: int, room: int) -> None:
+    run = [{"role": "user" if k % 2 == 0 else "assistant", "content": "line of text\n" * (size // 3 + k)}
+           for k in range(messages)]  # fmt: skip
+    count = lambda m: cs.count_messages([m], cs.HEURISTIC)[0][0]  # noqa: E731
+    out = cs.evenly_elided(run, room, count)
+    assert [m["role"] for m in out] == [m["role"] for m in run]
+    if sum(map(count, run)) <= room:
+        assert out == run
+    else:
+        assert sum(map(count, out)) <= room + 16 * messages and all("elided" in m["content"] for m in out)
+
+
+# ------------------------------------------------------------------------------------------ agents as parameters
+
+NAMED_SHAPES = {  # the agents of #49's report, at 16k, and two at 8k
+    "fixed part 80 %, long tool descriptions": Shape(fixed_share=0.8),
+    "context re-sent before the conversation, updated": Shape(resend="updated"),
+    "context re-sent before the conversation, the same": Shape(resend="same"),
+    "few-shot example exchanges": Shape(few_shot=3),
+    "compacts its own history at turn 15": Shape(compacts_at=15),
+    "all of them, reads one after the other": Shape(
+        fixed_share=0.7, resend="same", few_shot=2, compacts_at=15, parallel=False
+    ),
+    "8k window, fixed part 85 %": Shape(window=8192, fixed_share=0.85),
+    "8k window, updated context, few-shot, compacts": Shape(
+        window=8192, fixed_share=0.5, resend="updated", few_shot=2, compacts_at=12
+    ),
+}
+
+
+def check_run(run: Run) -> None:
+    """What every agent shape must get (#49's Done-when): every turn answered, no refusal, the turn's files sent
+    whenever they fit beside the fixed part as sent, the user's five facts and eight of ten in the last request,
+    summary calls within one per 0.3 of the window of new history."""
+    said = run.shape.describe()
+    assert run.refused == 0, said
+    fitting = [t for t in run.turns if run.fits(t)]
+    assert not fitting or run.files_sent(fitting) >= 0.9, (run.files_sent(fitting), said)
+    users, facts = run.facts_in_last()
+    assert users == 5 and facts >= 8, (users, facts, said)
+    assert run.summary_calls <= 1 + run.new_history / (cs.SUMMARY_GROWTH * run.shape.window), (run.summary_calls, said)
+
+
+@pytest.mark.parametrize("name", list(NAMED_SHAPES))
+def test_an_agent_of_each_reported_shape_keeps_its_turns_files_and_the_users_facts(name: str, tmp_path: Path) -> None:
+    run = drive(NAMED_SHAPES[name], 20, tmp_path)
+    check_run(run)
+    assert run.files_sent() >= 0.9, (run.files_sent(), name)  # every one of them fits once the fixed part is leaner
+
+
+SHAPES = st.builds(
+    Shape,
+    window=st.sampled_from([8192, 16_384]),
+    fixed_share=st.sampled_from([0.1, 0.3, 0.5, 0.7, 0.9]),
+    long_descriptions=st.booleans(),
+    resend=st.sampled_from([None, "same", "updated"]),
+    few_shot=st.integers(0, 3),
+    parallel=st.booleans(),
+    compacts_at=st.sampled_from([None, 8, 15]),
+    files=st.integers(2, 3),
+)
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(SHAPES)
+def test_any_generated_agent_shape_keeps_its_turns_files_and_the_users_facts(shape: Shape) -> None:
+    with tempfile.TemporaryDirectory() as where:
+        check_run(drive(shape, 20, Path(where)))
