@@ -88,7 +88,6 @@ __all__ = [
     "TRANSCRIPT_BEGIN",
     "TRANSCRIPT_END",
     "UNKNOWN_TOOL_MARGIN",
-    "UNLEANED",
     "VALUE_SCAN",
     "VALUE_WORD",
     "AnalyzeOptions",
@@ -103,7 +102,6 @@ __all__ = [
     "EstimateOptions",
     "FitReport",
     "Folder",
-    "Lean",
     "Measured",
     "MemoryTables",
     "Opening",
@@ -174,7 +172,6 @@ __all__ = [
     "json_or",
     "jsonrpc_id",
     "leading_system",
-    "lean_request",
     "lean_tools",
     "least_form",
     "load_messages_file",
@@ -6630,66 +6627,6 @@ def with_carried(
     report.tokens_after = (report.tokens_after or 0) + state.tokenizer.count(text) + 8
     report.action = "ledger" if report.action == "none" else f"{report.action}+ledger"
     return {**body, "messages": [*messages[:lead], {"role": "system", "content": text}, *messages[lead:]]}
-
-
-@dataclasses.dataclass(frozen=True)
-class Lean:
-    """A request body with its tools' descriptions cut (:func:`lean_request`), or as it came: ``whole`` the cut
-    tools' whole descriptions by name (what :data:`RECALL_TOOL` returns), ``said`` what the door says of it."""
-
-    body: dict[str, Any]
-    whole: dict[str, str] = dataclasses.field(default_factory=dict)
-    said: str | None = None
-
-
-UNLEANED = Lean({})  # nothing cut
-
-
-_DIET_MARKERS = re.compile(r"^\[… \d+ lines? cut …\]$", re.MULTILINE)  # :func:`diet_marker`'s lines
-SystemEditor = Callable[[dict[str, Any], Callable[[str], str]], dict[str, Any]]  # a wire's ``with_system``
-
-
-async def lean_request(
-    state: ServerMemory, body: dict[str, Any], chat: Mapping[str, Any], authorization: str | None,
-    with_system: SystemEditor | None = None,
-) -> Lean:  # fmt: skip
-    """``body`` (in its wire's format; ``chat`` its chat view) with a leaner fixed part when the agent's system
-    prompt and tools (:func:`fixed_tokens`, the local estimate: the same every request) take over
-    :data:`LEAN_SHARE` of the window: its tools' descriptions cut to their first sentence (:func:`lean_tools`) and
-    its system prompt's repeated lines removed by the verbatim diet (:func:`dieted_text`: every kept line as it
-    was, each gap marked), written by the wire's ``with_system``. As it is otherwise, with the policy's
-    ``lean_tools`` off, when the window is unknown, or for a body it cannot read (the request path says why)."""
-    policy, tools = state.policy, body.get("tools") if isinstance(body.get("tools"), list) else []
-    if not policy.lean_tools:
-        return Lean(body)
-    count = state.tokenizer.count
-    try:
-        messages = validate_messages(chat.get("messages"))
-        window = await server_window(state, model_of(chat), authorization)
-        if window is None or fixed_tokens(messages, tools, count) <= LEAN_SHARE * window:
-            return Lean(body)
-        short, whole = lean_tools(tools, policy.recall) if tools else ([], {})
-    except (ContextShrinkError, TypeError, AttributeError, ValueError, RecursionError):
-        return Lean(body)
-    lines, saved = [0], [0]  # the system prompt's lines and tokens the diet takes out
-
-    def diet(text: str) -> str:
-        if (lighter := DIETED[text]) is None:
-            return text
-        markers = len(_DIET_MARKERS.findall(lighter)) - len(_DIET_MARKERS.findall(text))
-        lines[0] += text.count("\n") - lighter.count("\n") + markers  # the lines it took out
-        saved[0] += count(text) - count(lighter)
-        return lighter
-
-    leaner = {**body, "tools": short} if whole else body
-    dieted = with_system(leaner, diet) if with_system is not None else None
-    leaner = dieted if dieted is not None and saved[0] > 0 else leaner
-    if leaner is body:
-        return Lean(body)
-    said = [f"{len(whole)} tools described by their first sentence" if whole else "",
-            f"the system prompt {lines[0]} lines shorter" if leaner is dieted else ""]  # fmt: skip
-    saved[0] += fixed_tokens([], tools, count) - fixed_tokens([], short, count) if whole else 0
-    return Lean(leaner, whole, f"{', '.join(filter(None, said))} (-{saved[0]} tokens)")
 
 
 def fixed_part(state: ServerMemory, request: ChatRequest, measured: Measured) -> int:
