@@ -5380,6 +5380,7 @@ class Rungs:
     protect: int
     ledger: int
     examples: frozenset[str] = frozenset()  # the prints of the example messages before the task (not the user's)
+    whole: int = 0  # the request's budget, when this climb has only what standing context leaves of it
 
     def trim(self, messages: Sequence[Mapping[str, Any]], room: int | None = None) -> dict[str, Any]:
         """Trimming on stable cuts, to under the trigger of ``room`` (the budget) so the next turns fit too."""
@@ -5395,10 +5396,16 @@ class Rungs:
         budget, policy = self.budget - self.ledger, self.policy
         return compact_messages(
             messages, self.tokenizer, summary=summary, max_context_tokens=budget, threshold=0,
-            keep_last=policy.keep_last, max_summary_tokens=policy.summary_tokens(budget),
+            keep_last=policy.keep_last, max_summary_tokens=self.summary_tokens,
             target_ratio=policy.compact_ratio, tools=self.tools,
             keep_from=self.protect if policy.protect_turn else None,
         )  # fmt: skip
+
+    @property
+    def summary_tokens(self) -> int:
+        """A summary's size: of the whole budget, so that what standing context takes, which varies from request to
+        request, does not change the summary (its size is part of what a summary is filed under)."""
+        return self.policy.summary_tokens(self.whole or self.budget - self.ledger)
 
     def with_ledger(self, out: list[dict[str, Any]], gone: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """``out`` with a :func:`fact_ledger` of ``gone`` after its leading system messages (a summary among
@@ -5607,14 +5614,25 @@ def _shrink_steps(
     opening = opening.standing
     if opening and policy.protect_turn:  # the agent's opening, whole unless it alone leaves the turn no room
         turn = sum(size(m) for m in messages[max(turn_in_progress(messages), lead + opening) :])
-        room = max(budget // 2, budget - turn - policy.ledger_tokens(budget) - sum(map(size, kept.values())))
+        fixed = sum(size(m) for m in messages[:lead]) + tools_tokens + sum(map(size, kept.values()))
+        room = budget - fixed - turn - policy.ledger_tokens(budget)  # what the rest leaves it (markers at least)
         kept.update(zip(range(lead, lead + opening), evenly_elided(messages[lead : lead + opening], room, size),
                         strict=True))  # fmt: skip
     if not kept:
         return (yield from _climb(messages, tools, tokenizer, budget, policy, summarises, result, examples))
     core = [m for i, m in enumerate(messages) if i not in kept]
     room = budget - sum(size(m) for m in kept.values())
-    got = yield from _climb(core, tools, tokenizer, room, policy, summarises, {**result, "messages": core}, examples)
+    got = yield from _climb(
+        core,
+        tools,
+        tokenizer,
+        room,
+        policy,
+        summarises,
+        {**result, "messages": core},
+        examples,
+        budget - policy.ledger_tokens(budget),
+    )  # a summary call per 0.3 of the whole budget
     elided = any(kept[i] != messages[i] for i in range(lead, lead + opening) if i in kept)
     if (got["messages"] is core or got["action"] == "none") and not elided:
         return {**result, "action": got["action"], "reason": got["reason"]}  # said of the request as it came
@@ -5635,6 +5653,7 @@ def _climb(
     summarises: bool,
     result: dict[str, Any],
     examples: frozenset[str] = frozenset(),
+    whole: int = 0,
 ) -> Ladder:
     """:func:`shrink`'s rungs, climbed on ``messages`` (``result``: what is said when nothing is done)."""
     tools_tokens = count_tools(tools, tokenizer)
@@ -5645,7 +5664,7 @@ def _climb(
         return {**result, "messages": out, "action": action, "tokens_after": after, "fits": after <= budget, **extra}
 
     protect = turn_in_progress(messages) if policy.protect_turn else len(messages)
-    rungs = Rungs(tokenizer, budget, tools, policy, protect, policy.ledger_tokens(budget), examples)
+    rungs = Rungs(tokenizer, budget, tools, policy, protect, policy.ledger_tokens(budget), examples, whole)
     lighter, used = list(messages), []
     if "diet" in policy.rungs:
         lighter, diet = diet_results(lighter, tokenizer)
@@ -5697,12 +5716,12 @@ def _compact_rung(
     room = rungs.budget - rungs.ledger
     if plan["tokens_after"] > room:
         return messages, "the turn in progress alone is over the budget: its results are reduced", None, []
-    growth = int(SUMMARY_GROWTH * room)
+    growth = int(SUMMARY_GROWTH * (rungs.whole or room))  # of the whole budget, whatever standing context takes
     span = messages[plan["summarize_from_index"] : plan["kept_from_index"]]
     if count_messages(span, rungs.tokenizer)[1] < growth:
         return messages, "too little to summarise yet: the oldest turns are dropped, their facts kept", None, []
     try:
-        got = yield messages, plan, rungs.policy.summary_tokens(room), growth
+        got = yield messages, plan, rungs.summary_tokens, growth
     except ContextShrinkError as exc:
         log.warning("summary failed: %s; trimming instead", exc)
         return messages, f"summary failed: {exc}", None, []

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx2
 from fake_openai import FakeOpenAI, serve
-from proxy_helpers import proxy
+from proxy_helpers import started
 from state_runs import summary_call
 
 import context_shrink as cs
@@ -34,7 +34,8 @@ class Shape:
     window: int = 16_384
     fixed_share: float = 0.3  # of the window: its system prompt and tools
     long_descriptions: bool = True  # its tools' descriptions are paragraphs (else one sentence each)
-    resend: str | None = None  # "same": a context block re-sent before the conversation; "updated": the turn's files
+    resend: str | None = None  # "same": a context block re-sent before the conversation; "updated": the files the
+    # user added (this turn's and the last turn's), re-sent before the conversation with every request
     few_shot: int = 0  # example exchanges before the conversation
     parallel: bool = True  # the turn's reads in one assistant message (else one after the other)
     compacts_at: int | None = None  # the turn at which the agent replaces its history with a lossy summary of its own
@@ -85,6 +86,8 @@ def fixed_part(shape: Shape, rng: random.Random) -> tuple[str, list[dict[str, An
 class Turn:
     files: list[str]  # the texts of the turn's files
     sent: dict[str, Any] | None = None  # the request the model answered, as the upstream got it
+    material: int = 0  # tokens of what the agent sends of the turn (its reads; a re-sent block of files whole)
+    status: int = 200  # what the agent got
 
 
 @dataclasses.dataclass
@@ -114,13 +117,21 @@ class Run:
         return users, users + sum(f in text for f in FILE_FACTS)
 
     def fits(self, turn: Turn) -> bool:
-        """Whether the turn's files fit beside the fixed part as sent, the reply's reserve and a ledger."""
-        room = self.shape.window - 1024 - self.fixed_after - 512
-        return sum(COUNT(f) + 16 for f in turn.files) + 200 <= room
+        """Whether what the agent sends of the turn fits beside the fixed part as sent, the reply's reserve and a
+        ledger."""
+        return turn.material + 200 <= self.shape.window - 1024 - self.fixed_after - 512
+
+    @property
+    def fitting(self) -> bool:
+        """Whether every turn fits (else no proxy can send it whole, nor always avoid a refusal)."""
+        return all(self.fits(t) for t in self.turns)
 
 
-def drive(shape: Shape, turns: int, where: Path, seed: int = 7, flags: tuple[str, ...] = ()) -> Run:
-    """``turns`` turns of an agent of ``shape`` through a real proxy process in front of a scripted model."""
+def drive(
+    shape: Shape, turns: int, where: Path, seed: int = 7, flags: tuple[str, ...] = (), module: Path | None = None
+) -> Run:
+    """``turns`` turns of an agent of ``shape`` through a real proxy process (this checkout's, or ``module``) in
+    front of a scripted model."""
     rng = random.Random(seed)
     system, tools = fixed_part(shape, rng)
     model = FakeOpenAI(window=shape.window)
@@ -130,8 +141,11 @@ def drive(shape: Shape, turns: int, where: Path, seed: int = 7, flags: tuple[str
         {"role": "user", "content": f"Example {k}: what does parser_{k} return?"},
         {"role": "assistant", "content": f"It returns the parsed value {k}."})]  # fmt: skip
     context = words(rng, int(0.08 * shape.window), "map") if shape.resend == "same" else None
-    new_history = 0
-    with serve(model) as upstream, proxy(upstream, "--window", str(shape.window), *flags, log=where / "log") as url:
+    new_history, added = 0, []
+    window = ("--window", str(shape.window), *flags)
+    with serve(model) as upstream, started("proxy", "--upstream", upstream, *window, log=where / "log",
+                                           module=module) as base:  # fmt: skip
+        url = base + "/v1"
         for t in range(1, turns + 1):
             files = [words(rng, int(shape.file_share * shape.window), f"f{t}.{k}") for k in range(shape.files)]
             if t <= len(FILE_FACTS):
@@ -139,8 +153,9 @@ def drive(shape: Shape, turns: int, where: Path, seed: int = 7, flags: tuple[str
             fact = f" Remember {USER_FACTS[t - 1]}." if t <= len(USER_FACTS) else ""
             turn_messages: list[dict[str, Any]] = [{"role": "user", "content": f"Turn {t}: read the files.{fact}"}]
             opening: list[dict[str, Any]] = list(examples)
-            if shape.resend == "updated":  # the turn's files go in the block the agent sends before the conversation
-                block = "\n".join(f"<file name='m{k}.py'>\n{f}\n</file>" for k, f in enumerate(files))
+            if shape.resend == "updated":  # the added files go in the block the agent sends before the conversation
+                block = "\n".join(f"<file name='m{k}.py'>\n{f}\n</file>" for k, f in enumerate([*added, *files]))
+                added = files
                 opening = [{"role": "user", "content": block}, {"role": "assistant", "content": "Noted."}, *opening]
             else:
                 if context is not None:
@@ -163,13 +178,15 @@ def drive(shape: Shape, turns: int, where: Path, seed: int = 7, flags: tuple[str
             body = {"model": "m", "max_tokens": 1024, "tools": tools, "messages": messages}
             before = len(model.requests)
             reply = httpx2.post(url + "/chat/completions", json=body, timeout=120)
-            assert reply.status_code == 200, (shape.describe(), t, reply.text[:300])
             sent = [r["body"] for r in model.requests[before:] if not summary_call(r["body"])]
-            done.append(Turn(files, sent[-1] if sent else None))
-            new_history += sum(COUNT(cs.plain_content(m.get("content"))) for m in turn_messages)
-            history += [*turn_messages, {"role": "assistant", "content": f"Done with turn {t}."}]
+            material = COUNT(json.dumps(opening[:1] if shape.resend == "updated" else turn_messages[1:]))
+            done.append(Turn(files, sent[-1] if sent else None, material, reply.status_code))
+            answer = {"role": "assistant", "content": f"Done with turn {t}.\n{words(rng, shape.window // 50, 'a')}"}
+            new_history += sum(COUNT(cs.plain_content(m.get("content"))) for m in [*turn_messages, answer])
+            history += [*turn_messages, answer]
     sent_tools = done[-1].sent.get("tools") or [] if done[-1].sent else []
     sent_system = done[-1].sent["messages"][0]["content"] if done[-1].sent else ""
     calls = sum(summary_call(r["body"]) for r in model.requests)
     fixed = COUNT(json.dumps([t for t in sent_tools if (t.get("function") or {}).get("name") != cs.RECALL_TOOL]))
-    return Run(shape, done, calls, len(model.oversized), fixed + COUNT(sent_system), new_history)
+    refused = len(model.oversized) + sum(t.status != 200 for t in done)
+    return Run(shape, done, calls, refused, fixed + COUNT(sent_system), new_history)

