@@ -4230,14 +4230,14 @@ def user_words(message: Mapping[str, Any]) -> str:
 
 def _ledger_items(gone: Sequence[Mapping[str, Any]], later: str) -> dict[str, list[str]]:
     """The facts of ``gone``, by kind: the user's messages (verbatim, oldest first), what the assistant referred
-    to, and the values tool results held (those ``later`` text names first, each part the rarest shapes first,
-    then oldest first: :func:`ranked_values`)."""
+    to, and the values tool results held (the rarest shapes first, :func:`ranked_values`: a name repeated in
+    every file is no fact; of each shape those ``later`` text names first, then oldest first)."""
     users = [user_words(m) for m in gone if m.get("role") == "user"]
     said = [r for m in gone if m.get("role") == "assistant" for r in _call_references(m)]
     values = list(dict.fromkeys(v for m in gone if m.get("role") in RESULT_ROLES
                                 for v in text_values(plain_content(m.get("content")))))  # fmt: skip
-    values = ranked_values(values)
-    values = [v for v in values if v in later] + [v for v in values if v not in later]
+    shapes = collections.Counter(map(value_shape, values))  # the rarest shapes first, of them those used again
+    values = sorted(values, key=lambda v: (shapes[value_shape(v)], v not in later))
     return {"user": list(dict.fromkeys(u for u in users if u)), "assistant": list(dict.fromkeys(said)),
             "values": values}  # fmt: skip
 
@@ -4252,9 +4252,9 @@ def fact_ledger(
     """A ledger of what the messages ``gone`` (dropped or summarised) said that must not be lost, within
     ``budget`` tokens, every item verbatim: the user's messages first, oldest first (they are the task), then
     what the assistant referred to (its tool calls' paths and commands, the values it wrote), then the values
-    the tool results held (those the ``kept`` messages use again first). Names merely seen in a file never
-    crowd out what the user said; with ``recall`` it says that the rest can be fetched back with
-    :data:`RECALL_TOOL`. None when there is nothing to keep."""
+    the tool results held (the rarest shapes first; of one, those the ``kept`` messages use again). Names merely
+    seen in a file never crowd out what the user said; with ``recall`` it says that the rest can be fetched back
+    with :data:`RECALL_TOOL`. None when there is nothing to keep."""
     later = "\n".join(plain_content(m.get("content")) + json.dumps(m.get("tool_calls") or "") for m in kept)
     items = _ledger_items(gone, later)
     rest = (
