@@ -5341,10 +5341,13 @@ class Policy:
         """The summary's size: sized to the window, within the configured maximum."""
         return min(self.max_summary_tokens, max(256, budget // 16))
 
-    def ledger_tokens(self, budget: int) -> int:
+    def ledger_tokens(self, budget: int, users: int = 0) -> int:
         """The room a ledger is given (0 without one, or below 64 tokens): a twelfth of the budget, at most half a
-        summary."""
+        summary; more when the user's words before the turn in progress (``users`` tokens) need it, so that what
+        the user said is kept whole, up to a sixth of the budget."""
         room = min(self.max_summary_tokens // 2, budget // 12) if self.ledger else 0
+        if room and users:
+            room = max(room, min(budget // 6, int(users / LEDGER_SHARES["user"]) + 64))
         return room if room >= 64 else 0
 
 
@@ -5664,7 +5667,8 @@ def _climb(
         return {**result, "messages": out, "action": action, "tokens_after": after, "fits": after <= budget, **extra}
 
     protect = turn_in_progress(messages) if policy.protect_turn else len(messages)
-    rungs = Rungs(tokenizer, budget, tools, policy, protect, policy.ledger_tokens(budget), examples, whole)
+    users = sum(tokenizer.count(user_words(m)) + 2 for m in messages[:protect] if m["role"] == "user")
+    rungs = Rungs(tokenizer, budget, tools, policy, protect, policy.ledger_tokens(budget, users), examples, whole)
     lighter, used = list(messages), []
     if "diet" in policy.rungs:
         lighter, diet = diet_results(lighter, tokenizer)
@@ -6637,7 +6641,10 @@ def with_carried(
     ledger's room and what the budget leaves (nothing when less than 64 tokens)."""
     if not carried or not state.policy.ledger:
         return body
-    room = min(state.policy.ledger_tokens(budget) or 64, budget - (report.tokens_after or budget))
+    users = sum(
+        state.tokenizer.count(cs_text) + 2 for m in carried if m["role"] == "user" and (cs_text := m["content"])
+    )
+    room = min(state.policy.ledger_tokens(budget, users) or 64, budget - (report.tokens_after or budget))
     messages = body["messages"]
     text = fact_ledger(carried, messages, state.tokenizer.count, room, state.policy.recall) if room >= 64 else None
     if text is None:
