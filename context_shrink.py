@@ -5668,7 +5668,10 @@ def _climb(
 
     protect = turn_in_progress(messages) if policy.protect_turn else len(messages)
     users = sum(tokenizer.count(user_words(m)) + 2 for m in messages[:protect] if m["role"] == "user")
-    rungs = Rungs(tokenizer, budget, tools, policy, protect, policy.ledger_tokens(budget, users), examples, whole)
+    ledger = policy.ledger_tokens(budget)  # more for the user's words only where the turn in progress leaves it
+    turn = count_messages([*messages[: leading_system(messages)], *messages[protect:]], tokenizer)[1] + tools_tokens
+    ledger = max(ledger, min(policy.ledger_tokens(budget, users), budget - turn)) if ledger else 0
+    rungs = Rungs(tokenizer, budget, tools, policy, protect, ledger, examples, whole)
     lighter, used = list(messages), []
     if "diet" in policy.rungs:
         lighter, diet = diet_results(lighter, tokenizer)
