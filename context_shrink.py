@@ -5405,10 +5405,15 @@ class Rungs:
         )  # fmt: skip
 
     @property
+    def summarised_budget(self) -> int:
+        """What a summary's size and the growth worth a summary call are shares of: the whole budget less a
+        ledger's usual room, whatever standing context and the ledger take of it on this request (both vary
+        from request to request; a summary's size is part of what it is filed under)."""
+        return self.whole or self.budget - self.policy.ledger_tokens(self.budget)
+
+    @property
     def summary_tokens(self) -> int:
-        """A summary's size: of the whole budget, so that what standing context takes, which varies from request to
-        request, does not change the summary (its size is part of what a summary is filed under)."""
-        return self.policy.summary_tokens(self.whole or self.budget - self.ledger)
+        return self.policy.summary_tokens(self.summarised_budget)
 
     def with_ledger(self, out: list[dict[str, Any]], gone: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """``out`` with a :func:`fact_ledger` of ``gone`` after its leading system messages (a summary among
@@ -5723,7 +5728,7 @@ def _compact_rung(
     room = rungs.budget - rungs.ledger
     if plan["tokens_after"] > room:
         return messages, "the turn in progress alone is over the budget: its results are reduced", None, []
-    growth = int(SUMMARY_GROWTH * (rungs.whole or room))  # of the whole budget, whatever standing context takes
+    growth = int(SUMMARY_GROWTH * rungs.summarised_budget)
     span = messages[plan["summarize_from_index"] : plan["kept_from_index"]]
     if count_messages(span, rungs.tokenizer)[1] < growth:
         return messages, "too little to summarise yet: the oldest turns are dropped, their facts kept", None, []
