@@ -89,7 +89,7 @@ def generated_values(draw: Any) -> str:
         return "/".join(words) + f"-{n % 1000}.log" + ("" if n % 2 else f":{n % 900 + 1}")
     if pick == 6:  # a code or a ticket
         return "".join(draw(st.lists(st.sampled_from(string.ascii_uppercase), min_size=1, max_size=5))) + \
-            draw(st.sampled_from(["-", "_", ""])) + str(n % 10**6 + 10)  # fmt: skip
+            draw(st.sampled_from(["-", "_", ""])) + str(n % 10**6 + 100)  # fmt: skip
     if pick == 7:  # a host and port, or an address
         host = draw(st.sampled_from(NAME_WORDS)) + draw(st.sampled_from(["", "-03", ".internal.example"]))
         return f"{host}:{n % 60000 + 1000}" if n % 2 else ".".join(str(int(o, 16)) for o in octets[:4])
