@@ -6336,7 +6336,8 @@ class ServerMemory:
     """What a door knows of its upstream and learns from its requests, for :func:`fit_request`: its settings,
     one HTTP client, the tokenizer and policy, and tables (any mapping; the proxy's live in its store): the
     learnt ``windows``, the calibration ``factors`` by model and text class, the upstream's ``counts`` by message
-    prefix and what its ``tool_costs`` are. The proxy's ``ProxyState`` is one."""
+    prefix and what its ``tool_costs`` are, the ``tasks`` conversations began with and what each ``said`` (the
+    user's words and the values seen). The proxy's ``ProxyState`` is one."""
 
     config: UpstreamSettings
     http: httpx2.AsyncClient

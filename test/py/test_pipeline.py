@@ -135,8 +135,8 @@ class Door(cs.ServerMemory):
         self.http = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
         self.tokenizer, self.policy = TOK, cs.Policy(rungs=("trim",))
         self.caches, self.summaries, tables = cs.BackendCaches(), cs.SummaryCache(), cs.MemoryTables()
-        self.windows, self.factors, self.counts, self.tool_costs = (
-            cs.StoredTable(tables, name) for name in ("windows", "factors", "counts", "tool_costs")
+        self.windows, self.factors, self.counts, self.tool_costs, self.tasks, self.said = (
+            cs.StoredTable(tables, name) for name in ("windows", "factors", "counts", "tool_costs", "tasks", "said")
         )
 
 
