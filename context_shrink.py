@@ -5418,8 +5418,8 @@ class Rungs:
     def with_ledger(self, out: list[dict[str, Any]], gone: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """``out`` with a :func:`fact_ledger` of ``gone`` after its leading system messages (a summary among
         them)."""
-        lead = leading_system(out)
-        count, recall = self.tokenizer.count, self.policy.recall
+        lead, scale, recall = leading_system(out), self.tokenizer.scale, self.policy.recall
+        count = lambda text: math.ceil(self.tokenizer.count(text) * scale)  # noqa: E731  (the budget's tokens)
         gone = [m for m in gone if not self.examples or fingerprint(m) not in self.examples]
         text = fact_ledger(gone, out[lead:], count, self.ledger, recall) if self.ledger and gone else None
         return [*out[:lead], {"role": "system", "content": text}, *out[lead:]] if text else out
@@ -6542,7 +6542,7 @@ async def fit_request(
         return body, report
     budget, report.reserve = request_budget(body, report.window)
     sent, report = await _fitted(state, request, budget, authorization, report, opening, started)
-    return with_carried(state, sent, report, carried, budget), report
+    return with_carried(state, sent, report, carried, budget, state.factor(request.calibration)), report
 
 
 async def _fitted(
@@ -6644,22 +6644,23 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> l
 
 
 def with_carried(
-    state: ServerMemory, body: dict[str, Any], report: FitReport, carried: list[dict[str, Any]], budget: int
-) -> dict[str, Any]:
+    state: ServerMemory, body: dict[str, Any], report: FitReport, carried: list[dict[str, Any]], budget: int,
+    factor: float = 1.0,
+) -> dict[str, Any]:  # fmt: skip
     """``body`` with a ledger of ``carried`` (:func:`remembered`) after its leading system messages, within a
-    ledger's room and what the budget leaves (nothing when less than 64 tokens)."""
+    ledger's room and what the budget leaves (nothing when less than 64 tokens), counted at the model's
+    calibration ``factor`` (the budget is in the upstream's tokens)."""
     if not carried or not state.policy.ledger:
         return body
-    users = sum(
-        state.tokenizer.count(cs_text) + 2 for m in carried if m["role"] == "user" and (cs_text := m["content"])
-    )
+    count = lambda text: math.ceil(state.tokenizer.count(text) * factor)  # noqa: E731
+    users = sum(count(m["content"]) + 2 for m in carried if m["role"] == "user")
     room = min(state.policy.ledger_tokens(budget, users) or 64, budget - (report.tokens_after or budget))
     messages = body["messages"]
-    text = fact_ledger(carried, messages, state.tokenizer.count, room, state.policy.recall) if room >= 64 else None
+    text = fact_ledger(carried, messages, count, room, state.policy.recall) if room >= 64 else None
     if text is None:
         return body
     lead = leading_system(messages)
-    report.tokens_after = (report.tokens_after or 0) + state.tokenizer.count(text) + 8
+    report.tokens_after = (report.tokens_after or 0) + count(text) + 8
     report.action = "ledger" if report.action == "none" else f"{report.action}+ledger"
     return {**body, "messages": [*messages[:lead], {"role": "system", "content": text}, *messages[lead:]]}
 
