@@ -5510,8 +5510,8 @@ def agent_opening(messages: Sequence[Mapping[str, Any]], tasks: MutableMapping[A
     if task is None or not _an_opening(messages[lead:task]):
         return Opening()
     key, run = task_key(messages[task]), fingerprint(messages[lead:task])[:24]
-    agent = fingerprint([plain_content(m.get("content")) for m in messages[:lead]])[:24]  # its system prompt
     if first:
+        agent = fingerprint([plain_content(m.get("content")) for m in messages[:lead]])[:24]  # its system prompt
         runs = list(tasks.get(agent) or [])
         tasks[key] = {"run": run, "standing": run in runs and task > lead}
         if task > lead and run not in runs:

@@ -848,7 +848,8 @@ async def lean_request(
     try:
         messages = validate_messages(chat.get("messages"))
         window = await server_window(state, model_of(chat), authorization)
-        if window is None or fixed_tokens(messages, tools, count) <= LEAN_SHARE * window:
+        tools_cost = fixed_tokens([], tools, count)  # counted once: for the decision and for what was saved
+        if window is None or fixed_tokens(messages, [], count) + tools_cost <= LEAN_SHARE * window:
             return Lean(body)
         short, whole = lean_tools(tools, policy.recall) if tools else ([], {})
     except (ContextShrinkError, TypeError, AttributeError, ValueError, RecursionError):
@@ -870,7 +871,7 @@ async def lean_request(
         return Lean(body)
     said = [f"{len(whole)} tools described by their first sentence" if whole else "",
             f"the system prompt {lines[0]} lines shorter" if leaner is dieted else ""]  # fmt: skip
-    saved[0] += fixed_tokens([], tools, count) - fixed_tokens([], short, count) if whole else 0
+    saved[0] += tools_cost - fixed_tokens([], short, count) if whole else 0
     return Lean(leaner, whole, f"{', '.join(filter(None, said))} (-{saved[0]} tokens)")
 
 
