@@ -2004,10 +2004,14 @@ def _lines_and_tokens(text: str) -> str:
 # brackets, commas...) that mixes digits with letters or separators (a commit, a snapshot id, an address, a host and
 # port, a MAC, a version, a date, a path with a number, a code: ``snap-0b7c4e91d2f5``, ``4E:91:7C:0B``, ``OPS-90417``),
 # a number of five digits or more (a ticket, an order), a constant or a flag (``ENABLE_LEDGER``), a handle
-# (``@payments-oncall-eu``), or a long word of random letters (a key: few vowels, the case changing every few letters;
+# (``@payments-oncall-eu``), a run of four or more hex pairs with one separator (a MAC, even of letters alone:
+# ``ba:be:fa:ce``), or a long word of random letters (a key: few vowels, the case changing every few letters;
 # names in code have words, so vowels, and change case once a word). Names merely seen in code are none of these.
 _WORD = r"[^\s'\"`()\[\]{}<>,;|=]"
-_VALUE_CANDIDATES = re.compile(rf"(?<!{_WORD})(?={_WORD}*?(?:[\d@]|[A-Z]_)|{_WORD}{{16}}){_WORD}{{4,}}")
+_HEX_PAIRS = re.compile(r"[0-9A-Fa-f]{2}([:.-])[0-9A-Fa-f]{2}(?:\1[0-9A-Fa-f]{2}){2,}")
+_VALUE_CANDIDATES = re.compile(
+    rf"(?<!{_WORD})(?={_WORD}*?(?:[\d@]|[A-Z]_)|{_WORD}{{16}}|[0-9A-Fa-f]{{2}}[:.-][0-9A-Fa-f]{{2}}[:.-]){_WORD}{{4,}}"
+)
 _MIXED = re.compile(r"(?=\D*\d)(?=\d*\D)|\d{5}")  # at the start: a digit and a non-digit somewhere, or 5 digits
 _NAMED_VALUE = re.compile(r"@\w[\w.-]{2,}|[A-Z][A-Z0-9]+(?:_[A-Z0-9]+)+")  # a handle, a constant or a flag
 _RANDOM_LETTERS = re.compile(r"[A-Za-z+/=_-]{16,}")
@@ -2023,7 +2027,7 @@ def is_value(word: str) -> bool:
         return False
     if any(c.isdigit() for c in word):
         return _MIXED.match(word) is not None
-    return _NAMED_VALUE.fullmatch(word) is not None or _random_letters(word)
+    return _NAMED_VALUE.fullmatch(word) is not None or _HEX_PAIRS.fullmatch(word) is not None or _random_letters(word)
 
 
 def _random_letters(word: str) -> bool:

@@ -26,7 +26,7 @@ COUNT = TOK.count
 
 # Values of the kinds an agent must act on again, each inside the noise of a source file (as in #27's sessions).
 VALUES = ["9f3e2d71c4ab", "E7319", "snap-0b7c4e91d2f5", "lic-03.internal.example:27009", "3c:22:fb:9a:41:0e",
-          "OPS-90417", "ENABLE_LEDGER_V2", "@payments-oncall-eu", "10.20.30.40", "v2.14.3"]  # fmt: skip
+          "OPS-90417", "ENABLE_LEDGER_V2", "@payments-oncall-eu", "10.20.30.40", "v2.14.3", "ba:be:fa:ce"]  # fmt: skip
 
 
 def noisy_file(seed: int, fact: str | None = None, lines: int = 120) -> str:
