@@ -194,6 +194,7 @@ __all__ = [
     "read_file_text",
     "read_jsonl_lines",
     "redact",
+    "remembered",
     "render_jsonl",
     "render_message",
     "request_budget",
@@ -6317,6 +6318,8 @@ class FitReport:
     summary_cached: bool | None = None
     summary_calls: int = 0
     fixed_tokens: int | None = None  # the agent's fixed part, when it alone cannot fit the budget
+    typed: list[int] = dataclasses.field(default_factory=list)  # the user's messages first seen (their indices)
+    carried: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # what a ledger drew from (remembered)
 
 
 class UpstreamSettings(Protocol):
@@ -6532,14 +6535,16 @@ async def fit_request(
     """The request body to forward and its ``report``, filled in, in one direction: read, measure once
     (:func:`measure`), then, over the trigger, :func:`shrink` with the door's policy and the summariser bound to
     this request's model (:func:`shrink_counted`); and what earlier requests of the conversation held that the
-    agent no longer sends kept in a ledger (:func:`remembered`). Raises :class:`ContextShrinkError` for a body it
-    does not understand (the caller forwards it as is)."""
+    agent no longer sends kept in a ledger (:func:`remembered`; the report names what it drew from, ``carried``,
+    and the user's messages first seen, ``typed``: the proxy archives them). Raises :class:`ContextShrinkError`
+    for a body it does not understand (the caller forwards it as is)."""
     started = time.perf_counter()
     listed = body.get("messages")
     size = len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0
     request = await off_loop(size, lambda: ChatRequest.read(body))
     opening = await off_loop(size, lambda: agent_opening(request.messages, state.tasks))
-    carried = await off_loop(size, lambda: remembered(state, request, opening))
+    carried, report.typed = await off_loop(size, lambda: remembered(state, request, opening))
+    report.carried = carried
     report.window = window or await server_window(state, request.model, authorization)
     if report.window is None:
         report.reason = "window unknown"
@@ -6601,24 +6606,27 @@ def fixed_print(request: ChatRequest) -> str:
     return fingerprint([[plain_content(m.get("content")) for m in request.messages[:lead]], names])[:24]
 
 
-def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> list[dict[str, Any]]:
+def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> tuple[list[dict[str, Any]], list[int]]:
     """What earlier requests of this conversation held that this one no longer does (the agent left it out: it
     compacted its own history, or sends an updated block of context), as messages for :func:`fact_ledger`: the
     user's words (:func:`user_words`, after the agent's opening: examples are not the user's) and the values
-    (:func:`text_values`) of tool results and of the opening. The conversation's memory (``state.said``, by its
-    task: :func:`agent_opening`) is updated with what this one holds. A conversation first seen whose request
-    already carries history (an assistant message before the newest user message) that is not the agent's
-    fixed opening, in fewer messages than the newest conversation of the same agent (:func:`fixed_print`) sent
-    within :data:`REWRITE_SECONDS`, is that conversation rewritten by the agent itself (its own summary in place
-    of its turns): it goes on with that one's memory. (A client that replays unrelated histories with the same
-    system prompt and tools can be taken for such a rewrite: the ledger then names the other one's facts.)"""
+    (:func:`text_values`) of tool results and of the opening; and the indices of the user's messages the
+    conversation had not held before (first seen: the proxy archives them). The conversation's memory
+    (``state.said``, by its task: :func:`agent_opening`) is updated with what this one holds. A conversation
+    first seen whose request already carries history (an assistant message before the newest user message) that
+    is not the agent's fixed opening, in fewer messages than the newest conversation of the same agent
+    (:func:`fixed_print`) sent within :data:`REWRITE_SECONDS`, is that conversation rewritten by the agent itself
+    (its own summary in place of its turns): it goes on with that one's memory. (A client that replays unrelated
+    histories with the same system prompt and tools can be taken for such a rewrite: the ledger then names the
+    other one's facts.)"""
     messages, lead = request.messages, leading_system(request.messages)
     start = lead + opening.before
     if start >= len(messages) or messages[start]["role"] != "user":
-        return []
+        return [], []
     key, fixed = task_key(messages[start]), fixed_print(request)
     run = fingerprint(messages[lead:start])[:24]
     memory, now = state.said.get(key), time.time()
+    known = memory is not None  # what it held is in its memory: the newest of the user's words
     if memory is None:
         latest = state.said.get(fixed)
         history = any(m["role"] == "assistant" for m in messages[lead:-1])
@@ -6627,7 +6635,9 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> l
         memory = (
             dict(inherited) if rewrite and len(messages) < inherited.get("messages", 0) else {"user": [], "values": []}
         )
-    users = [w for m in messages[start:] if m["role"] == "user" and (w := user_words(m))]
+    said = [(i, w) for i, m in enumerate(messages[start:], start) if m["role"] == "user" and (w := user_words(m))]
+    new = said[-SAID_MOST[0] :] if known else said  # older ones than its memory keeps were seen before
+    users, typed = [w for _, w in said], [i for i, w in new if w not in memory["user"]]
     values = [v for i, m in enumerate(messages) if (m["role"] in RESULT_ROLES or lead <= i < start)
               for v in text_values(plain_content(m.get("content")))]  # fmt: skip
     present = "\n".join(plain_content(m.get("content")) for m in messages)
@@ -6644,7 +6654,7 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> l
         state.said[key] = {**updated, "at": now}
     if state.said.get(fixed) != key:
         state.said[fixed] = key
-    return carried
+    return carried, typed
 
 
 def with_carried(
@@ -7909,7 +7919,7 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
         conversation: Annotated[str | None, Field()] = None,
         limit: Annotated[int, Field(ge=1, le=100)] = 10,
     ) -> dict[str, Any]:
-        """Fetch back verbatim what the proxy summarised or dropped, best match first."""
+        """Fetch back verbatim what the proxy summarised or dropped, and what the user typed, best match first."""
         if conversation is not None and not re.fullmatch(r"[0-9a-f]{16}", conversation):
             raise ContextShrinkError(f"conversation must be a 16-character id from the archive, got {conversation!r}")
         state = state_of(ctx)

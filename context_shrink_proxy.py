@@ -791,11 +791,14 @@ class ProxyState(ServerMemory):
         self.learn_factor(key, calibrated(self.factors.get(key), raw, max(1, prompt_tokens - fixed)))
         return None
 
-    async def archive(self, original: list[dict[str, Any]], sent: list[dict[str, Any]], action: str) -> str | None:
-        """Keep what ``sent`` no longer carries in the store's archive; the conversation's id, or None."""
+    async def archive(
+        self, original: list[dict[str, Any]], sent: list[dict[str, Any]], action: str, typed: Sequence[int] = ()
+    ) -> str | None:
+        """Keep what ``sent`` no longer carries, and the user's messages first seen (``typed``), in the store's
+        archive; the conversation's id, or None."""
         if self.config.archive_dir is None:
             return None
-        entries = await anyio.to_thread.run_sync(archive_entries, original, sent, action)
+        entries = await anyio.to_thread.run_sync(archive_entries, original, sent, action, typed)
         limits = (self.config.archive_max_bytes, self.config.archive_max_days)
         await anyio.to_thread.run_sync(self.store.archive, entries, *limits)
         return entries[0]["conversation"] if entries else await anyio.to_thread.run_sync(conversation_id, original)
@@ -1298,7 +1301,7 @@ class ProxyFront:
                     return self.finish(body, report, retry)
                 sent, report = retry
             if recall and upstream.status_code < 400:
-                folded = [m for _, m in await anyio.to_thread.run_sync(folded_away, body["messages"], sent["messages"])]
+                folded = await self.recallable(body, sent, report)
                 calls = [m for m in body["messages"] if m.get("tool_calls")]
                 exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls,
                                     lean.whole)  # fmt: skip
@@ -1367,7 +1370,8 @@ class ProxyFront:
             return Response(error, upstream.status_code, headers=said)
         log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
                     "of %s", self.config.base, limit, retried.tokens_after, refused)  # fmt: skip
-        return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals, lean=report.lean)
+        return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals, lean=report.lean,
+                                          typed=report.typed)  # fmt: skip
 
     async def reported_window(self, model: str | None, authorization: str | None) -> int | None:
         """The window the upstream itself reports for ``model`` (cached), if it reports one: a refusal that
@@ -1375,6 +1379,14 @@ class ProxyFront:
         with contextlib.suppress(ContextShrinkError):
             return (await self.state.backend(self.config.base, authorization).context_window(model))[0]
         return None
+
+    async def recallable(
+        self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        """What the recall tool answers from: what this request folded away, and what its ledger carries (what
+        earlier requests of the conversation held that the agent no longer sends)."""
+        gone = await anyio.to_thread.run_sync(folded_away, body["messages"], sent["messages"])
+        return [*(m for _, m in gone), *report.carried]
 
     def recall_room(self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport, leaned: bool = False) -> int:
         """The tokens a recall may return for this request: none unless the policy offers recall, something
@@ -1438,8 +1450,9 @@ class ProxyFront:
         """The upstream's reply to what was sent, with the ``x-context-shrink`` header; what the shrunk
         request no longer carries is archived first, and the reply's ``usage`` calibrates the count."""
         st, model = self.state, model_of(body)
-        if sent is not body and (conversation := await st.archive(body["messages"], sent["messages"], report.action)):
-            report.conversation = conversation  # what was folded away is kept in the store
+        if sent is not body or report.typed:  # what was folded away, and what the user typed, kept in the store
+            conversation = await st.archive(body["messages"], sent["messages"], report.action, report.typed)
+            report.conversation = conversation if sent is not body else None
         extra = {"x-context-shrink": report.header(), **self.state_said()}
         if upstream.status_code >= 400:
             error = scrub_secrets(await self.read_whole(upstream), self.secrets)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "ARCHIVE_FIELDS",
+    "TYPED",
     "MemoryStore",
     "RedisStore",
     "SqliteStore",
@@ -149,15 +150,21 @@ def default_state_path(environ: Mapping[str, str] | None = None) -> Path:
     return state_folder(environ) / "state.sqlite3"
 
 
+TYPED = "typed"  # the action of an archive entry kept when first seen: what the user typed
+
+
 def archive_entries(
-    original: Sequence[Mapping[str, Any]], sent: Sequence[Mapping[str, Any]], action: str
+    original: Sequence[Mapping[str, Any]], sent: Sequence[Mapping[str, Any]], action: str, typed: Sequence[int] = ()
 ) -> list[dict[str, Any]]:
-    """What ``sent`` no longer carries of ``original``, as archive entries (each message once, by its hash)."""
+    """What ``sent`` no longer carries of ``original``, and the user's messages of ``original`` first seen (their
+    indices, ``typed``: :data:`TYPED`), as archive entries (each message once, by its hash)."""
     conversation, now, entries = conversation_id(original), int(time.time()), {}
-    for index, message in folded_away(original, sent):
+    chosen = [*((k, m, action) for k, m in folded_away(original, sent)),
+              *((k, original[k], TYPED) for k in typed if 0 <= k < len(original))]  # fmt: skip
+    for index, message, why in chosen:
         digest = message_hash(message)
         entries.setdefault(digest, {"id": digest[:12], "hash": digest, "conversation": conversation, "index": index,
-                                    "action": action, "time": now, "message": message,
+                                    "action": why, "time": now, "message": message,
                                     "size": len(json.dumps(message, ensure_ascii=False, default=str))})  # fmt: skip
     return list(entries.values())
 

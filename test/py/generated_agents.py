@@ -98,6 +98,7 @@ class Run:
     refused: int
     fixed_after: int  # the fixed part as sent (its tools maybe leaner), in cl100k tokens
     new_history: int  # tokens of history the conversation made (what the agent did not send before)
+    upstream: str = ""  # the scripted model's base URL (the proxy's store is named after it)
 
     def files_sent(self, turns: list[Turn] | None = None) -> float:
         """The share of the turns' file lines the model was sent when it answered."""
@@ -189,4 +190,4 @@ def drive(
     calls = sum(summary_call(r["body"]) for r in model.requests)
     fixed = COUNT(json.dumps([t for t in sent_tools if (t.get("function") or {}).get("name") != cs.RECALL_TOOL]))
     refused = len(model.oversized) + sum(t.status != 200 for t in done)
-    return Run(shape, done, calls, refused, fixed + COUNT(sent_system), new_history)
+    return Run(shape, done, calls, refused, fixed + COUNT(sent_system), new_history, upstream)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import tempfile
+import types
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,17 @@ import pytest
 from agent_requests import chat_request, claude_request, codex_request
 from agent_upstream import request_view
 from fake_openai import serve
-from generated_agents import Run, Shape, drive
+from generated_agents import USER_FACTS, Run, Shape, drive
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mcp_calls import call, ok
+from mcp_calls import run as run_mcp
 from proxy_helpers import proxy
 from recalling import RecallingModel
 
 import context_shrink as cs
+import context_shrink_state as cst
+import context_shrink_wire as csw
 
 WORDS = ("file", "path", "read", "write", "the", "agent", "must", "never", "always", "line", "offset", "limit",
          "absolute", "relative", "workspace", "command", "output", "tool", "result", "when", "before")  # fmt: skip
@@ -337,6 +343,71 @@ def test_an_agent_of_each_reported_shape_keeps_its_turns_files_and_the_users_fac
     run = drive(NAMED_SHAPES[name], 20, tmp_path)
     check_run(run)
     assert run.fitting and run.files_sent() >= 0.9, (run.files_sent(), name)  # each fits, its fixed part leaner
+
+
+def test_what_the_user_typed_is_archived_when_first_seen_and_recalled_after_the_agent_compacts(
+    tmp_path: Path,
+) -> None:
+    """The user's words are kept in the archive the request they first appear in, not only when folded: an agent
+    that compacts its own history before the proxy ever folds anything leaves them recallable through the MCP
+    tool (each kept once); the ledger carries them, and the proxy's recall tool answers from what it carries."""
+    state = f"sqlite:{tmp_path / 'state.sqlite3'}"
+    shape = Shape(window=32_768, fixed_share=0.1, compacts_at=6, file_share=0.02)
+    run = drive(shape, 7, tmp_path, flags=("--state", state))
+    actions = re.findall(r"action=([^;]+);", (tmp_path / "log").read_text())
+    assert set(actions) == {"none", "ledger"} and actions[-1] == "ledger"  # nothing folded; the ledger carries them
+    assert run.facts_in_last()[0] == 5
+    store = cst.SqliteStore(tmp_path / "state.sqlite3", cs.upstream_namespace(run.upstream))
+    searched, found = store.search("Remember", None, 20)
+    store.close()
+    assert searched == 7 and len(found) == 5 and {e["action"] for e in found} == {cst.TYPED}  # each turn's, once
+    server = cs.build_server(cs.Config.from_env({"CONTEXT_SHRINK_STATE": state,
+                                                 "CONTEXT_SHRINK_BASE_URL": run.upstream}))  # fmt: skip
+    for fact in USER_FACTS:
+        recalled = ok(run_mcp(call(server, "recall_context", {"query": f'"{fact}"'})))
+        assert fact in recalled["entries"][0]["message"]["content"], (fact, recalled)
+
+
+def test_the_users_messages_first_seen_are_named_once_and_carried_after_the_agents_compaction() -> None:
+    state, tasks = types.SimpleNamespace(said={}), {}
+
+    def remembered(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+        request = cs.ChatRequest.read({"messages": messages})
+        return cs.remembered(state, request, cs.agent_opening(messages, tasks))  # type: ignore[arg-type]
+
+    said = [{"role": "system", "content": "S"}, {"role": "user", "content": "Turn 1: remember OPS-90417."}]
+    assert remembered(said) == ([], [1])
+    said += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Turn 2: go on."}]
+    assert remembered(said) == ([], [3])  # only the message first seen
+    assert remembered(said) == ([], [])
+    said += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Turn 3: more."}]
+    assert remembered(said) == ([], [5])
+    rewritten = [said[0], {"role": "user", "content": "Summary: work went on."}, {"role": "assistant", "content": "ok"},
+                 {"role": "user", "content": "Turn 4: and now?"}]  # fmt: skip
+    carried, typed = remembered(rewritten)  # the agent's own summary in place of its turns
+    assert [m["content"] for m in carried] == [m["content"] for m in said[1::2]] and typed == [3]
+    assert "OPS-90417" in csw.recall_lines(carried, "OPS-90417", 400, cs.resolve_tokenizer("tiktoken").count)
+
+
+def test_the_proxys_recall_tool_answers_from_what_the_ledger_carries(tmp_path: Path) -> None:
+    """After an agent's own compaction the proxy's recall tool finds the user's words the agent no longer sends
+    (nothing was folded: the ledger's source is what it answers from)."""
+    model = RecallingModel(16_384, "OPS-90417")
+    tools = [{"type": "function", "function": {"name": "read", "description": "Read a file.",
+                                               "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+    said = [{"role": "system", "content": "S"}, {"role": "user", "content": "Turn 1: remember ticket OPS-90417."}]
+    more = [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Turn 2: more."}]
+    bodies = [said, [*said, *more], [*said, *more, {"role": "assistant", "content": "ok"},
+                                     {"role": "user", "content": "Turn 3: on."}]]  # fmt: skip
+    summary = [{"role": "user", "content": "Summary: work went on."}, {"role": "assistant", "content": "ok"}]
+    bodies.append([said[0], *summary, {"role": "user", "content": "Turn 4: the ticket?"}])
+    with serve(model) as upstream, proxy(upstream, "--window", "16384", "--no-archive", log=tmp_path / "log") as url:
+        replies = [httpx2.post(url + "/chat/completions", json={"model": "m", "tools": tools, "messages": m},
+                               timeout=60) for m in bodies]  # fmt: skip
+    assert [r.status_code for r in replies] == [200] * 4
+    header = replies[3].headers["x-context-shrink"]
+    assert "recalled=1" in header and "action=ledger" in header
+    assert model.recalled and "Turn 1: remember ticket OPS-90417." in model.recalled[0]
 
 
 SHAPES = st.builds(
