@@ -68,6 +68,7 @@ __all__ = [
     "MAX_RETRY_AFTER",
     "MERGE_PROMPT",
     "MODEL_LIMIT_FIELDS",
+    "OUTLINE_NOTE",
     "PATCHED_FOR",
     "PROTECTED_MESSAGES",
     "PROXY_MAX_RESERVE",
@@ -183,6 +184,7 @@ __all__ = [
     "message_kind",
     "model_of",
     "options_of",
+    "outlined",
     "parse_overflow",
     "parse_tokenizer_spec",
     "plain_content",
@@ -4297,14 +4299,15 @@ def fact_ledger(
 
 # --- the fixed part, leaner when it leaves the turn no room -------------------------------------------------
 # An agent's system prompt and tools are sent with every request. When they take more than LEAN_SHARE of the
-# window, the tools' descriptions are cut to their first sentence (the tool's own to it and a marker naming
-# RECALL_TOOL, which returns the whole of it): the only strings changed are those under a ``description`` key of
-# a tool or of a schema in it, so names, parameters, types, enums, required lists and defaults are the agent's,
-# byte for byte, by construction. The same tools give the same bytes on every request (the prefix stays cached).
-LEAN_SHARE = 0.5  # of the window: a fixed part above it has its tools' descriptions cut
+# budget (the window less the reply's reserve), the tools' descriptions are cut to their first sentence (the
+# tool's own to it and a marker naming RECALL_TOOL, which returns the whole of it): the only strings changed are
+# those under a ``description`` key of a tool or of a schema in it, so names, parameters, types, enums, required
+# lists and defaults are the agent's, byte for byte, by construction. The same tools give the same bytes on every
+# request (the prefix stays cached).
+LEAN_SHARE = 0.5  # of the budget: a fixed part above it has its tools' descriptions cut
 LEAN_LEAST = 80  # characters a cut must save, else a description is kept whole
 _VALUES_IN_SCHEMA = frozenset({"enum", "const", "default", "examples", "example"})  # data, never walked into
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s(?!\s*[a-z])|\n")  # a stop and a space, not before a small letter (i.e. so)
 
 
 def first_sentence(text: str) -> str:
@@ -4333,6 +4336,44 @@ def fixed_tokens(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any], co
     lead = leading_system(messages)
     texts = [plain_content(m.get("content")) for m in messages[:lead]]
     return sum(map(count, texts)) + (count(json.dumps(tools, ensure_ascii=False)) if tools else 0)
+
+
+# When the tools cut and the system prompt's repeated lines removed still leave the fixed part over LEAN_SHARE of
+# the budget (an 8k window beside an agent's 4k instructions), the system prompt is sent as its outline: each
+# paragraph keeps its headings, its tag lines and its first sentence, as written; the rest is marked, and the
+# whole is one recall away (the proxy's recall tool searches it). A paragraph holding a code fence stays whole.
+_OUTLINE_KEPT = re.compile(r"[ \t]*(?:#{1,6}\s|</?[A-Za-z][\w-]*>\s*$)")  # a heading, a tag alone on its line
+OUTLINE_NOTE = "[This system prompt is outlined to fit the window: each paragraph keeps its first sentence.{}]"
+
+
+@functools.lru_cache(maxsize=16)  # an agent sends the same system prompt every request
+def outlined(text: str, recall: bool = True) -> str | None:
+    """``text`` (a system prompt) as its outline, with a note that says so (and, with ``recall``, that
+    :data:`RECALL_TOOL` returns the rest); None when no paragraph is long enough to save :data:`LEAN_LEAST`
+    characters. Every line it keeps is the text's own, or its start to the end of a sentence and ``[…]``."""
+    parts = re.split(r"(\n[ \t]*\n)", text)  # paragraphs, and the blank lines between them
+    short = [part if k % 2 else _outlined_paragraph(part) for k, part in enumerate(parts)]
+    if short == parts:
+        return None
+    words = f" {RECALL_TOOL} with words from it returns the lines it leaves out." if recall else ""
+    return "".join(short).rstrip("\n") + "\n\n" + OUTLINE_NOTE.format(words)
+
+
+def _outlined_paragraph(paragraph: str) -> str:
+    if "```" in paragraph or "~~~" in paragraph:
+        return paragraph
+    out, first = [], True
+    for line in paragraph.split("\n"):
+        if _OUTLINE_KEPT.match(line):
+            out.append(line)
+        elif first and line.strip():
+            sentence = first_sentence(line)
+            out.append(line[: len(line) - len(line.lstrip())] + sentence + ("" if sentence == line.strip() else " […]"))
+            first = False
+        elif line.strip() and out[-1:] != ["[…]"] and not out[-1].endswith("[…]"):
+            out.append("[…]")
+    short = "\n".join(out)
+    return short if len(paragraph) - len(short) >= LEAN_LEAST else paragraph
 
 
 LEANED: dict[str, tuple[list[Any], dict[str, str]]] = {}
@@ -5320,7 +5361,8 @@ class Policy:
     ``protect_turn`` keeps the turn in progress out of summaries and reduces its results last; ``ledger`` adds a
     :func:`fact_ledger` of what a cut or a summary took out; ``recall``: the proxy offers the model a tool
     over what it folded away (its ledger says so); ``lean_tools``: the proxy cuts the tools' descriptions to their
-    first sentence when the agent's fixed part takes over :data:`LEAN_SHARE` of the window (:func:`lean_tools`)."""
+    first sentence when the agent's fixed part takes over :data:`LEAN_SHARE` of the budget (:func:`lean_tools`), and
+    then, if still over it, sends the system prompt as its outline (:func:`outlined`)."""
 
     rungs: tuple[str, ...] = RUNGS
     trigger: float = 0.9  # shrink above this share of the budget (window minus the reply's reserve)

@@ -117,11 +117,13 @@ from context_shrink import (
     fit_request,
     fixed_tokens,
     json_or,
+    leading_system,
     lean_tools,
     log,
     log_level_flag,
     model_of,
     off_loop,
+    outlined,
     parse_overflow,
     parsed,
     redact,
@@ -825,6 +827,12 @@ class Lean:
     body: dict[str, Any]
     whole: dict[str, str] = dataclasses.field(default_factory=dict)
     said: str | None = None
+    system: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # as it came, when sent outlined
+
+    @property
+    def recallable(self) -> bool:
+        """Whether it cut anything the recall tool can return."""
+        return bool(self.whole or self.system)
 
 
 UNLEANED = Lean({})  # nothing cut
@@ -840,10 +848,12 @@ async def lean_request(
 ) -> Lean:  # fmt: skip
     """``body`` (in its wire's format; ``chat`` its chat view) with a leaner fixed part when the agent's system
     prompt and tools (:func:`fixed_tokens`, the local estimate: the same every request) take over
-    :data:`LEAN_SHARE` of the window: its tools' descriptions cut to their first sentence (:func:`lean_tools`) and
-    its system prompt's repeated lines removed by the verbatim diet (:func:`dieted_text`: every kept line as it
-    was, each gap marked), written by the wire's ``with_system``. As it is otherwise, with the policy's
-    ``lean_tools`` off, when the window is unknown, or for a body it cannot read (the request path says why)."""
+    :data:`LEAN_SHARE` of the budget (the window less the reply's reserve): its tools' descriptions cut to their
+    first sentence (:func:`lean_tools`) and its system prompt's repeated lines removed by the verbatim diet
+    (:func:`dieted_text`: every kept line as it was, each gap marked), written by the wire's ``with_system``; when
+    that still leaves it over the share, the system prompt sent as its outline (:func:`outlined`; its whole text
+    what the recall tool searches). As it is otherwise, with the policy's ``lean_tools`` off, when the window is
+    unknown, or for a body it cannot read (the request path says why)."""
     policy, tools = state.policy, body.get("tools") if isinstance(body.get("tools"), list) else []
     if not policy.lean_tools:
         return Lean(body)
@@ -852,12 +862,14 @@ async def lean_request(
         messages = validate_messages(chat.get("messages"))
         window = await server_window(state, model_of(chat), authorization)
         tools_cost = fixed_tokens([], tools, count)  # counted once: for the decision and for what was saved
-        if window is None or fixed_tokens(messages, [], count) + tools_cost <= LEAN_SHARE * window:
+        system_cost = fixed_tokens(messages, [], count)
+        budget = request_budget(chat, window)[0] if window is not None else 0  # what the reply's reserve leaves
+        if window is None or system_cost + tools_cost <= LEAN_SHARE * budget:
             return Lean(body)
         short, whole = lean_tools(tools, policy.recall) if tools else ([], {})
     except (ContextShrinkError, TypeError, AttributeError, ValueError, RecursionError):
         return Lean(body)
-    lines, saved = [0], [0]  # the system prompt's lines and tokens the diet takes out
+    lines, saved, outline = [0], [0], [0]  # the system prompt's lines and tokens the diet takes out; the outline's
 
     def diet(text: str) -> str:
         if (lighter := DIETED[text]) is None:
@@ -867,15 +879,27 @@ async def lean_request(
         saved[0] += count(text) - count(lighter)
         return lighter
 
+    def outlined_text(text: str) -> str:
+        if (lighter := outlined(text, policy.recall)) is None:
+            return text
+        outline[0] += count(text) - count(lighter)
+        return lighter
+
     leaner = {**body, "tools": short} if whole else body
     dieted = with_system(leaner, diet) if with_system is not None else None
     leaner = dieted if dieted is not None and saved[0] > 0 else leaner
+    tools_saved = tools_cost - fixed_tokens([], short, count) if whole else 0
+    left = system_cost + tools_cost - saved[0] - tools_saved
+    shorter = with_system(leaner, outlined_text) if with_system and left > LEAN_SHARE * budget else None
+    leaner = shorter if shorter is not None and outline[0] > 0 else leaner
     if leaner is body:
         return Lean(body)
     said = [f"{len(whole)} tools described by their first sentence" if whole else "",
-            f"the system prompt {lines[0]} lines shorter" if leaner is dieted else ""]  # fmt: skip
-    saved[0] += tools_cost - fixed_tokens([], short, count) if whole else 0
-    return Lean(leaner, whole, f"{', '.join(filter(None, said))} (-{saved[0]} tokens)")
+            f"the system prompt {lines[0]} lines shorter" if saved[0] else "",
+            "the system prompt outlined" if leaner is shorter else ""]  # fmt: skip
+    system = messages[: leading_system(messages)] if leaner is shorter else []
+    cut = saved[0] + tools_saved + (outline[0] if leaner is shorter else 0)
+    return Lean(leaner, whole, f"{', '.join(filter(None, said))} (-{cut} tokens)", system)
 
 
 # --- the HTTP front ----------------------------------------------------------------------------------------
@@ -1290,7 +1314,7 @@ class ProxyFront:
         try:
             for attempt in range(2):
                 content = encode(sent)
-                recall = self.recall_room(body, sent, report, bool(lean.whole))
+                recall = self.recall_room(body, sent, report, lean.recallable)
                 if recall:
                     content = _encode(wire.with_tool(json.loads(content)))
                 upstream = await self.open_upstream("POST", url, headers, content)
@@ -1301,7 +1325,7 @@ class ProxyFront:
                     return self.finish(body, report, retry)
                 sent, report = retry
             if recall and upstream.status_code < 400:
-                folded = await self.recallable(body, sent, report)
+                folded = [*await self.recall_source(body, sent, report), *lean.system]  # and the prompt outlined
                 calls = [m for m in body["messages"] if m.get("tool_calls")]
                 exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls,
                                     lean.whole)  # fmt: skip
@@ -1380,7 +1404,7 @@ class ProxyFront:
             return (await self.state.backend(self.config.base, authorization).context_window(model))[0]
         return None
 
-    async def recallable(
+    async def recall_source(
         self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport
     ) -> list[dict[str, Any]]:  # fmt: skip
         """What the recall tool answers from: what this request folded away, and what its ledger carries (what

@@ -227,6 +227,84 @@ def test_a_system_prompt_of_repeated_boilerplate_keeps_every_line_it_sends_verba
     assert "the system prompt 24 lines shorter (-" in replies[0].headers["x-context-shrink"]
 
 
+PROSE = st.text(st.sampled_from("abcdefgh .,!?:-#`~<>/\t"), max_size=200)
+
+
+def paragraph(kind: str, rng: random.Random) -> str:
+    if kind == "heading":
+        return f"{'#' * rng.randint(1, 4)} {sentence(rng, 3)}\n{long_text(rng, 3)}"
+    if kind == "tag":
+        return f"<rules>\n{long_text(rng, 2)}\n</rules>"
+    if kind == "bullets":
+        return "\n".join(f"- {sentence(rng, 14)} {sentence(rng, 9)}" for _ in range(4))
+    if kind == "fence":
+        return f"Run it so:\n```sh\n{long_text(rng, 3)}\n```"
+    return long_text(rng, rng.randint(1, 6))
+
+
+@st.composite
+def system_prompts(draw: Any) -> str:
+    """Prompts of paragraphs: headings, tag lines, bullets, prose of several sentences, code fences, any text."""
+    paragraphs = []
+    for _ in range(draw(st.integers(0, 8))):
+        kind = draw(st.sampled_from(["heading", "tag", "bullets", "prose", "fence", "any"]))
+        rng = random.Random(draw(st.integers(0, 10**6)))
+        paragraphs.append(draw(PROSE) if kind == "any" else paragraph(kind, rng))
+    return draw(st.sampled_from(["\n\n", "\n \n", "\n\n\n"])).join(paragraphs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(system_prompts(), st.booleans())
+def test_an_outline_keeps_every_heading_and_each_paragraphs_start_as_written(prompt: str, recall: bool) -> None:
+    """Each line of an outline is a line of the prompt, or a line's start to a sentence's end and ``[…]``, or
+    ``[…]`` alone, and the note that says so; headings, tag lines and code fences are kept whole; the first line
+    of every paragraph begins as it did; the same prompt gives the same bytes."""
+    short = cs.outlined(prompt, recall)
+    if short is None:
+        return
+    assert short == cs.outlined(prompt, recall) and len(short) < len(prompt) + len(cs.OUTLINE_NOTE) + 80
+    body, note = short.rsplit("\n\n", 1)
+    assert note.startswith(cs.OUTLINE_NOTE.format("")[:-1]) and (cs.RECALL_TOOL in note) == recall
+    lines = prompt.split("\n")
+    for line in body.split("\n"):
+        start = line.removesuffix(" […]")
+        assert line in lines or line == "[…]" or (line.endswith(" […]") and any(
+            whole.startswith(start) and whole != start for whole in lines)), line  # fmt: skip
+    kept = [line for line in lines if re.match(r"[ \t]*(#{1,6}\s|</?[A-Za-z][\w-]*>\s*$)", line)]
+    assert all(line in body.split("\n") for line in kept)
+    for paragraph in re.split(r"\n[ \t]*\n", prompt):
+        if "```" in paragraph or "~~~" in paragraph:
+            assert paragraph in body
+
+
+def test_a_short_or_fenced_prompt_is_not_outlined() -> None:
+    assert cs.outlined("You are an agent. Be brief.") is None
+    rng = random.Random(5)
+    assert cs.outlined(f"Run it so:\n```sh\n{long_text(rng, 6)}\n```") is None
+
+
+@pytest.mark.parametrize("api", list(BUILDERS))
+def test_a_fixed_part_still_over_half_the_budget_sends_the_system_prompt_outlined(api: str, tmp_path: Path) -> None:
+    """After the tools' cut, instructions alone over half the budget (Codex CLI's at 8k) go as their outline: the
+    same bytes every request, said in the header; the model's recall finds what a paragraph left out."""
+    rng = random.Random(11)
+    paragraphs = [f"## Rule {k}\n{long_text(rng, 5)}" for k in range(30)]
+    paragraphs[17] += "\nAlways run the zebra-lint check before you commit."
+    prompt = "You are a coding agent.\n\n" + "\n\n".join(paragraphs)
+    body = with_system_text(api, wide_request(api, tools=2), prompt)
+    model = RecallingModel(8192, "zebra-lint")
+    with serve(model) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=tmp_path / "log") as url:
+        replies = [httpx2.post(url + BUILDERS[api][0], json=body, timeout=60) for _ in range(2)]
+    assert [r.status_code for r in replies] == [200, 200]
+    sent = [system_text(api, b) for _, b in model.log]
+    assert len(set(sent)) == 1 and sent[0] == cs.outlined(prompt)  # the same bytes every request
+    assert "zebra-lint" not in sent[0] and all(f"## Rule {k}" in sent[0] for k in range(30))
+    assert len(sent[0]) < len(prompt) / 3
+    header = replies[0].headers["x-context-shrink"]
+    assert "the system prompt outlined (-" in header and "recalled=1" in header
+    assert model.recalled and "Always run the zebra-lint check before you commit." in model.recalled[0]
+
+
 # ------------------------------------------------------------------------------------------ the agent's opening
 
 
