@@ -3501,7 +3501,28 @@ def plan_trim(
         plan = StableReplay(planner, fixed + int(target_ratio * max(0, budget - fixed))).run()
     else:
         plan = planner.plan()
-    return (plan if planner.keep_from is None else held_evenly(plan, planner)), sizes
+    return (plan if planner.keep_from is None else held_evenly(turn_first(plan, planner), planner)), sizes
+
+
+def turn_first(plan: CutPlan, planner: CutPlanner) -> CutPlan:
+    """``plan`` with its cut moved to the oldest turn start at which what is held from ``keep_from`` on (the turn
+    in progress) fits whole, or to the turn in progress itself when it does not fit even alone: the older history
+    goes before the turn's own material is reduced. As it is when the held part fits beside what it keeps."""
+    sizes, shape, held = planner.sizes, planner.shape, planner.keep_from
+    if held is None or plan.cut >= held:
+        return plan
+    need = sizes.full_sum(held, planner.n)
+    cost = [plan.forms[i][1] if i in plan.forms else sizes.full[i] for i in range(plan.cut, held)]
+    before = list(itertools.accumulate(cost, initial=0))  # the kept old part from plan.cut to each index
+    pinned = sum(plan.forms[i][1] if i in plan.forms else sizes.full[i] for i in plan.pins)
+    room = planner.budget - planner.fixed
+    if pinned + before[-1] + need <= room:
+        return plan
+    starts = [c for c in shape.candidates if plan.cut < c <= held and shape.turn_of[c] == c]
+    cut = next((c for c in starts if before[-1] - before[c - plan.cut] + need <= room), starts[-1] if starts else None)
+    if cut is None:
+        return plan
+    return CutPlan(cut, range(0), max(plan.zone, cut), {i: f for i, f in plan.forms.items() if i >= cut})
 
 
 def held_evenly(plan: CutPlan, planner: CutPlanner) -> CutPlan:
@@ -5720,9 +5741,7 @@ def _climb(
 
     protect = turn_in_progress(messages) if policy.protect_turn else len(messages)
     users = sum(tokenizer.count(user_words(m)) + 2 for m in messages[:protect] if m["role"] == "user")
-    ledger = policy.ledger_tokens(budget)  # more for the user's words only where the turn in progress leaves it
-    turn = count_messages([*messages[: leading_system(messages)], *messages[protect:]], tokenizer)[1] + tools_tokens
-    ledger = max(ledger, min(policy.ledger_tokens(budget, users), budget - turn)) if ledger else 0
+    ledger = policy.ledger_tokens(budget, users)  # the user's words before the turn's material (up to a sixth)
     rungs = Rungs(tokenizer, budget, tools, policy, protect, ledger, examples, whole)
     lighter, used = list(messages), []
     if "diet" in policy.rungs:

@@ -261,6 +261,39 @@ def test_when_the_turn_alone_is_over_the_budget_its_results_are_elided_not_summa
     assert all(f"# file 1_{k}" in out for k in range(3))  # every read is there, its middle elided with a marker
 
 
+def test_older_turns_go_before_the_turn_in_progress_is_reduced() -> None:
+    """A turn in progress that fits alone but not beside the older turns a stable cut would keep is sent whole:
+    the older history goes first (into the ledger), whatever the budget, with or without a summariser."""
+    for share in (1.15, 1.4, 1.9):
+        history = [{"role": "system", "content": "You are an agent."}]
+        for t in range(8):
+            history += [user(f"Turn {t}: remember code K{t}-{t * 7919}."), *reading_turn(t, 2, 30)[1:],
+                        assistant("done")]  # fmt: skip
+        history += reading_turn(8, 3, 60)
+        protect = cs.turn_in_progress(history)
+        budget = int(cs.count_messages([history[0], *history[protect:]], TOK)[1] * share) + 400
+        for summarise in (None, summariser([])):
+            result = anyio.run(lambda h=history, s=summarise, b=budget: cs.shrink(h, [], TOK, b, summarise=s))
+            text = json.dumps(result["messages"])
+            assert result["fits"] and all(json.dumps(m) in text for m in history[protect:]), (share, summarise)
+
+
+def test_the_users_words_are_kept_before_the_turns_material() -> None:
+    """Where the turn in progress alone is over the budget, what the user said earlier is still quoted whole
+    (within a sixth of the budget): its words are the task; the turn's results are reduced to make room."""
+    history = [{"role": "system", "content": "You are an agent."}]
+    for t in range(10):
+        said = f"Turn {t}: remember code K{t}-{t * 7919} for later, and keep the tests green while you read."
+        history += [user(said), *reading_turn(t, 2, 30)[1:], assistant("done")]
+    history += reading_turn(10, 3, 200)
+    protect = cs.turn_in_progress(history)
+    budget = int(cs.count_messages(history[protect:], TOK)[1] * 0.7)
+    result = anyio.run(lambda: cs.shrink(history, [], TOK, budget, summarise=summariser([])))
+    text = json.dumps(result["messages"])
+    assert result["fits"] and all(f"K{t}-{t * 7919}" in text for t in range(10))
+    assert all(f"# file 10_{k}" in text for k in range(3))  # every read of the turn is there, elided
+
+
 def codex_shaped(turns: int) -> list[dict[str, Any]]:
     out = [{"role": "system", "content": "You are Codex."}, {"role": "developer", "content": "sandbox: on"},
            user("# AGENTS.md instructions\nRun the tests."), user("<environment_context>\n  <cwd>/w</cwd>\n"
