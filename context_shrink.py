@@ -7980,7 +7980,7 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
         conversation: Annotated[str | None, Field()] = None,
         limit: Annotated[int, Field(ge=1, le=100)] = 10,
     ) -> dict[str, Any]:
-        """Fetch back verbatim what the proxy summarised or dropped, and what the user typed, best match first."""
+        """Fetch back verbatim what the proxy folded away or the user typed."""
         if conversation is not None and not re.fullmatch(r"[0-9a-f]{16}", conversation):
             raise ContextShrinkError(f"conversation must be a 16-character id from the archive, got {conversation!r}")
         state = state_of(ctx)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
+import string
 import subprocess
 import sys
 import threading
@@ -375,7 +377,8 @@ def test_concurrent_requests_through_the_proxy(tmp_path: Path) -> None:
 def test_an_opencode_shaped_request_is_shrunk_around_its_fixed_part(lean: str, tmp_path: Path) -> None:
     """The system prompt and tools fill ~85 % of the budget: the proxy counts that fixed part, keeps the
     newest user turn whole and reduces or drops the older turns until the request fits. With the fixed part
-    made leaner (#49: its tools described by their first sentence), the whole history fits beside it."""
+    made leaner (#49: its tools described by their first sentence, and its prompt of one repeated rule, still
+    over half the budget, sent as its outline), the whole history fits beside it."""
     fake = FakeOpenAI(window=8192)
     body = opencode_request()
     tok = fake.tokenizer
@@ -391,8 +394,10 @@ def test_an_opencode_shaped_request_is_shrunk_around_its_fixed_part(lean: str, t
     if lean == "off":
         assert "action=none" not in reply.headers["x-context-shrink"] and sent["tools"] == body["tools"]
     else:
-        assert "action=none" in reply.headers["x-context-shrink"] and sent["messages"] == body["messages"]
-        assert "lean=10 tools described by their first sentence" in reply.headers["x-context-shrink"]
+        assert "action=none" in reply.headers["x-context-shrink"] and sent["messages"][1:] == body["messages"][1:]
+        assert sent["messages"][0]["content"] == cs.outlined(body["messages"][0]["content"])
+        said = "lean=10 tools described by their first sentence, the system prompt outlined (-"
+        assert said in reply.headers["x-context-shrink"]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -742,7 +747,9 @@ def test_recall_off_offers_no_tool(tmp_path: Path) -> None:
 
 def test_an_agent_whose_fixed_part_cannot_fit_is_told_so_in_plain_words(tmp_path: Path) -> None:
     fake = FakeOpenAI(window=4096)
-    body = {"model": "m", "messages": [{"role": "system", "content": "Follow the rules. " * 2000},
+    rng = random.Random(4)  # a prompt no lean can shorten: distinct lines in a code fence (kept whole)
+    code = "\n".join(f"{k}: " + " ".join(rng.choice(string.ascii_lowercase) * 3 for _ in range(8)) for k in range(900))
+    body = {"model": "m", "messages": [{"role": "system", "content": f"Follow the rules.\n```\n{code}\n```"},
                                         {"role": "user", "content": "hi"}], "max_tokens": 256}  # fmt: skip
     with serve(fake) as upstream, proxy(upstream, "--window", "4096", "--no-archive", log=tmp_path / "log") as url:
         reply = httpx2.post(url + "/chat/completions", json=body, timeout=60)
