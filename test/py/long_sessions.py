@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from agent_upstream import AgentUpstream, read_call
+from agent_upstream import AgentUpstream, read_call, request_view
 from agents import AGENTS, Setup, drive
 from fake_openai import serve
 from proxy_helpers import proxy
@@ -41,6 +41,7 @@ FILE_FACTS = [
 FACTS = [*USER_FACTS, *FILE_FACTS]
 RECALL_QUERY = "notes_01_a.txt"  # the file whose first lines hold FILE_FACTS[0]
 WORDS = ("parser", "cache", "budget", "window", "session", "handler", "retry", "schema", "router", "buffer")
+COUNT = cs.resolve_tokenizer("tiktoken").count
 
 
 def file_text(name: str, tokens: int, fact: str | None, seed: int) -> str:
@@ -105,7 +106,8 @@ class TurnUpstream(AgentUpstream):
                  if m["role"] == "user" and "Turn " in cs.plain_content(m.get("content"))]  # fmt: skip
         if not users:
             return None
-        prompt = cs.plain_content(view.messages[users[-1]].get("content"))
+        said = re.findall(r"Turn \d+: .*?say done\.", cs.plain_content(view.messages[users[-1]].get("content")))
+        prompt = said[-1] if said else ""  # the newest prompt (a ledger merged into its message quotes older ones)
         asked = re.findall(r"notes_\d\d_[abc]\.txt", prompt)
         made = json.dumps([m.get("tool_calls") for m in view.messages[users[-1] :]])
         left = [name for name in asked if name not in made]  # not read, in what it is sent
@@ -124,7 +126,10 @@ class TurnUpstream(AgentUpstream):
         text = json.dumps(view.messages)
         present = [n for n in asked if f"# {n}: notes" in text]  # its result is there, whole or elided
         whole = [n for n in present if f"# end of {n}" in text]
-        self.answers.append({"files": asked, "present": present, "whole": whole, "reads": reads})
+        lines = [json.dumps(line)[1:-1] for n in asked for line in (self.project / n).read_text().splitlines()]
+        sent = sum(line in text for line in lines)  # the text it was sent, line by line (not the headers)
+        self.answers.append({"files": asked, "present": present, "whole": whole, "reads": reads,
+                             "lines": (sent, len(lines))})  # fmt: skip
         return None
 
 
@@ -151,6 +156,30 @@ class LongRun:
         or elided with a marker; ``whole``)."""
         answered = self.upstream.answers[-self.turns :]
         return sum(len(a[kind]) for a in answered) / max(1, sum(len(a["files"]) for a in answered))
+
+    def text_sent(self) -> float:
+        """The share of the lines of the files its turns read that the model was sent when it answered."""
+        answered = self.upstream.answers[-self.turns :]
+        return sum(a["lines"][0] for a in answered) / max(1, sum(a["lines"][1] for a in answered))
+
+    def fixed_sent(self) -> int:
+        """The agent's system prompt and tools as the model last got them (the recall tool left out), cl100k."""
+        path, body = next((p, b) for p, b in reversed(self.upstream.log) if b.get("tools"))
+        view = request_view(path, body)
+        tools = [t for t in view.tools if (t.get("function") or t).get("name") != cs.RECALL_TOOL]
+        return cs.fixed_tokens(view.messages, tools, COUNT)
+
+    def text_ceiling(self) -> float:
+        """The most of the turns' file text any proxy could send: per answer, what the budget (the window less
+        the reply's reserve) leaves beside the fixed part as sent, over the tokens of the files the turn read."""
+        body = next(b for _, b in reversed(self.upstream.log) if b.get("tools"))
+        asked = body.get("max_tokens", body.get("max_output_tokens"))
+        budget = cs.request_budget({"max_tokens": asked} if isinstance(asked, int) else {}, self.upstream.window)[0]
+        room, shares = max(0, budget - self.fixed_sent()), []
+        for answer in self.upstream.answers[-self.turns :]:
+            files = sum(COUNT((self.upstream.project / name).read_text()) for name in answer["files"])
+            shares.append(min(1.0, room / max(1, files)))
+        return sum(shares) / max(1, len(shares))
 
 
 def run_long(
