@@ -367,7 +367,7 @@ class ProxyReport(FitReport):
     conversation: str | None = None
     recalled: int | None = None  # the model's calls to the recall tool, answered by the proxy
     repeated: float | None = None  # the share of what was sent that repeats the previous request's start
-    lean: str | None = None  # what cutting the tools' descriptions did (:func:`context_shrink.lean_tools`)
+    lean: str | None = None  # what making the fixed part leaner did (:func:`lean_request`)
 
     def header(self, **changes: Any) -> str:
         """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead."""
@@ -2135,8 +2135,9 @@ def _proxy_flags(sub: argparse.ArgumentParser) -> None:
     )
     sub.add_argument("--recall", help=f"on or off: offer the model the {RECALL_TOOL} tool over what was folded "
                      "away (default on)")  # fmt: skip
-    sub.add_argument("--lean-tools", help="on or off: cut the tools' descriptions to their first sentence when the "
-                     "system prompt and tools take over half the window (default on)")  # fmt: skip
+    sub.add_argument("--lean-tools", help="on or off: cut the tools' descriptions to their first sentence (then, "
+                     "if still needed, outline the system prompt) when the system prompt and tools take over half the "
+                     "budget (default on)")  # fmt: skip
     sub.add_argument("--timeout", help=f"seconds to wait for the upstream (default {PROXY_TIMEOUT:g})")
 
 
