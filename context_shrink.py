@@ -4372,7 +4372,7 @@ def outlined(text: str, recall: bool = True) -> str | None:
     """``text`` (a system prompt) as its outline, with a note that says so (and, with ``recall``, that
     :data:`RECALL_TOOL` returns the rest); None when no paragraph is long enough to save :data:`LEAN_LEAST`
     characters. Every line it keeps is the text's own, or its start to the end of a sentence and ``[…]``."""
-    parts = re.split(r"(\n[ \t]*\n)", text)  # paragraphs, and the blank lines between them
+    parts = re.split(r"(\n[ \t\r]*\n)", text)  # paragraphs, and the blank lines between them (CRLF too)
     short = [part if k % 2 else _outlined_paragraph(part) for k, part in enumerate(parts)]
     if short == parts:
         return None
@@ -4389,7 +4389,7 @@ def _outlined_paragraph(paragraph: str) -> str:
             out.append(line)
         elif first and line.strip():
             sentence = first_sentence(line)
-            out.append(line[: len(line) - len(line.lstrip())] + sentence + ("" if sentence == line.strip() else " […]"))
+            out.append(line if sentence == line.strip() else line[: len(line) - len(line.lstrip())] + sentence + " […]")
             first = False
         elif line.strip() and out[-1:] != ["[…]"] and not out[-1].endswith("[…]"):
             out.append("[…]")

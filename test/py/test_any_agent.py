@@ -250,7 +250,8 @@ def system_prompts(draw: Any) -> str:
         kind = draw(st.sampled_from(["heading", "tag", "bullets", "prose", "fence", "any"]))
         rng = random.Random(draw(st.integers(0, 10**6)))
         paragraphs.append(draw(PROSE) if kind == "any" else paragraph(kind, rng))
-    return draw(st.sampled_from(["\n\n", "\n \n", "\n\n\n"])).join(paragraphs)
+    prompt = draw(st.sampled_from(["\n\n", "\n \n", "\n\n\n"])).join(paragraphs)
+    return prompt.replace("\n", "\r\n") if draw(st.booleans()) else prompt  # Windows line endings too
 
 
 @settings(max_examples=200, deadline=None)
@@ -272,9 +273,11 @@ def test_an_outline_keeps_every_heading_and_each_paragraphs_start_as_written(pro
             whole.startswith(start) and whole != start for whole in lines)), line  # fmt: skip
     kept = [line for line in lines if re.match(r"[ \t]*(#{1,6}\s|</?[A-Za-z][\w-]*>\s*$)", line)]
     assert all(line in body.split("\n") for line in kept)
-    for paragraph in re.split(r"\n[ \t]*\n", prompt):
+    for paragraph in re.split(r"\n[ \t\r]*\n", prompt):
         if "```" in paragraph or "~~~" in paragraph:
             assert paragraph in body
+        opening = [line for line in paragraph.split("\n") if line.strip() and line not in kept]
+        assert not opening or opening[0].rstrip("\r")[:20] in body  # each paragraph begins as it did
 
 
 def test_a_short_or_fenced_prompt_is_not_outlined() -> None:
