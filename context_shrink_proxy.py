@@ -1414,9 +1414,9 @@ class ProxyFront:
 
     def recall_room(self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport, leaned: bool = False) -> int:
         """The tokens a recall may return for this request: none unless the policy offers recall, something
-        was folded away (or the tools' descriptions cut: ``leaned``), the agent sends tools and lets the model
-        choose; at most :data:`RECALL_TOKENS` and what the window leaves beside the sent request."""
-        folded = sent is not body or leaned  # messages, or the tools' descriptions
+        was folded away or carried in a ledger (or the fixed part cut: ``leaned``), the agent sends tools and lets
+        the model choose; at most :data:`RECALL_TOKENS` and what the window leaves beside the sent request."""
+        folded = sent is not body or leaned  # messages (a ledger added), or the fixed part
         if not self.state.policy.recall or not folded or not body.get("tools") or report.window is None:
             return 0
         if body.get("tool_choice") not in (None, "auto") and body.get("tool_choice") != {"type": "auto"}:
@@ -1472,7 +1472,8 @@ class ProxyFront:
         self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport
     ) -> Response:
         """The upstream's reply to what was sent, with the ``x-context-shrink`` header; what the shrunk
-        request no longer carries is archived first, and the reply's ``usage`` calibrates the count."""
+        request no longer carries, and what the user typed that the store has not seen, are archived first, and the
+        reply's ``usage`` calibrates the count."""
         st, model = self.state, model_of(body)
         if sent is not body or report.typed:  # what was folded away, and what the user typed, kept in the store
             conversation = await st.archive(body["messages"], sent["messages"], report.action, report.typed)
