@@ -2,9 +2,10 @@
 configured as the README says, over twenty turns through the proxy at 16k and 32k windows (long_sessions.py).
 Every turn reads two or three files of 1.6-3k tokens with the agent's own tool; ten facts are planted in turns
 1-5 (five in the user's prompts, five inside the files). Done when: no refusal, every turn finished, all five
-user facts and at least eight of ten in the last request, the model sent at least 90 % of its turn's files when
-it answered, at most 0.5 summary calls per turn; and a model that calls the proxy's recall tool in turn 18 gets
-the folded file back while the agent never sees the call."""
+user facts and at least eight of ten in the last request, the model sent at least 90 % of the text of its turn's
+files when it answered (their lines, not their headers), at most 0.5 summary calls per turn; and a model that
+calls the proxy's recall tool in turn 18 gets the folded file back while the agent never sees the call. At 8k
+(#49) what fits is asked: see the test's own docstring."""
 
 from __future__ import annotations
 
