@@ -885,6 +885,10 @@ class Tokenizer:
     exact: Callable[..., int] | None = None  # (messages, tools) -> the whole prompt's exact count, if known
     encoding: str | None = None  # the tiktoken encoding counting, when one does (o200k renders tools tighter)
 
+    def scaled(self, text: str) -> int:
+        """``text``'s count at the calibration ``scale``: in the server's tokens, as a budget is."""
+        return math.ceil(self.count(text) * self.scale)
+
 
 # --- the content-aware heuristic (no tokenizer) ---------------------------------------------------
 # Right by class, not on average, and a few C passes over a text's bytes. Each text (sampled in 16 windows
@@ -2011,9 +2015,10 @@ def _lines_and_tokens(text: str) -> str:
 # ``ba:be:fa:ce``), or a long word of random letters (a key: few vowels, the case changing every few letters;
 # names in code have words, so vowels, and change case once a word). Names merely seen in code are none of these.
 _WORD = r"[^\s'\"`()\[\]{}<>,;|=]"
-_HEX_PAIRS = re.compile(r"[0-9A-Fa-f]{2}([:.-])[0-9A-Fa-f]{2}(?:\1[0-9A-Fa-f]{2}){2,}")
+_HEX = r"[0-9A-Fa-f]{2}"
+_HEX_PAIRS = re.compile(rf"{_HEX}([:.-]){_HEX}(?:\1{_HEX}){{2,}}")
 _VALUE_CANDIDATES = re.compile(
-    rf"(?<!{_WORD})(?={_WORD}*?(?:[\d@]|[A-Z]_)|{_WORD}{{16}}|[0-9A-Fa-f]{{2}}[:.-][0-9A-Fa-f]{{2}}[:.-]){_WORD}{{4,}}"
+    rf"(?<!{_WORD})(?={_WORD}*?(?:[\d@]|[A-Z]_)|{_WORD}{{16}}|{_HEX}[:.-]{_HEX}[:.-]){_WORD}{{4,}}"
 )
 _MIXED = re.compile(r"(?=\D*\d)(?=\d*\D)|\d{5}")  # at the start: a digit and a non-digit somewhere, or 5 digits
 _NAMED_VALUE = re.compile(r"@\w[\w.-]{2,}|[A-Z][A-Z0-9]+(?:_[A-Z0-9]+)+")  # a handle, a constant or a flag
@@ -5279,7 +5284,6 @@ async def summarise_span(
                              "guard": {} if guard is None else guard, "anchored": 0, "fallback": None,
                              "error": None, "notes": [],
                              "previous_summary_folded": bool(previous)}  # fmt: skip
-    size = lambda s: math.ceil(tokenizer.count(s) * tokenizer.scale)  # noqa: E731
     little = done and rest and count_messages(rest, tokenizer)[1] < o.min_new_tokens  # not worth a call yet
     async with contextlib.AsyncExitStack() as held:  # a lease on the span, held until its summary is filed
         if (previous and not rest) or little:
@@ -5301,8 +5305,8 @@ async def summarise_span(
         # What the summary dropped is appended, within its budget. A cached text was anchored when it was filed:
         # it is sent as it was while it fits (anchored again at another calibration, it would change a prefix the
         # server has cached).
-        if anchor and not (stats["summary_cached"] and size(text) <= max_summary_tokens):
-            text, stats["anchored"] = anchor_within(text, span, previous, size, max_summary_tokens)
+        if anchor and not (stats["summary_cached"] and tokenizer.scaled(text) <= max_summary_tokens):
+            text, stats["anchored"] = anchor_within(text, span, previous, tokenizer.scaled, max_summary_tokens)
         if stats["fallback"] is None and not little:  # extracted notes (and a reused start) are not filed
             pins = plan["pinned_indices"]  # a later span also holds the pinned message: filed by the part before it
             cache.file(filed, chain, text, None if not pins else sum(1 for i, _ in items if i < pins[0]))
@@ -5486,8 +5490,7 @@ class Rungs:
     def with_ledger(self, out: list[dict[str, Any]], gone: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """``out`` with a :func:`fact_ledger` of ``gone`` after its leading system messages (a summary among
         them)."""
-        lead, scale, recall = leading_system(out), self.tokenizer.scale, self.policy.recall
-        count = lambda text: math.ceil(self.tokenizer.count(text) * scale)  # noqa: E731  (the budget's tokens)
+        lead, recall, count = leading_system(out), self.policy.recall, self.tokenizer.scaled  # the budget's tokens
         gone = [m for m in gone if not self.examples or fingerprint(m) not in self.examples]
         text = fact_ledger(gone, out[lead:], count, self.ledger, recall) if self.ledger and gone else None
         return [*out[:lead], {"role": "system", "content": text}, *out[lead:]] if text else out
@@ -6604,15 +6607,14 @@ async def fit_request(
     size = len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0
     request = await off_loop(size, lambda: ChatRequest.read(body))
     opening = await off_loop(size, lambda: agent_opening(request.messages, state.tasks))
-    carried, report.typed = await off_loop(size, lambda: remembered(state, request, opening))
-    report.carried = carried
+    report.carried, report.typed = await off_loop(size, lambda: remembered(state, request, opening))
     report.window = window or await server_window(state, request.model, authorization)
     if report.window is None:
         report.reason = "window unknown"
         return body, report
     budget, report.reserve = request_budget(body, report.window)
     sent, report = await _fitted(state, request, budget, authorization, report, opening, started)
-    return with_carried(state, sent, report, carried, budget, state.factor(request.calibration)), report
+    return with_carried(state, sent, report, report.carried, budget, state.factor(request.calibration)), report
 
 
 async def _fitted(
@@ -6727,7 +6729,7 @@ def with_carried(
     calibration ``factor`` (the budget is in the upstream's tokens)."""
     if not carried or not state.policy.ledger:
         return body
-    count = lambda text: math.ceil(state.tokenizer.count(text) * factor)  # noqa: E731
+    count = dataclasses.replace(state.tokenizer, scale=factor).scaled
     users = sum(count(m["content"]) + 2 for m in carried if m["role"] == "user")
     room = min(state.policy.ledger_tokens(budget, users) or 64, budget - (report.tokens_after or budget))
     messages = body["messages"]

@@ -162,17 +162,20 @@ class LongRun:
         answered = self.upstream.answers[-self.turns :]
         return sum(a["lines"][0] for a in answered) / max(1, sum(a["lines"][1] for a in answered))
 
+    def last_request(self) -> tuple[str, dict[str, Any]]:
+        """The session's last request the model was sent with the agent's tools (its API, its body)."""
+        return next((p, b) for p, b in reversed(self.upstream.log) if b.get("tools"))
+
     def fixed_sent(self) -> int:
         """The agent's system prompt and tools as the model last got them (the recall tool left out), cl100k."""
-        path, body = next((p, b) for p, b in reversed(self.upstream.log) if b.get("tools"))
-        view = request_view(path, body)
+        view = request_view(*self.last_request())
         tools = [t for t in view.tools if (t.get("function") or t).get("name") != cs.RECALL_TOOL]
         return cs.fixed_tokens(view.messages, tools, COUNT)
 
     def text_ceiling(self) -> float:
         """The most of the turns' file text any proxy could send: per answer, what the budget (the window less
         the reply's reserve) leaves beside the fixed part as sent, over the tokens of the files the turn read."""
-        body = next(b for _, b in reversed(self.upstream.log) if b.get("tools"))
+        body = self.last_request()[1]
         asked = body.get("max_tokens", body.get("max_output_tokens"))
         budget = cs.request_budget({"max_tokens": asked} if isinstance(asked, int) else {}, self.upstream.window)[0]
         room, shares = max(0, budget - self.fixed_sent()), []
