@@ -134,6 +134,7 @@ __all__ = [
     "cached_count",
     "calibrate",
     "calibrated",
+    "caller_print",
     "canonical_json",
     "check_opened",
     "check_text",
@@ -4846,8 +4847,8 @@ STATE_TABLES: dict[str, tuple[int, int]] = {  # table -> (the most entries, the 
     "stats": (1024, 16 << 20),  # (model, conversation) -> counters
     "recent": (200, 4 << 20),  # the latest requests, one by one
     "prints": (64, 16 << 20),  # conversation -> the prints of its last request
-    "tasks": (4096, 1 << 20),  # a conversation's task (its first request's last user message) -> 1
-    "said": (1024, 32 << 20),  # task -> the user's words and the values seen; agent's fixed part -> newest task
+    "tasks": (4096, 1 << 20),  # (scope, a conversation's task: its first request's last user message) -> its opening
+    "said": (1024, 32 << 20),  # (scope, task) -> the user's words and the values seen; scope -> its newest task
     "meta": (64, 1 << 20),  # the deployment's start, the JSONL archives imported
 }
 STATE_MAX_DAYS = 30  # an entry not written for this long goes
@@ -5562,11 +5563,12 @@ class Opening(NamedTuple):
 NO_OPENING = Opening()
 
 
-def agent_opening(messages: Sequence[Mapping[str, Any]], tasks: MutableMapping[Any, Any]) -> Opening:
+def agent_opening(messages: Sequence[Mapping[str, Any]], tasks: MutableMapping[Any, Any], scope: str = "") -> Opening:
     """What precedes the conversation's task in ``messages``: the task is the last user message of the
     conversation's first request (nothing the model said through the proxy can precede it), which every later
     request keeps; found among the first user messages, else this is a first request and its task is remembered
-    in ``tasks`` with a print of what precedes it. What precedes it (a run without tool calls or results, of at
+    in ``tasks`` (under ``scope``: who asks and which agent, :attr:`ChatRequest.scope`) with a print of what
+    precedes it. What precedes it (a run without tool calls or results, of at
     most :data:`OPENING_MOST` messages; else history first seen mid-way, 0) is never the user's words (example
     exchanges). It is the agent's opening, standing context, on evidence: the agent sent it changed while the
     conversation after it stayed (context it re-sends updated: files the user added, a repository map), or the
@@ -5574,15 +5576,15 @@ def agent_opening(messages: Sequence[Mapping[str, Any]], tasks: MutableMapping[A
     history like the rest (a chat first seen mid-way is summarised, not kept whole)."""
     lead, n = leading_system(messages), len(messages)
     users = [i for i in range(lead, min(n, lead + OPENING_MOST + 1)) if messages[i]["role"] == "user"]
-    task = next((i for i in users if task_key(messages[i]) in tasks), None)
+    task = next((i for i in users if (scope, task_key(messages[i])) in tasks), None)
     first = task is None
     if first:
         task = next((i for i in range(n - 1, lead - 1, -1) if messages[i]["role"] == "user"), None)
     if task is None or not _an_opening(messages[lead:task]):
         return Opening()
-    key, run = task_key(messages[task]), fingerprint(messages[lead:task])[:24]
+    key, run = (scope, task_key(messages[task])), fingerprint(messages[lead:task])[:24]
     if first:
-        agent = fingerprint([plain_content(m.get("content")) for m in messages[:lead]])[:24]  # its system prompt
+        agent = (scope, fingerprint([plain_content(m.get("content")) for m in messages[:lead]])[:24])  # its prompt
         runs = list(tasks.get(agent) or [])
         tasks[key] = {"run": run, "standing": run in runs and task > lead}
         if task > lead and run not in runs:
@@ -6321,14 +6323,37 @@ def model_of(body: Mapping[str, Any]) -> str | None:
     return body.get("model") if isinstance(body.get("model"), str) else None
 
 
+def caller_print(credentials: Iterable[str | None]) -> str:
+    """Who asks, as a print: a digest of the credentials a client sent (its key, in whichever header), never the
+    key itself; empty for a client that sent none."""
+    given = "\n".join(c for c in credentials if c)
+    return hashlib.sha256(given.encode("utf-8", "surrogatepass")).hexdigest()[:24] if given else ""
+
+
+_NUMBERS = re.compile(r"\d+")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatRequest:
-    """A chat-shaped request as the proxy reads it: its messages and tools checked, its model."""
+    """A chat-shaped request as the proxy reads it: its messages and tools checked, its model, and who asks
+    (``caller``: :func:`caller_print`)."""
 
     body: dict[str, Any]
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     model: str | None
+    caller: str = ""
+
+    @functools.cached_property
+    def scope(self) -> str:
+        """Whose conversations this request's can be: the caller and the agent's fixed part (its leading system
+        messages' text, with every number blanked: a date or a count in it changes from day to day, and its
+        tools' names). What a conversation held is remembered under it and its task, never under a message
+        alone: a client never meets another's words, nor an agent another agent's."""
+        lead = leading_system(self.messages)
+        texts = [_NUMBERS.sub("0", plain_content(m.get("content"))) for m in self.messages[:lead]]
+        names = sorted(str((t.get("function") or {}).get("name")) for t in self.tools)
+        return fingerprint([self.caller, texts, names])[:24]
 
     @functools.cached_property
     def calibration(self) -> tuple[str | None, str]:
@@ -6336,13 +6361,13 @@ class ChatRequest:
         return self.model, text_class(plain_content(m.get("content")) for m in self.messages)
 
     @classmethod
-    def read(cls, body: dict[str, Any]) -> ChatRequest:
+    def read(cls, body: dict[str, Any], caller: str = "") -> ChatRequest:
         """Raises :class:`ContextShrinkError` for a body whose messages or tools do not read as chat."""
         tools = body.get("tools") or []
         if isinstance(tools, list):  # a tool of another kind (``custom``, a server's own) counted as its JSON
             tools = [pseudo_tool(t) if isinstance(t, dict) and t.get("type", "function") != "function" else t
                      for t in tools]  # fmt: skip
-        return cls(body, validate_messages(body.get("messages")), validate_tools(tools), model_of(body))
+        return cls(body, validate_messages(body.get("messages")), validate_tools(tools), model_of(body), caller)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6594,19 +6619,21 @@ async def measure(
 
 
 async def fit_request(
-    state: ServerMemory, body: dict[str, Any], authorization: str | None, report: ReportT, window: int | None = None
-) -> tuple[dict[str, Any], ReportT]:
+    state: ServerMemory, body: dict[str, Any], authorization: str | None, report: ReportT, window: int | None = None,
+    caller: str = "",
+) -> tuple[dict[str, Any], ReportT]:  # fmt: skip
     """The request body to forward and its ``report``, filled in, in one direction: read, measure once
     (:func:`measure`), then, over the trigger, :func:`shrink` with the door's policy and the summariser bound to
     this request's model (:func:`shrink_counted`); and what earlier requests of the conversation held that the
-    agent no longer sends kept in a ledger (:func:`remembered`; the report names what it drew from, ``carried``,
-    and the user's messages first seen, ``typed``: the proxy archives them). Raises :class:`ContextShrinkError`
-    for a body it does not understand (the caller forwards it as is)."""
+    agent no longer sends kept in a ledger (:func:`remembered`, within what ``caller`` — :func:`caller_print` —
+    and the agent's fixed part share: :attr:`ChatRequest.scope`; the report names what it drew from,
+    ``carried``, and the user's messages first seen, ``typed``: the proxy archives them). Raises
+    :class:`ContextShrinkError` for a body it does not understand (the caller forwards it as is)."""
     started = time.perf_counter()
     listed = body.get("messages")
     size = len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0
-    request = await off_loop(size, lambda: ChatRequest.read(body))
-    opening = await off_loop(size, lambda: agent_opening(request.messages, state.tasks))
+    request = await off_loop(size, lambda: ChatRequest.read(body, caller))
+    opening = await off_loop(size, lambda: agent_opening(request.messages, state.tasks, request.scope))
     report.carried, report.typed = await off_loop(size, lambda: remembered(state, request, opening))
     report.window = window or await server_window(state, request.model, authorization)
     if report.window is None:
@@ -6662,38 +6689,31 @@ REWRITE_SECONDS = 600.0  # a conversation rewritten by its agent goes on within 
 SAID_MOST = (32, 96)  # the user's messages (the newest) and the values (the rarest shapes) a conversation keeps
 
 
-def fixed_print(request: ChatRequest) -> str:
-    """The agent's fixed part as an identity: its leading system messages' text and its tools' names."""
-    lead = leading_system(request.messages)
-    names = sorted(str((t.get("function") or {}).get("name")) for t in request.tools)
-    return fingerprint([[plain_content(m.get("content")) for m in request.messages[:lead]], names])[:24]
-
-
 def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> tuple[list[dict[str, Any]], list[int]]:
     """What earlier requests of this conversation held that this one no longer does (the agent left it out: it
     compacted its own history, or sends an updated block of context), as messages for :func:`fact_ledger`: the
     user's words (:func:`user_words`, after the agent's opening: examples are not the user's) and the values
     (:func:`text_values`) of tool results and of the opening; and the indices of the user's messages the
     conversation had not held before (first seen: the proxy archives them). The conversation's memory
-    (``state.said``, by its task: :func:`agent_opening`) is updated with what this one holds. A conversation
-    first seen whose request already carries history (an assistant message before the newest user message) that
-    is not the agent's fixed opening, in fewer messages than the newest conversation of the same agent
-    (:func:`fixed_print`) sent within :data:`REWRITE_SECONDS`, is that conversation rewritten by the agent itself
-    (its own summary in place of its turns): it goes on with that one's memory. (A client that replays unrelated
-    histories with the same system prompt and tools can be taken for such a rewrite: the ledger then names the
-    other one's facts.)"""
+    (``state.said``, by who asks and which agent, :attr:`ChatRequest.scope`, and its task: :func:`agent_opening`)
+    is updated with what this one holds; nothing is ever read across scopes. A conversation first seen whose
+    request already carries history (an assistant message before the newest user message) that is not the
+    agent's fixed opening, in fewer messages than the newest conversation of the same scope sent within
+    :data:`REWRITE_SECONDS`, is that conversation rewritten by the agent itself (its own summary in place of its
+    turns): it goes on with that one's memory. (A client that replays unrelated histories with the same key,
+    system prompt and tools can be taken for such a rewrite: the ledger then names the other one's facts.)"""
     messages, lead = request.messages, leading_system(request.messages)
     start = lead + opening.before
     if start >= len(messages) or messages[start]["role"] != "user":
         return [], []
-    key, fixed = task_key(messages[start]), fixed_print(request)
+    scope, task = request.scope, task_key(messages[start])
     run = fingerprint(messages[lead:start])[:24]
-    memory, now = state.said.get(key), time.time()
+    memory, now = state.said.get((scope, task)), time.time()
     known = memory is not None  # what it held is in its memory: the newest of the user's words
     if memory is None:
-        latest = state.said.get(fixed)
+        latest = state.said.get(scope)  # the task of the scope's newest conversation
         history = any(m["role"] == "assistant" for m in messages[lead:-1])
-        inherited = state.said.get(latest) if latest and history else None
+        inherited = state.said.get((scope, latest)) if latest and history else None
         rewrite = inherited and inherited.get("opening") != run and now - inherited.get("at", 0) < REWRITE_SECONDS
         memory = (
             dict(inherited) if rewrite and len(messages) < inherited.get("messages", 0) else {"user": [], "values": []}
@@ -6714,9 +6734,9 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> t
         "messages": len(messages),
     }
     if {**updated, "at": memory.get("at")} != memory or now - memory.get("at", 0) > REWRITE_SECONDS / 4:
-        state.said[key] = {**updated, "at": now}
-    if state.said.get(fixed) != key:
-        state.said[fixed] = key
+        state.said[scope, task] = {**updated, "at": now}
+    if state.said.get(scope) != task:
+        state.said[scope] = task
     return carried, typed
 
 

@@ -111,6 +111,7 @@ from context_shrink import (
     __version__,
     build_server,
     calibrated,
+    caller_print,
     canonical_json,
     count_messages,
     field_at,
@@ -811,12 +812,13 @@ class ProxyState(ServerMemory):
 
 
 async def shrink_request(
-    state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None
+    state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None, caller: str = ""
 ) -> tuple[dict[str, Any], ProxyReport]:
     """The request body to forward and its report: the core's :func:`context_shrink.fit_request` (read, measure
-    once, over the trigger :func:`context_shrink.shrink`, recount) with a fresh :class:`ProxyReport` to fill.
-    Raises :class:`ContextShrinkError` for a body it does not understand (the caller forwards it as is)."""
-    return await fit_request(state, body, authorization, ProxyReport(), window)
+    once, over the trigger :func:`context_shrink.shrink`, recount) with a fresh :class:`ProxyReport` to fill;
+    ``caller`` is who asks (:func:`caller_of`). Raises :class:`ContextShrinkError` for a body it does not
+    understand (the caller forwards it as is)."""
+    return await fit_request(state, body, authorization, ProxyReport(), window, caller)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -903,6 +905,15 @@ async def lean_request(
 
 
 # --- the HTTP front ----------------------------------------------------------------------------------------
+
+
+CALLER_HEADERS = ("authorization", "x-api-key", "api-key")  # where a client's key comes: OpenAI, Anthropic, Azure
+
+
+def caller_of(headers: Mapping[str, str]) -> str:
+    """Who sent a request, as a print of the key it carries (:func:`context_shrink.caller_print`): what a
+    conversation's memory is kept under, so that one client never meets another's words."""
+    return caller_print(headers.get(h) for h in CALLER_HEADERS)
 
 
 def _forward_headers(headers: Mapping[str, str], config: ProxyConfig, *, chat: bool) -> dict[str, str]:
@@ -1306,10 +1317,10 @@ class ProxyFront:
         """Shrink a chat-shaped ``body``, send it (``encode`` writes it in the request's own wire format) and
         retry once, strictly smaller, after a length refusal. When something was folded away, the model is
         offered the recall tool (:meth:`recalled`)."""
-        authorization = request.headers.get("authorization")
+        authorization, caller = request.headers.get("authorization"), caller_of(request.headers)
         url = self.config.target(request.url.path, request.url.query)
         headers = _forward_headers(request.headers, self.config, chat=True)
-        sent, report = await self.shrunk(body, authorization, None)
+        sent, report = await self.shrunk(body, authorization, None, caller)
         report.lean = lean.said
         try:
             for attempt in range(2):
@@ -1320,7 +1331,7 @@ class ProxyFront:
                 upstream = await self.open_upstream("POST", url, headers, content)
                 if upstream.status_code < 400 or attempt:
                     break
-                retry = await self.after_refusal(upstream, body, sent, report, authorization)
+                retry = await self.after_refusal(upstream, body, sent, report, authorization, caller)
                 if isinstance(retry, Response):
                     return self.finish(body, report, retry)
                 sent, report = retry
@@ -1352,11 +1363,11 @@ class ProxyFront:
         log.info("proxy: %s %s status=%s", model, report.header(), status)
 
     async def shrunk(
-        self, body: dict[str, Any], authorization: str | None, window: int | None
+        self, body: dict[str, Any], authorization: str | None, window: int | None, caller: str
     ) -> tuple[dict[str, Any], ProxyReport]:
         """:func:`shrink_request`, failing open: the original goes out, and the log says why."""
         try:
-            return await shrink_request(self.state, body, authorization, window)
+            return await shrink_request(self.state, body, authorization, window, caller)
         except ContextShrinkError as exc:
             log.warning("proxy: not shrunk, forwarded as is: %s", exc)
             return body, ProxyReport(reason=str(exc))
@@ -1371,6 +1382,7 @@ class ProxyFront:
         sent: dict[str, Any],
         report: ProxyReport,
         authorization: str | None,
+        caller: str,
     ) -> Response | tuple[dict[str, Any], ProxyReport]:
         """After an upstream error: a strictly smaller request to retry with, when it refused for length and
         one can be made; else the reply for the client (the upstream's answer)."""
@@ -1384,7 +1396,7 @@ class ProxyFront:
         estimate = report.tokens_after or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
         reported = await self.reported_window(model_of(body), authorization)
         limit, refused = st.learn_refusal(model_of(body), overflow, report, estimate, reported)
-        retry, retried = await self.shrunk(body, authorization, limit) if limit else (sent, report)
+        retry, retried = await self.shrunk(body, authorization, limit, caller) if limit else (sent, report)
         if retry is sent or (retried.tokens_after or refused) >= refused:  # it would be refused again
             log.warning("proxy: %s refused the request for length (window %s); nothing smaller to send",
                         self.config.base, limit)  # fmt: skip
