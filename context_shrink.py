@@ -103,6 +103,7 @@ __all__ = [
     "EstimateOptions",
     "FitReport",
     "Folder",
+    "InvalidText",
     "Measured",
     "MemoryTables",
     "Opening",
@@ -212,6 +213,7 @@ __all__ = [
     "summarise_span",
     "summary_message",
     "summary_request",
+    "surrogate_field",
     "template_json",
     "text_values",
     "tool_call",
@@ -340,6 +342,15 @@ class ConfigError(ContextShrinkError):
     def __init__(self, message: str, *, variable: str) -> None:
         super().__init__(message)
         self.variable = variable
+
+
+class InvalidText(ContextShrinkError):
+    """A string that is not text: it holds a lone surrogate (``"\\ud83d"``, a valid JSON escape that no character
+    is), which no encoder can write; ``field`` names where (``messages[2].content``)."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(f"{field} holds a lone surrogate (half of a UTF-16 pair, not a character): send it as text")
+        self.field = field
 
 
 class BackendError(ContextShrinkError):
@@ -1683,6 +1694,29 @@ def nesting_problem(value: Any, what: str, limit: int = MAX_JSON_DEPTH) -> None:
             stack += [(v, depth + 1) for v in item.values() if isinstance(v, dict | list)]
         elif isinstance(item, list):
             stack += [(v, depth + 1) for v in item if isinstance(v, dict | list)]
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped in JSON, or as its 3 bytes
+
+
+def surrogate_field(value: Any, where: str = "") -> str | None:
+    """Where ``value`` (JSON: its keys too) first holds a string with a lone surrogate, as ``a.b[2].c``; None
+    when it holds none (walked without recursion)."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item):
+                return path or "the value"
+        elif isinstance(item, dict):
+            for key, v in reversed(item.items()):
+                if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                    return f"{path}.{key.encode('utf-8', 'backslashreplace').decode()}" if path else "a key"
+                stack.append((v, f"{path}.{key}" if path else str(key)))
+        elif isinstance(item, list):
+            stack += [(v, f"{path}[{k}]") for k, v in reversed(list(enumerate(item)))]
+    return None
 
 
 def validate_tools(tools: Any) -> list[dict[str, Any]]:
@@ -5865,11 +5899,14 @@ async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
 
 
 async def parsed(raw: bytes) -> Any:
-    """A request body's JSON, checked for nesting (:func:`nesting_problem`), read :func:`off_loop`."""
+    """A request body's JSON, checked for nesting (:func:`nesting_problem`) and for text that is not text
+    (:class:`InvalidText`: looked for only when the bytes hold a surrogate's escape), read :func:`off_loop`."""
 
     def read() -> Any:
         body = json.loads(raw)
         nesting_problem(body, "the body's values")
+        if _SURROGATE_ESCAPE.search(raw) and (field := surrogate_field(body)) is not None:
+            raise InvalidText(field)
         return body
 
     return await off_loop(len(raw), read)

@@ -97,6 +97,7 @@ from context_shrink import (
     ConfigError,
     ContextShrinkError,
     FitReport,
+    InvalidText,
     MemoryTables,
     Overflow,
     Policy,
@@ -1206,6 +1207,9 @@ class ProxyFront:
         except ContextShrinkError as exc:  # the upstream is unreachable or broke off: say so, no traceback
             log.warning("proxy: %s", exc)
             return _failure(502, f"context-shrink proxy: {exc}", "upstream_error")
+        except Exception:  # a bug: the client is answered in the API's shape, the log has the traceback
+            log.exception("proxy: %s %s failed (a bug: please report it)", request.method, request.url.path)
+            return _failure(500, "context-shrink proxy: internal error (a bug: see the proxy's log)", "internal_error")
 
     async def read_body(self, request: Request) -> bytes | None:
         """The request body, or None when it is over the limit (not read further)."""
@@ -1263,6 +1267,8 @@ class ProxyFront:
             body = await parsed(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError
+        except InvalidText as exc:  # no encoder can write it: refused at the door, never sent on
+            return refused(request, 400, str(exc), "invalid_request_error")
         except (ValueError, RecursionError) as exc:  # not a body we understand: the upstream answers it
             why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             return await self.passthrough(request, raw, f"not shrunk: {why}" if why else None)
@@ -1289,6 +1295,8 @@ class ProxyFront:
             if not isinstance(body, dict):
                 raise ContextShrinkError("the body is not a JSON object")
             view = await off_loop(len(raw), lambda: wire.view(body))
+        except InvalidText as exc:  # no encoder can write it: refused at the door, never sent on
+            return refused(request, 400, str(exc), "invalid_request_error")
         except (ValueError, RecursionError) as exc:
             why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             return await self.passthrough(request, raw, f"not shrunk: {why}")
@@ -1322,6 +1330,7 @@ class ProxyFront:
         headers = _forward_headers(request.headers, self.config, chat=True)
         sent, report = await self.shrunk(body, authorization, None, caller)
         report.lean = lean.said
+        upstream: httpx2.Response | None = None
         try:
             for attempt in range(2):
                 content = encode(sent)
@@ -1347,8 +1356,12 @@ class ProxyFront:
                     len(content), lambda: self.state.stats.repeated(conversation, sent["messages"])
                 )
             return self.finish(body, report, await self.deliver(upstream, body, sent, report))
-        except ContextShrinkError:  # the endpoint answers with a 502
-            self.count(body, report, 502)
+        except BaseException as exc:  # the upstream's reply is closed on every path: the pool keeps its room
+            if upstream is not None:
+                with anyio.CancelScope(shield=True):
+                    await upstream.aclose()
+            if isinstance(exc, ContextShrinkError):  # the endpoint answers with a 502
+                self.count(body, report, 502)
             raise
 
     def finish(self, body: dict[str, Any], report: ProxyReport, response: Response) -> Response:

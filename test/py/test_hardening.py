@@ -9,8 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import pytest
 from fake_openai import FakeOpenAI, serve
+from proxy_helpers import started
 from upstreams import proxied
+
+import context_shrink_proxy as csp
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Today is 2026-12-07."}
 
@@ -50,3 +54,55 @@ def test_a_clients_words_never_reach_another_clients_request(tmp_path: Path) -> 
         tomorrow = {"role": "system", "content": "You are a coding agent. Today is 2026-12-08."}
         mine = chat(url, "sk-alice", [tomorrow, hi, hello, {"role": "user", "content": "go on"}])
     assert mine.status_code == 200 and "hunter2" in sent_text(fake, len(fake.requests) - 1)
+
+
+# --------------------------------------------------------------------------- 2. text that is not text; replies closed
+
+FINE = {"role": "user", "content": "fine"}
+LONE = {
+    "chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi \ud83d"}]},
+    "responses": {"model": "m", "input": [FINE, {"role": "user", "content": "\udc00"}]},
+    "messages": {"model": "m", "max_tokens": 8, "system": "ok", "messages": [{"role": "user", "content": "x\ud800"}]},
+}
+FIELDS = {"chat/completions": "messages[0].content", "responses": "input[1].content", "messages": "messages[0].content"}
+
+
+def test_a_lone_surrogate_is_refused_at_the_door_naming_its_field(tmp_path: Path) -> None:
+    """A lone surrogate (valid JSON, no character) was a bare 500 on all three APIs after the upstream had
+    answered. It is a 400 in the API's error shape naming the field, and nothing is sent upstream; escaped or
+    as its three UTF-8 bytes alike."""
+    fake = FakeOpenAI(window=8192)
+    with serve(fake) as upstream, started("proxy", "--upstream", upstream, "--window", "8192",
+                                          log=tmp_path / "log") as base:  # fmt: skip
+        for path, body in LONE.items():
+            for raw in (
+                json.dumps(body).encode(),
+                json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass"),
+            ):
+                answer = httpx2.post(f"{base}/v1/{path}", content=raw, headers={"content-type": "application/json"})
+                assert answer.status_code == 400, (path, answer.text)
+                message = answer.json()["error"]["message"]
+                assert FIELDS[path] in message and "surrogate" in message
+    assert fake.requests == [] and fake.responses_requests == [] and fake.anthropic_requests == []
+    assert "Traceback" not in (tmp_path / "log").read_text()
+
+
+def test_every_upstream_reply_is_closed_when_a_request_fails_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that failed after the upstream answered left that reply open: 256 of them filled the connection
+    pool and every later request of every client hung. Whatever fails after the reply (here: delivering it, 300
+    times), the reply is closed, the client gets a 500 in the API's shape, and the next request is answered."""
+
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("a bug after the upstream answered")
+
+    fake = FakeOpenAI(window=8192)
+    with serve(fake) as upstream, proxied(upstream, window=8192) as url:
+        monkeypatch.setattr(csp.ProxyFront, "deliver", broken)
+        with httpx2.Client(timeout=20) as client:
+            for _ in range(300):
+                answer = client.post(
+                    url + "/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+                )
+                assert answer.status_code == 500 and answer.json()["error"]["type"] == "internal_error"
+        monkeypatch.undo()
+        assert chat(url, "sk-a", [{"role": "user", "content": "hi"}]).status_code == 200
