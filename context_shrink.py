@@ -205,6 +205,7 @@ __all__ = [
     "resolve_path",
     "resolve_tokenizer",
     "secret_forms",
+    "shown_url",
     "shrink",
     "shrink_counted",
     "shrink_text",
@@ -221,6 +222,7 @@ __all__ = [
     "turn_in_progress",
     "unknown_names",
     "upstream_namespace",
+    "url_secrets",
     "user_words",
     "validate_messages",
     "validate_tools",
@@ -412,6 +414,30 @@ def redact(text: str, secrets: Iterable[str]) -> str:
         if (escaped := json.dumps(secret)[1:-1]) != secret:  # as it appears inside JSON text
             text = text.replace(escaped, REDACTED)
     return text
+
+
+SECRET_QUERY = re.compile(r"(?i)pass|pwd|token|secret|key|auth|sig|credential")  # a query parameter's name
+
+
+def url_secrets(url: str | None) -> list[str]:
+    """What in a URL is a secret, in every form it may be shown in: its user information (``user:password@``,
+    the password alone, as written and percent-decoded, and the ``Basic`` credential a client sends of it) and the
+    values of query parameters named like one (``?password=``, ``?api_key=``, ``?token=``...)."""
+    parts = urllib.parse.urlsplit(url or "")
+    found = []
+    if "@" in parts.netloc:
+        userinfo = parts.netloc.rpartition("@")[0]
+        found += [userinfo, userinfo.partition(":")[2]]
+        basic = ":".join(urllib.parse.unquote(p) for p in userinfo.partition(":")[::2])  # how httpx sends it
+        found.append(base64.b64encode(basic.encode()).decode())
+    found += [v for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True) if SECRET_QUERY.search(k)]
+    found += [urllib.parse.unquote(f) for f in found]
+    return [f for f in dict.fromkeys(found) if len(f) >= 3]
+
+
+def shown_url(url: str) -> str:
+    """A URL as logs, errors and pages show it: its secrets (:func:`url_secrets`) replaced by ``***``."""
+    return redact(url, url_secrets(url))
 
 
 def _type_name(value: Any) -> str:
@@ -677,10 +703,10 @@ class Settings:
         if value.startswith("redis") and importlib.util.find_spec("redis") is None:
             raise ConfigError(f"{source} names Redis: it needs the redis client (pip install "
                               "'context-shrink-mcp[redis]')", variable=source)  # fmt: skip
-        if value == "memory" or re.fullmatch(r"sqlite:.+|rediss?://[^/\s]+(/\d{1,2})?", value):
+        if value == "memory" or re.fullmatch(r"sqlite:.+|rediss?://[^/\s?]+(/\d{1,2})?(\?\S*)?", value):
             return value if not value.startswith("sqlite:") else f"sqlite:{Path(value[7:]).expanduser()}"
-        raise ConfigError(f"{source}={redis_name(value) if '@' in value else value!r}: expected memory, sqlite:PATH "
-                          "or redis://HOST:PORT/DB (rediss:// for TLS)", variable=source)  # fmt: skip
+        raise ConfigError(f"{source}={shown_url(value)!r}: expected memory, sqlite:PATH or redis://HOST:PORT/DB "
+                          "(rediss:// for TLS)", variable=source)  # fmt: skip
 
     def namespace(self, flag: str | None = None) -> str | None:
         """The deployment's name, which every key of the store is kept under (``--namespace``, else
@@ -6049,7 +6075,8 @@ class Backend:
         self.caches = caches or BackendCaches()
         self.setting, self.timeout_setting = settings  # what to check when it cannot be reached, or is slow
         header_values = [v for v in self.headers.values() if isinstance(v, str)]
-        self.secrets = [*secret_forms(api_key), *(f for v in header_values for f in secret_forms(v)), *secrets]
+        self.secrets = [*secret_forms(api_key), *(f for v in header_values for f in secret_forms(v)), *secrets,
+                        *url_secrets(base_url)]  # fmt: skip
 
     def _redact(self, text: str, limit: int = 600) -> str:
         """Every secret this backend holds taken out, then cut to ``limit`` characters."""
@@ -6163,7 +6190,7 @@ class Backend:
                 self.caches.counting[self.base_url] = (method, math.inf, "")
                 return tokens, method
             reasons.append(f"{method}: empty count")
-        reason = f"{self.base_url} cannot count tokens ({'; '.join(reasons)})"
+        reason = self._redact(f"{self.base_url} cannot count tokens ({'; '.join(reasons)})", 2000)
         if unsupported:  # remembered for a while, so an endpoint-less server is not probed on every call
             self.caches.counting[self.base_url] = (None, now + WINDOW_CACHE_SECONDS, reason)
         raise ContextShrinkError(reason)
@@ -6182,7 +6209,7 @@ class Backend:
                 reasons.append(f"{probe}: {exc}")
                 if exc.down:  # no server answers there: the other probes would fail the same way
                     state = "unreachable" if exc.unreachable else "silent"
-                    message = f"backend {state}: {self.base_url} (asked {probe} for its context window)"
+                    message = self._redact(f"backend {state}: {self.base_url} (asked {probe} for its context window)")
                     raise BackendError(
                         message, url=self.base_url, unreachable=exc.unreachable, timed_out=exc.timed_out
                     ) from None
@@ -6194,7 +6221,9 @@ class Backend:
                 self.caches.windows[(self.base_url, model)] = (window, probe, now + WINDOW_CACHE_SECONDS)
                 return window, probe
             reasons.append(f"{probe}: no window in the reply")
-        raise ContextShrinkError(f"no context window found at {self.base_url} ({'; '.join(reasons)})")
+        raise ContextShrinkError(
+            self._redact(f"no context window found at {self.base_url} ({'; '.join(reasons)})", 2000)
+        )
 
 
 # --- the servers' own endpoints: one function per way of counting a prompt or finding a window ------------------

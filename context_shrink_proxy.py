@@ -133,10 +133,12 @@ from context_shrink import (
     resolve_tokenizer,
     secret_forms,
     server_window,
+    shown_url,
     start_logging,
     state_key,
     thawed,
     upstream_namespace,
+    url_secrets,
     validate_messages,
 )
 from context_shrink_state import (
@@ -305,6 +307,17 @@ class ProxyConfig:
     def base(self) -> str:
         base = self.upstream.rstrip("/")
         return base if base.endswith("/v1") else base + "/v1"
+
+    @property
+    def shown(self) -> str:
+        """The upstream as errors, logs and pages show it: a password or key in its URL as ``***``."""
+        return shown_url(self.base)
+
+    @property
+    def secrets(self) -> list[str]:
+        """What never leaves the proxy in a reply, an event or a log line: its key and what the upstream's and
+        the summariser's URLs hold of a secret (:func:`context_shrink.url_secrets`)."""
+        return [*secret_forms(self.api_key), *url_secrets(self.upstream), *url_secrets(self.summary_url)]
 
     def target(self, path: str, query: str) -> str:
         """The upstream URL of a request path: ``/v1/...`` maps onto the base, anything else onto its root."""
@@ -1065,7 +1078,7 @@ class RecallStream(httpx2.AsyncByteStream):
             self.upstream = await self.front.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
             if not _plain_events(self.upstream):
                 error = scrub_secrets(await self.front.read_whole(self.upstream), self.front.secrets)
-                why = f"upstream {self.front.config.base} answered a recall with {self.upstream.status_code}"
+                why = f"upstream {self.front.config.shown} answered a recall with {self.upstream.status_code}"
                 log.warning("proxy: %s: %s", why, error[:200])
                 event = {"error": {"message": f"context-shrink proxy: {why}", "type": "upstream_error"}}
                 yield f"data: {json.dumps(event)}\n\n".encode()
@@ -1121,7 +1134,7 @@ class ProxyFront:
         self.config = config
         self.tokenizer = tokenizer
         self.store = store  # None: opened from the config while the app runs
-        self.secrets = secret_forms(config.api_key)
+        self.secrets = config.secrets
         self.held: ProxyState | None = None  # set while the app runs (its lifespan)
 
     @property
@@ -1412,13 +1425,13 @@ class ProxyFront:
         retry, retried = await self.shrunk(body, authorization, limit, caller) if limit else (sent, report)
         if retry is sent or (retried.tokens_after or refused) >= refused:  # it would be refused again
             log.warning("proxy: %s refused the request for length (window %s); nothing smaller to send",
-                        self.config.base, limit)  # fmt: skip
+                        self.config.shown, limit)  # fmt: skip
             reason = f"refused for length; a retry would not be smaller than the {refused} tokens refused"
             why = retried.reason if retry is sent and retried.fixed_tokens else None  # the agent's part cannot fit
             said["x-context-shrink"] = report.header(reason=why or reason)  # why nothing smaller exists
             return Response(error, upstream.status_code, headers=said)
         log.warning("proxy: %s refused the request for length (window %s); retrying once with %s tokens instead "
-                    "of %s", self.config.base, limit, retried.tokens_after, refused)  # fmt: skip
+                    "of %s", self.config.shown, limit, retried.tokens_after, refused)  # fmt: skip
         return retry, dataclasses.replace(retried, retried=1, refusals=report.refusals, lean=report.lean,
                                           typed=report.typed)  # fmt: skip
 
@@ -1531,10 +1544,12 @@ class ProxyFront:
             return await http.send(http.build_request(method, url, headers=headers, content=content), stream=True)
         except httpx2.TimeoutException as exc:
             raise ContextShrinkError(
-                f"upstream {self.config.base} did not answer in time ({type(exc).__name__})"
+                f"upstream {self.config.shown} did not answer in time ({type(exc).__name__})"
             ) from None
         except httpx2.TransportError as exc:
-            raise ContextShrinkError(f"upstream {self.config.base} unreachable: {exc or type(exc).__name__}") from None
+            raise ContextShrinkError(
+                redact(f"upstream {self.config.shown} unreachable: {exc or type(exc).__name__}", self.secrets)
+            ) from None
 
     def reply_headers(self, upstream: httpx2.Response, *, decoded: bool = False) -> dict[str, str]:
         """The upstream's reply headers for the client: hop-by-hop ones dropped (``content-encoding`` too for a
@@ -1548,8 +1563,10 @@ class ProxyFront:
 
     def broke_off(self, exc: Exception) -> ContextShrinkError:
         if isinstance(exc, httpx2.DecodingError):
-            return ContextShrinkError(f"upstream {self.config.base} sent a reply that cannot be decoded ({exc})")
-        return ContextShrinkError(f"upstream {self.config.base} broke off its reply ({type(exc).__name__})")
+            return ContextShrinkError(
+                redact(f"upstream {self.config.shown} sent a reply that cannot be decoded ({exc})", self.secrets)
+            )
+        return ContextShrinkError(f"upstream {self.config.shown} broke off its reply ({type(exc).__name__})")
 
     async def read_whole(self, upstream: httpx2.Response) -> bytes:
         """An error reply, decoded, its first :data:`PROXY_BUFFER_BYTES` (the rest is not read)."""
@@ -1865,7 +1882,7 @@ async def doctor(upstream: str, model: str | None, api_key: str | None, tokenize
     base = ProxyConfig(upstream=upstream).base
     asked = "Summarise src/app.py and run `pytest -k parser` (see issue #42)."
     sample = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": asked}]
-    report: dict[str, Any] = {"upstream": base, "model": model}
+    report: dict[str, Any] = {"upstream": shown_url(base), "model": model}
     async with httpx2.AsyncClient(timeout=httpx2.Timeout(PROBE_TIMEOUT, connect=5.0)) as http:
         backend = Backend(http, base, api_key, secrets=secret_forms(api_key), settings=("--upstream", "--timeout"))
         try:
@@ -1985,7 +2002,7 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
             config.host,
         )
     archive = "on" if config.archive_dir is not None else "off"
-    announce = f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.base} (archive: {archive})"
+    announce = f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.shown} (archive: {archive})"
     timeouts = (config.header_timeout, config.idle_timeout)
     serve_http(build_proxy(config, tokenizer), config.host, config.port, timeouts, announce)
 
@@ -2116,7 +2133,7 @@ def run_serve(
     config: ServeConfig, server: cs.MCPServer, tokenizer: Tokenizer | None = None, store: Store | None = None
 ) -> None:
     """Serve :func:`build_http` with uvicorn until interrupted."""
-    proxy = f", proxy at /v1 -> {config.proxy.base}" if config.proxy else ""
+    proxy = f", proxy at /v1 -> {config.proxy.shown}" if config.proxy else ""
     guard = "bearer token required" if config.token else "no token (this machine only)"
     announce = f"context-shrink serve {__version__}: MCP at http://{{}}/mcp{proxy}; {guard}"
     app = build_http(server, config, tokenizer, store)

@@ -4,15 +4,20 @@ failure of the attack run on 3404da2 (the leak and the hangs first)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
 from fake_openai import FakeOpenAI, serve
-from proxy_helpers import started
-from upstreams import proxied
+from proxy_helpers import MODULE, started
+from starlette.responses import JSONResponse
+from tiny_llama import free_port
+from upstreams import Recorder, proxied, raw_upstream
 
 import context_shrink_proxy as csp
 
@@ -106,3 +111,52 @@ def test_every_upstream_reply_is_closed_when_a_request_fails_after_it(monkeypatc
                 assert answer.status_code == 500 and answer.json()["error"]["type"] == "internal_error"
         monkeypatch.undo()
         assert chat(url, "sk-a", [{"role": "user", "content": "hi"}]).status_code == 200
+
+
+# --------------------------------------------------------------------------- 3. secrets in URLs
+
+PASSWORD = "s3cr3t-PW-4417"
+
+
+def test_credentials_in_the_upstream_url_never_leave_the_proxy(tmp_path: Path) -> None:
+    """``--upstream http://user:pass@host/v1``: the password was returned to clients in 502 bodies and streamed
+    error events, and logged. Now it is ``***`` wherever the upstream is named: an unreachable upstream (plain and
+    streamed), a reply broken off mid-stream, an upstream error echoing the Basic credential httpx sent."""
+
+    async def broken_stream(reader: Any, writer: Any) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b'20\r\ndata: {"choices": [{"delta": {}}]}\n\n\r\n')
+        await writer.drain()
+        writer.close()
+
+    def echoing(request: Any, body: bytes) -> Any:
+        return JSONResponse({"error": {"message": f"bad credentials: {request.headers.get('authorization')}"}}, 401)
+
+    closed = f"http://alice:{PASSWORD}@127.0.0.1:{free_port()}/v1"
+    seen = []
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with raw_upstream(broken_stream) as cut, serve(Recorder(echoing)) as echo:
+        for upstream in (closed, cut.replace("http://", f"http://alice:{PASSWORD}@"),
+                         echo.replace("http://", f"http://alice:{PASSWORD}@")):  # fmt: skip
+            with started("proxy", "--upstream", upstream, "--window", "8192", log=tmp_path / "log") as base:
+                for stream in (False, True):
+                    answer = httpx2.post(base + "/v1/chat/completions", json={**body, "stream": stream}, timeout=30)
+                    seen.append(answer.text)
+    assert any("***" in text for text in seen), seen
+    logged = (tmp_path / "log").read_text()
+    doctor = subprocess.run([sys.executable, str(MODULE), "doctor", "--upstream", closed], capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    basic = base64.b64encode(f"alice:{PASSWORD}".encode()).decode()
+    for text in [*seen, logged, doctor.stdout + doctor.stderr]:
+        assert PASSWORD not in text and basic not in text, text[:400]
+
+
+def test_a_redis_password_in_a_rejected_state_is_never_echoed(tmp_path: Path) -> None:
+    """A Redis password given as ``?password=`` (or ``user:pass@``) in a ``--state`` that is refused was echoed to
+    stderr; the refusal names the setting with the password as ``***``."""
+    for spec in (f"redis://localhost:6379/abc?password={PASSWORD}", f"redis://:{PASSWORD}@localhost/x/y"):
+        done = subprocess.run([sys.executable, str(MODULE), "proxy", "--upstream", "http://127.0.0.1:9/v1",
+                               "--state", spec], capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode != 0 and "--state" in done.stderr, done.stderr
+        assert PASSWORD not in done.stderr + done.stdout
