@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import hmac
 import importlib.metadata
@@ -1043,7 +1044,9 @@ class RecallStream(httpx2.AsyncByteStream):
     of that round is held to its end. When it called the recall tool, the held part is dropped, the calls are
     answered (:meth:`ProxyFront.answered`) and the model asked again, and its new reply follows in the same
     stream, renumbered; else the held part goes out. So the agent sees the model's first words as they come,
-    and never the recall call. A round the upstream refuses ends the stream with an error event."""
+    and never the recall call (one made in the last round, when the tool is no longer offered, is taken out).
+    A stream that breaks anywhere — a round the upstream refuses, cuts or does not answer in time, an event no
+    wire expected — ends with the wire's own error event, and the upstream's reply is closed."""
 
     def __init__(
         self, front: ProxyFront, upstream: httpx2.Response, exchange: Exchange, folded: list[dict[str, Any]],
@@ -1056,6 +1059,25 @@ class RecallStream(httpx2.AsyncByteStream):
         await self.upstream.aclose()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for out in self.rounds():
+                yield out
+        except Exception as exc:  # the status is sent: the stream ends with an error event, never a broken transfer
+            if isinstance(exc, ContextShrinkError):
+                why = str(exc)
+            elif isinstance(exc, httpx2.HTTPError):
+                why = str(self.front.broke_off(exc))
+            else:
+                log.exception("proxy: a streamed reply could not be relayed (a bug: please report it)")
+                why = f"internal error ({type(exc).__name__}) while relaying the reply"
+            log.warning("proxy: %s", why)
+            yield self.exchange.wire.error_event(f"context-shrink proxy: {why}")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+
+    async def rounds(self) -> AsyncIterator[bytes]:
+        """The rounds' events as the client gets them (:meth:`__aiter__` ends them well whatever happens)."""
         exchange, body, rounds = self.exchange, self.exchange.body, self.exchange.wire.rounds()
         for round_ in range(RECALL_ROUNDS + 1):
             rounds.start()
@@ -1068,20 +1090,25 @@ class RecallStream(httpx2.AsyncByteStream):
                 else:
                     held.append((block, payload))
             await self.upstream.aclose()
-            asked = [c for c in exchange.wire.calls(b"".join(b for b, _ in held), True) if c.name == RECALL_TOOL]
+            raw = b"".join(b for b, _ in held)
+            called = await off_loop(len(raw), functools.partial(exchange.wire.calls, raw, True))
+            asked = [c for c in called if c.name == RECALL_TOOL]
             if not asked or round_ == RECALL_ROUNDS:
                 for block, payload in held:
+                    if asked and isinstance(payload, dict):  # a recall in the last round (not offered): taken out
+                        if (kept := rounds.without(payload, RECALL_TOOL)) is None:
+                            continue
+                        block, payload = (block, payload) if kept is payload else (sse_block(block, kept), kept)
                     if (out := self.relayed(rounds, block, payload, round_)) is not None:
                         yield out
                 return
-            body = self.front.answered(exchange, body, asked, self.folded, self.limit, self.report, round_)
+            body = await self.front.answered(exchange, body, asked, self.folded, self.limit, self.report, round_)
             self.upstream = await self.front.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
             if not _plain_events(self.upstream):
                 error = scrub_secrets(await self.front.read_whole(self.upstream), self.front.secrets)
                 why = f"upstream {self.front.config.shown} answered a recall with {self.upstream.status_code}"
                 log.warning("proxy: %s: %s", why, error[:200])
-                event = {"error": {"message": f"context-shrink proxy: {why}", "type": "upstream_error"}}
-                yield f"data: {json.dumps(event)}\n\n".encode()
+                yield exchange.wire.error_event(f"context-shrink proxy: {why}")
                 return
 
     @staticmethod
@@ -1368,7 +1395,7 @@ class ProxyFront:
                 report.repeated = await off_loop(
                     len(content), lambda: self.state.stats.repeated(conversation, sent["messages"])
                 )
-            return self.finish(body, report, await self.deliver(upstream, body, sent, report))
+            return self.finish(body, report, await self.deliver(upstream, body, sent, report, wire))
         except BaseException as exc:  # the upstream's reply is closed on every path: the pool keeps its room
             if upstream is not None:
                 with anyio.CancelScope(shield=True):
@@ -1483,22 +1510,30 @@ class ProxyFront:
             head, rest = await self.read_head(upstream)
             replay = httpx2.Response(upstream.status_code, headers=upstream.headers, request=upstream.request,
                                      stream=Replayed(head if rest is None else rest, upstream))  # fmt: skip
-            asked = [c for c in exchange.wire.calls(b"".join(head), exchange.streamed) if c.name == RECALL_TOOL]
+            raw = b"".join(head)
+            called = await off_loop(len(raw), functools.partial(exchange.wire.calls, raw, exchange.streamed))
+            asked = [c for c in called if c.name == RECALL_TOOL]
+            if asked and rest is None and round_ == RECALL_ROUNDS and not exchange.streamed:
+                reply = exchange.wire.without_calls(json_or(raw), RECALL_TOOL)  # the tool was not offered: taken out
+                return httpx2.Response(upstream.status_code, headers=upstream.headers, request=upstream.request,
+                                       stream=Replayed([_encode(reply)], upstream))  # fmt: skip
             if rest is not None or not asked or round_ == RECALL_ROUNDS:
                 return replay
-            body = self.answered(exchange, body, asked, folded, limit, report, round_)
+            body = await self.answered(exchange, body, asked, folded, limit, report, round_)
             upstream = await self.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
         return upstream
 
-    def answered(
+    async def answered(
         self, exchange: Exchange, body: dict[str, Any], asked: list[Call], folded: list[dict[str, Any]], limit: int,
         report: ProxyReport, round_: int,
     ) -> dict[str, Any]:  # fmt: skip
         """The request asked again after the model's recall calls ``asked``: each answered from what was folded
-        away (:func:`recall_lines`), and the tool no longer offered after the last round but one."""
+        away (:func:`recall_lines`, in a worker thread: a long query over a large history takes its time), and the
+        tool no longer offered after the last round but one."""
         count = self.state.tokenizer.count
-        results = [recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls, exchange.described)
-                   for c in asked]  # fmt: skip
+        results = await anyio.to_thread.run_sync(lambda: [
+            recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls, exchange.described)
+            for c in asked])  # fmt: skip
         report.recalled = (report.recalled or 0) + len(asked)
         log.info("proxy: the model recalled %s", ", ".join(repr(c.query()) for c in asked))
         body = exchange.wire.answered(body, asked, results)
@@ -1507,8 +1542,9 @@ class ProxyFront:
         return body
 
     async def deliver(
-        self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport
-    ) -> Response:
+        self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport,
+        wire: Wire = WIRES["chat"],
+    ) -> Response:  # fmt: skip
         """The upstream's reply to what was sent, with the ``x-context-shrink`` header; what the shrunk
         request no longer carries, and what the user typed that the store has not seen, are archived first, and the
         reply's ``usage`` calibrates the count."""
@@ -1526,7 +1562,7 @@ class ProxyFront:
         if body.get("stream") is True:
             text = report.estimated_as
             learn = lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail), tools, text)  # noqa: E731
-            return self.relay(upstream, extra, learn)
+            return self.relay(upstream, extra, learn, error_event=wire.error_event)
         head, rest = await self.read_head(upstream)
         if rest is not None:  # too large to hold in memory: streamed through, not read
             return self.relay(upstream, extra, chunks=rest)
@@ -1612,6 +1648,7 @@ class ProxyFront:
         extra: Mapping[str, str] | None = None,
         on_end: Callable[[bytes], Any] | None = None,
         chunks: AsyncIterator[bytes] | None = None,
+        error_event: Callable[[str], bytes] = WIRES["chat"].error_event,
     ) -> StreamingResponse:
         """Relay a reply as it arrives (``chunks``, else the upstream's raw body); ``on_end`` gets its last
         64 KiB. A client that goes away closes the upstream request; an upstream that breaks off ends it."""
@@ -1628,8 +1665,7 @@ class ProxyFront:
             except httpx2.TransportError as exc:  # the status is sent: an event stream ends with an error event
                 log.warning("proxy: %s", error := self.broke_off(exc))
                 if events:
-                    event = {"error": {"message": f"context-shrink proxy: {error}", "type": "upstream_error"}}
-                    yield f"data: {json.dumps(event)}\n\n".encode()
+                    yield error_event(f"context-shrink proxy: {error}")
                 else:
                     response.cut = True  # a cut JSON body is never a clean end: the connection is broken off
                 return
@@ -1644,19 +1680,33 @@ class ProxyFront:
         return response
 
 
+def events_end(data: bytes) -> int:
+    """Where the last whole event in ``data`` ends (after its blank line), 0 when none does."""
+    whole = max(data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n"))
+    return 0 if whole < 0 else whole + (2 if data[whole : whole + 2] == b"\n\n" else 4)
+
+
 async def whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """An event stream's ``chunks`` regrouped so that each ends on an event's end (a blank line); what is left
-    at the end of the stream goes last, and a stream cut mid-event loses only that half event."""
-    held = b""
+    at the end of the stream goes last, and a stream cut mid-event loses only that half event. Each chunk is
+    looked at once (:func:`events_end`, with the three bytes before it, where an end may begin): an event of many
+    megabytes costs its length, not its length times its chunks."""
+    pieces: list[bytes] = []  # what is held: an event not yet ended
+    before = b""  # the last bytes held, where an end split across two chunks begins
     async for chunk in chunks:
-        held += chunk
-        whole = max(held.rfind(b"\n\n"), held.rfind(b"\r\n\r\n"))
-        if whole >= 0:
-            end = whole + (2 if held[whole : whole + 2] == b"\n\n" else 4)
-            yield held[:end]
-            held = held[end:]
-    if held:
-        yield held
+        if not chunk:
+            continue
+        seen = before + chunk
+        if not (end := events_end(seen)):
+            pieces.append(chunk)
+            before = seen[-3:]
+            continue
+        cut = end - len(before)
+        pieces.append(chunk[:cut])
+        yield b"".join(pieces)
+        pieces, before = ([chunk[cut:]] if cut < len(chunk) else []), chunk[cut:][-3:]
+    if pieces:
+        yield b"".join(pieces)
 
 
 class CutResponse(StreamingResponse):

@@ -23,7 +23,6 @@ __all__ = [
 
 import bisect
 import collections
-import contextlib
 import dataclasses
 import json
 import re
@@ -590,6 +589,24 @@ class Call:
         return str(arguments.get("query") or "") if isinstance(arguments, dict) else ""
 
 
+# A reply is someone else's JSON: every field is read as the type it must have, or as empty (a tool's name that
+# is a number, ``"delta": "x"``, ``"choices": 5``, ``"index": null`` beside ``"index": 0``...), never raised on.
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _index(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def sse_events(data: bytes) -> list[dict[str, Any]]:
     """The JSON payloads of a server-sent event stream (``[DONE]`` and what does not parse left out)."""
     events = []
@@ -605,7 +622,9 @@ class Rounds(Protocol):
     answered, then asked again), go to the client as one. An event goes out as it comes until one that may be
     part of a tool call, or that ends the reply, arrives (:meth:`holds`): from there the round is held to its
     end, to be dropped if it called the recall tool. A later round's events are renumbered to follow what the
-    client already has, its opening events dropped (:meth:`relayed`)."""
+    client already has, its opening events dropped (:meth:`relayed`). A call to the recall tool the model made
+    when it was no longer offered is taken out of the round (:meth:`without`): the agent never sees a call to a
+    tool it does not have."""
 
     def start(self) -> None: ...
 
@@ -613,21 +632,50 @@ class Rounds(Protocol):
 
     def relayed(self, event: dict[str, Any], later: bool) -> dict[str, Any] | None: ...
 
+    def without(self, event: dict[str, Any], name: str) -> dict[str, Any] | None: ...
+
 
 class ChatRounds:
     """Chat Completions: every chunk stands alone; a tool call's deltas, the finishing chunk and the usage hold."""
 
+    def __init__(self) -> None:
+        self.dropped: set[int] = set()  # this round's calls taken out (:meth:`without`), by index
+        self.kept: set[int] = set()  # and those left
+
     def start(self) -> None:
-        pass
+        self.dropped, self.kept = set(), set()
 
     def holds(self, event: Mapping[str, Any]) -> bool:
-        choices = [c for c in event.get("choices") or [] if isinstance(c, dict)]
+        choices = [c for c in _list(event.get("choices")) if isinstance(c, dict)]
         if not choices:
             return "usage" in event  # the usage chunk ends the reply; an opening one without choices goes out
-        return any(c.get("finish_reason") or (c.get("delta") or {}).get("tool_calls") for c in choices)
+        return any(c.get("finish_reason") or _dict(c.get("delta")).get("tool_calls") for c in choices)
 
     def relayed(self, event: dict[str, Any], later: bool) -> dict[str, Any] | None:
         return event
+
+    def without(self, event: dict[str, Any], name: str) -> dict[str, Any] | None:
+        choices = []
+        for choice in _list(event.get("choices")):
+            delta = _dict(_dict(choice).get("delta"))
+            calls = [c for c in _list(delta.get("tool_calls")) if self._kept(c, name)]
+            if calls != _list(delta.get("tool_calls")):
+                rest = {k: v for k, v in delta.items() if k != "tool_calls"}
+                choice = {**choice, "delta": {**rest, "tool_calls": calls} if calls else rest}
+            if _dict(choice).get("finish_reason") == "tool_calls" and self.dropped and not self.kept:
+                choice = {**choice, "finish_reason": "stop"}
+            choices.append(choice)
+        return {**event, "choices": choices} if "choices" in event and choices != event["choices"] else event
+
+    def _kept(self, delta: Any, name: str) -> bool:
+        if not isinstance(delta, dict):
+            return True
+        index = _index(delta.get("index"))
+        if _text(_dict(delta.get("function")).get("name")) == name:
+            self.dropped.add(index)
+        if index not in self.dropped:
+            self.kept.add(index)
+        return index not in self.dropped
 
 
 class ResponsesRounds:
@@ -643,9 +691,10 @@ class ResponsesRounds:
         self.sequence: int | None = None  # the last sequence number relayed
         self.id: Any = None  # the response's id, as the first round opened it
         self.done: dict[int, Any] = {}  # the output items relayed whole, by their place
+        self.dropped: set[int] = set()  # this round's calls taken out (:meth:`without`), by place
 
     def start(self) -> None:
-        self.offset = self.items
+        self.offset, self.dropped = self.items, set()
 
     def closing(self, event: dict[str, Any]) -> dict[str, Any]:
         """A later round's response event as the first round's: its id, and the items relayed before it."""
@@ -653,8 +702,7 @@ class ResponsesRounds:
         if not isinstance(response, dict):
             return event
         earlier = [self.done[i] for i in sorted(self.done) if i < self.offset]
-        own = response.get("output") if isinstance(response.get("output"), list) else []
-        return {**event, "response": {**response, "id": self.id, "output": [*earlier, *own]}}
+        return {**event, "response": {**response, "id": self.id, "output": [*earlier, *_list(response.get("output"))]}}
 
     def holds(self, event: Mapping[str, Any]) -> bool:
         kind, item = str(event.get("type") or ""), event.get("item")
@@ -681,6 +729,22 @@ class ResponsesRounds:
             self.done[place] = event.get("item")
         return event
 
+    def without(self, event: dict[str, Any], name: str) -> dict[str, Any] | None:
+        if _is_call(event.get("item"), name) and isinstance(event.get("output_index"), int):
+            self.dropped.add(event["output_index"])
+        if isinstance(event.get("output_index"), int) and event["output_index"] in self.dropped:
+            return None
+        response = event.get("response")
+        if isinstance(response, dict) and any(_is_call(i, name) for i in _list(response.get("output"))):
+            output = [i for i in _list(response.get("output")) if not _is_call(i, name)]
+            return {**event, "response": {**response, "output": output}}
+        return event
+
+
+def _is_call(item: Any, name: str) -> bool:
+    """Whether a Responses output item is a call to the tool ``name``."""
+    return isinstance(item, dict) and item.get("type") == "function_call" and item.get("name") == name
+
 
 class MessagesRounds:
     """Anthropic Messages: a content block that is not text or thinking holds, and so do the reply's end events;
@@ -691,13 +755,15 @@ class MessagesRounds:
 
     def __init__(self) -> None:
         self.blocks = self.offset = 0  # content blocks relayed; those relayed before this round
+        self.dropped: set[int] = set()  # this round's calls taken out (:meth:`without`), by index
+        self.kept: set[int] = set()  # and its other tool calls
 
     def start(self) -> None:
-        self.offset = self.blocks
+        self.offset, self.dropped, self.kept = self.blocks, set(), set()
 
     def holds(self, event: Mapping[str, Any]) -> bool:
-        block = event.get("content_block")
-        opens_call = event.get("type") == "content_block_start" and (block or {}).get("type") not in self.SAID
+        block = _dict(event.get("content_block"))
+        opens_call = event.get("type") == "content_block_start" and block.get("type") not in self.SAID
         return event.get("type") in self.ENDS or opens_call
 
     def relayed(self, event: dict[str, Any], later: bool) -> dict[str, Any] | None:
@@ -707,6 +773,17 @@ class MessagesRounds:
             event = {**event, "index": event["index"] + self.offset}
         if event.get("type") == "content_block_start" and isinstance(event.get("index"), int):
             self.blocks = max(self.blocks, event["index"] + 1)
+        return event
+
+    def without(self, event: dict[str, Any], name: str) -> dict[str, Any] | None:
+        block, index = _dict(event.get("content_block")), event.get("index")
+        if event.get("type") == "content_block_start" and block.get("type") == "tool_use":
+            (self.dropped if block.get("name") == name else self.kept).add(_index(index))
+        if _text(event.get("type")).startswith("content_block") and _index(index) in self.dropped:
+            return None
+        delta = _dict(event.get("delta"))
+        if delta.get("stop_reason") == "tool_use" and self.dropped and not self.kept:
+            return {**event, "delta": {**delta, "stop_reason": "end_turn"}}
         return event
 
 
@@ -737,8 +814,9 @@ def _leading_edited(items: Any, edit: Callable[[str], str]) -> Any:
 
 class Wire(Protocol):
     """One wire API as the proxy sees it: its body as a chat view and written back, and what recall needs: its
-    tool format, the calls in a reply (whole or streamed), a request answering them, and how a streamed reply
-    is relayed round after round (:class:`Rounds`)."""
+    tool format, the calls in a reply (whole or streamed), a whole reply without the calls to one tool, a request
+    answering them, how a streamed reply is relayed round after round (:class:`Rounds`), and the event a stream
+    the proxy must end early ends with (in the API's own shape)."""
 
     def view(self, body: Mapping[str, Any]) -> ChatView: ...
 
@@ -750,9 +828,13 @@ class Wire(Protocol):
 
     def calls(self, reply: bytes, streamed: bool) -> list[Call]: ...
 
+    def without_calls(self, reply: Any, name: str) -> Any: ...
+
     def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]: ...
 
     def rounds(self) -> Rounds: ...
+
+    def error_event(self, message: str) -> bytes: ...
 
 
 class ChatWire:
@@ -777,21 +859,38 @@ class ChatWire:
 
     def calls(self, reply: bytes, streamed: bool) -> list[Call]:
         if not streamed:
-            with contextlib.suppress(TypeError, AttributeError, IndexError, KeyError):
-                found = json_or(reply)["choices"][0]["message"].get("tool_calls") or []
-                return [Call(str(c.get("id")), str(c["function"].get("name")), c["function"].get("arguments") or "")
-                        for c in found]  # fmt: skip
-            return []
-        parts: dict[int, dict[str, str]] = {}
+            choice = _dict((_list(_dict(json_or(reply)).get("choices")) or [None])[0])
+            found = [c for c in _list(_dict(choice.get("message")).get("tool_calls")) if isinstance(c, dict)]
+            return [Call(_text(c.get("id")), _text(_dict(c.get("function")).get("name")),
+                         _text(_dict(c.get("function")).get("arguments"))) for c in found]  # fmt: skip
+        parts: dict[int, tuple[list[str], list[str], list[str]]] = {}  # its ids, its name's and arguments' pieces
         for event in sse_events(reply):
-            for choice in event.get("choices") or []:
-                for delta in ((choice or {}).get("delta") or {}).get("tool_calls") or []:
-                    part = parts.setdefault(delta.get("index", 0), {"id": "", "name": "", "arguments": ""})
-                    function = delta.get("function") or {}
-                    part["id"] = delta.get("id") or part["id"]
-                    part["name"] += function.get("name") or ""
-                    part["arguments"] += function.get("arguments") or ""
-        return [Call(p["id"], p["name"], p["arguments"]) for _, p in sorted(parts.items())]
+            for choice in _list(event.get("choices")):
+                for delta in _list(_dict(_dict(choice).get("delta")).get("tool_calls")):
+                    if not isinstance(delta, dict):
+                        continue
+                    ids, name, arguments = parts.setdefault(_index(delta.get("index")), ([], [], []))
+                    function = _dict(delta.get("function"))
+                    ids.append(_text(delta.get("id")))
+                    name.append(_text(function.get("name")))
+                    arguments.append(_text(function.get("arguments")))
+        return [Call(next((i for i in reversed(ids) if i), ""), "".join(name), "".join(arguments))
+                for _, (ids, name, arguments) in sorted(parts.items())]  # fmt: skip
+
+    def without_calls(self, reply: Any, name: str) -> Any:
+        choices = []
+        for choice in _list(_dict(reply).get("choices")):
+            message = _dict(_dict(choice).get("message"))
+            calls = [c for c in _list(message.get("tool_calls")) if _dict(_dict(c).get("function")).get("name") != name]
+            if calls != _list(message.get("tool_calls")):
+                rest = {k: v for k, v in message.items() if k != "tool_calls"}
+                message = {**rest, "tool_calls": calls} if calls else {**rest, "content": message.get("content") or ""}
+                choice = {**choice, "message": message, **({} if calls else {"finish_reason": "stop"})}
+            choices.append(choice)
+        return {**reply, "choices": choices} if choices else reply
+
+    def error_event(self, message: str) -> bytes:
+        return f"data: {json.dumps({'error': {'message': message, 'type': 'upstream_error'}})}\n\n".encode()
 
     def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
         turn = assistant_message("", [tool_call(c.id, c.name, c.arguments) for c in calls])
@@ -825,12 +924,20 @@ class ResponsesWire:
                 if event.get("type") == "response.output_item.done":
                     items.append(event.get("item"))
                 elif event.get("type") == "response.completed" and not items:
-                    items = list((event.get("response") or {}).get("output") or [])
+                    items = list(_list(_dict(event.get("response")).get("output")))
         else:
-            with contextlib.suppress(TypeError, AttributeError):
-                items = list(json_or(reply, {}).get("output") or [])
-        return [Call(str(i.get("call_id")), str(i.get("name")), i.get("arguments") or "")
+            items = _list(_dict(json_or(reply)).get("output"))
+        return [Call(_text(i.get("call_id")), _text(i.get("name")), _text(i.get("arguments")))
                 for i in items if isinstance(i, dict) and i.get("type") == "function_call"]  # fmt: skip
+
+    def without_calls(self, reply: Any, name: str) -> Any:
+        if not isinstance(reply, dict) or not isinstance(reply.get("output"), list):
+            return reply
+        return {**reply, "output": [i for i in reply["output"] if not _is_call(i, name)]}
+
+    def error_event(self, message: str) -> bytes:
+        event = {"type": "error", "code": "upstream_error", "message": message, "param": None}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
 
     def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
         items = body["input"] if isinstance(body.get("input"), list) else [
@@ -858,20 +965,30 @@ class MessagesWire:
 
     def calls(self, reply: bytes, streamed: bool) -> list[Call]:
         if not streamed:
-            with contextlib.suppress(TypeError, AttributeError):
-                blocks = json_or(reply, {}).get("content") or []
-                return [Call(str(b.get("id")), str(b.get("name")), json.dumps(b.get("input") or {}))
-                        for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
-            return []
-        parts: dict[int, dict[str, str]] = {}
+            blocks = _list(_dict(json_or(reply)).get("content"))
+            return [Call(_text(b.get("id")), _text(b.get("name")), json.dumps(b.get("input") or {}))
+                    for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]  # fmt: skip
+        parts: dict[int, tuple[str, str, list[str]]] = {}  # its id, its name, its arguments' pieces
         for event in sse_events(reply):
-            block, delta = event.get("content_block") or {}, event.get("delta") or {}
+            block, delta = _dict(event.get("content_block")), _dict(event.get("delta"))
+            index = _index(event.get("index"))
             if event.get("type") == "content_block_start" and block.get("type") == "tool_use":
-                parts[event.get("index", 0)] = {"id": str(block.get("id")), "name": str(block.get("name")),
-                                                "arguments": ""}  # fmt: skip
-            elif delta.get("type") == "input_json_delta" and (part := parts.get(event.get("index", 0))) is not None:
-                part["arguments"] += delta.get("partial_json") or ""
-        return [Call(p["id"], p["name"], p["arguments"] or "{}") for _, p in sorted(parts.items())]
+                parts[index] = (_text(block.get("id")), _text(block.get("name")), [])
+            elif delta.get("type") == "input_json_delta" and index in parts:
+                parts[index][2].append(_text(delta.get("partial_json")))
+        return [Call(i, name, "".join(pieces) or "{}") for _, (i, name, pieces) in sorted(parts.items())]
+
+    def without_calls(self, reply: Any, name: str) -> Any:
+        if not isinstance(reply, dict) or not isinstance(reply.get("content"), list):
+            return reply
+        uses = lambda blocks: [b for b in blocks if _dict(b).get("type") == "tool_use"]  # noqa: E731
+        content = [b for b in reply["content"] if not (_dict(b).get("type") == "tool_use" and b.get("name") == name)]
+        stop = "end_turn" if reply.get("stop_reason") == "tool_use" and not uses(content) else reply.get("stop_reason")
+        return {**reply, "content": content, "stop_reason": stop} if uses(reply["content"]) != uses(content) else reply
+
+    def error_event(self, message: str) -> bytes:
+        event = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
 
     def answered(self, body: Mapping[str, Any], calls: Sequence[Call], results: Sequence[str]) -> dict[str, Any]:
         uses = []

@@ -4,21 +4,32 @@ failure of the attack run on 3404da2 (the leak and the hangs first)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import itertools
 import json
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx2
 import pytest
+from agent_requests import chat_request, claude_request, codex_request
+from agent_upstream import chat_chunks, messages_events, messages_reply, responses_events
 from fake_openai import FakeOpenAI, serve
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from proxy_helpers import MODULE, started
+from recalling import sse_text as recall_sse
 from starlette.responses import JSONResponse
 from tiny_llama import free_port
 from upstreams import Recorder, proxied, raw_upstream
 
+import context_shrink as cs
 import context_shrink_proxy as csp
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Today is 2026-12-07."}
@@ -160,3 +171,249 @@ def test_a_redis_password_in_a_rejected_state_is_never_echoed(tmp_path: Path) ->
                                "--state", spec], capture_output=True, text=True, timeout=60)  # fmt: skip
         assert done.returncode != 0 and "--state" in done.stderr, done.stderr
         assert PASSWORD not in done.stderr + done.stdout
+
+
+# --------------------------------------------------------------------------- 6-9. streams: large events, breaks, recall
+
+
+def regrouped(chunks: list[bytes]) -> list[bytes]:
+    async def source() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    async def read() -> list[bytes]:
+        return [part async for part in csp.whole_events(source())]
+
+    return anyio.run(read)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.binary(min_size=0, max_size=12).map(lambda b: b.translate(bytes(b"ab\r\n"[i % 4] for i in range(256)))))
+)
+def test_whole_events_ends_each_part_where_an_event_ends(chunks: list[bytes]) -> None:
+    """The definition: each part but the last ends where the stream's last whole event so far ends, and the parts
+    are the stream."""
+    parts, stream = regrouped(chunks), b"".join(chunks)
+    assert b"".join(parts) == stream and all(parts)
+    ends = list(itertools.accumulate(len(p) for p in parts))
+    assert all(csp.events_end(stream[:end]) == end for end in ends[:-1])
+    seen = b""
+    for chunk in chunks:  # a part is given as soon as an event ends, and only then
+        seen += chunk
+        assert sum(len(p) for p in parts) >= csp.events_end(seen)
+
+
+def test_one_large_event_costs_its_length_not_its_length_times_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One large event (6 / 12 / 24 MiB) took 1.0 / 2.8 / 11.5 s through the proxy, 0.1-0.2 s direct: each chunk was
+    added to what was held and the whole searched again for an event's end. Counted, not timed: the bytes searched
+    for an end are the event's length (and three bytes a chunk), whatever its size."""
+    searched = [0]
+    real = csp.events_end
+
+    def counted(data: bytes) -> int:
+        searched[0] += len(data)
+        return real(data)
+
+    monkeypatch.setattr(csp, "events_end", counted)
+    for mib in (1, 4):
+        event = b"data: " + b"x" * (mib << 20) + b"\n\n"
+        chunks = [event[k : k + 65536] for k in range(0, len(event), 65536)]
+        searched[0] = 0
+        assert regrouped(chunks) == [event]
+        assert searched[0] <= len(event) + 3 * len(chunks)
+
+
+RECALL_CALL = (cs.RECALL_TOOL, json.dumps({"query": "line 0"}))
+APIS = {"chat": ("/chat/completions", chat_request), "responses": ("/responses", codex_request),
+        "messages": ("/messages", claude_request)}  # fmt: skip
+FLAGS = ("--window", "6000", "--no-archive", "--rungs", "diet,clear,trim")  # no summary: every request is the agent's
+Step = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+def round_events(api: str, call: tuple[str, str] | None) -> list[tuple[str | None, Any]]:
+    """One streamed reply of ``api``: a call (``call``) or the words ``done``."""
+    if api == "chat":
+        return [*((None, c) for c in chat_chunks(call, 100)), (None, "[DONE]")]
+    return list((responses_events if api == "responses" else messages_events)(call, 100))
+
+
+def events_bytes(events: list[tuple[str | None, Any]]) -> bytes:
+    return "".join(recall_sse(name, data) for name, data in events).encode()
+
+
+def streamed(data: bytes) -> Step:
+    async def step(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + data)
+        await writer.drain()
+
+    return step
+
+
+async def hung_up(writer: asyncio.StreamWriter) -> None:
+    """The upstream closes the connection without a word."""
+
+
+async def silent(writer: asyncio.StreamWriter) -> None:
+    """The upstream never answers (longer than the proxy's --timeout)."""
+    await asyncio.sleep(30)
+
+
+@contextlib.contextmanager
+def scripted(steps: list[Step]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """An upstream that answers each request to a wire API's path with the next step (other paths: 404), and the
+    bodies it was sent."""
+    bodies: list[dict[str, Any]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        size = next(
+            (int(line.split(":")[1]) for line in head.split("\r\n") if line.lower().startswith("content-length")), 0
+        )
+        body = await reader.readexactly(size)
+        if head.split(" ")[1] not in ("/v1/chat/completions", "/v1/responses", "/v1/messages") or not steps:
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        else:
+            bodies.append(json.loads(body))
+            await steps.pop(0)(writer)
+        with contextlib.suppress(OSError):
+            writer.close()
+
+    with raw_upstream(handle) as url:
+        yield url, bodies
+
+
+def read_stream(url: str, body: dict[str, Any]) -> tuple[int, list[Any], bytes]:
+    """A streamed reply read to its end (a broken transfer raises), its events' payloads and its bytes."""
+    with httpx2.stream("POST", url, json={**body, "stream": True}, timeout=60) as reply:
+        raw = b"".join(reply.iter_raw())
+    payloads = [cs.json_or(line[5:].strip(), line[5:].strip()) for line in raw.decode().splitlines()
+                if line.startswith("data:")]  # fmt: skip
+    return reply.status_code, payloads, raw
+
+
+MALFORMED = {
+    "chat": [{"choices": 5}, {"choices": [{"delta": "x"}]}, {"choices": [{"delta": {"tool_calls": ["x"]}}]},
+             {"choices": [{"delta": {"tool_calls": [{"index": None, "function": {"name": 7}}, {"index": 0}]}}]}],
+    "responses": [{"type": "response.completed", "response": "gone"}, {"type": "response.output_item.done",
+                                                                      "item": "x", "output_index": None}],
+    "messages": [{"type": "content_block_start", "index": None, "content_block": "tool"},
+                 {"type": "content_block_delta", "index": "0", "delta": "x"}, {"type": "message_delta", "delta": 5}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("api", list(APIS))
+def test_a_malformed_event_while_recall_is_offered_is_relayed_and_the_stream_ends_well(
+    api: str, tmp_path: Path
+) -> None:
+    """With the recall tool offered, an event no wire expects (a tool's name that is a number, ``index: null``
+    beside ``index: 0``, ``"delta": "x"``, ``"choices": 5``...) raised TypeError or AttributeError: the client got a
+    broken transfer. It is relayed as it came (as without recall) and the reply ends as the upstream ended it."""
+    path, build = APIS[api]
+    events = [(e.get("type"), e) for e in MALFORMED[api]] + round_events(api, None)
+    with (
+        scripted([streamed(events_bytes(events))]) as (upstream, bodies),
+        started("proxy", "--upstream", upstream, *FLAGS, log=tmp_path / "log") as base,
+    ):
+        status, payloads, raw = read_stream(base + "/v1" + path, build(24, 80))
+    assert cs.RECALL_TOOL in json.dumps(bodies[0].get("tools")), "the recall tool was not offered: no test"
+    assert status == 200 and all(json.dumps(e).encode() in raw for e in MALFORMED[api])
+    assert "done" in raw.decode() and "error" not in json.dumps(payloads[-2:])
+    assert "Traceback" not in (tmp_path / "log").read_text()
+
+
+def stream_error(api: str, payload: Any) -> bool:
+    """Whether ``payload`` is the API's own error event."""
+    if api == "chat":
+        return isinstance(payload, dict) and isinstance(payload.get("error"), dict)
+    shape = {"responses": "message", "messages": "error"}[api]
+    return isinstance(payload, dict) and payload.get("type") == "error" and shape in payload
+
+
+def cut_off(data: bytes) -> Step:
+    """A chunked reply that ends before its last chunk: a broken transfer."""
+
+    async def step(writer: asyncio.StreamWriter) -> None:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        writer.write(head + f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        await writer.drain()
+
+    return step
+
+
+FAILURES = {
+    "closes": hung_up,
+    "times out": silent,
+    "breaks off mid-stream": lambda api: cut_off(events_bytes(round_events(api, None))[:40]),
+}
+
+
+@pytest.mark.parametrize("failure", ["closes", "times out", "breaks off mid-stream"])
+@pytest.mark.parametrize("api", list(APIS))
+def test_a_recall_rounds_second_request_that_fails_ends_the_stream_with_the_apis_error_event(
+    api: str, failure: str, tmp_path: Path
+) -> None:
+    """The upstream closing, timing out or breaking off on the second request of a recall round raised past the
+    stream: a broken transfer, no error event. The stream ends with the API's own error event, and the next
+    request is answered."""
+    path, build = APIS[api]
+    second = FAILURES[failure] if failure != "breaks off mid-stream" else FAILURES[failure](api)
+    steps = [
+        streamed(events_bytes(round_events(api, RECALL_CALL))),
+        second,
+        streamed(events_bytes(round_events(api, None))),
+    ]
+    with (
+        scripted(steps) as (upstream, _),
+        started("proxy", "--upstream", upstream, *FLAGS, "--timeout", "2", log=tmp_path / "log") as base,
+    ):
+        status, payloads, raw = read_stream(base + "/v1" + path, build(24, 80))
+        after = read_stream(base + "/v1" + path, build(24, 80))
+    assert status == 200 and stream_error(api, payloads[-1]), raw[-400:]
+    assert after[0] == 200 and "done" in after[2].decode()
+    assert "Traceback" not in (tmp_path / "log").read_text()
+
+
+def whole_reply(api: str, call: tuple[str, str]) -> dict[str, Any]:
+    """The non-streamed reply of ``api`` making ``call``."""
+    if api == "chat":
+        first, last = list(chat_chunks(call, 100))[:2]
+        message = {**first["choices"][0]["delta"], "role": "assistant"}
+        choice = {"index": 0, "message": message, "finish_reason": last["choices"][0]["finish_reason"]}
+        return {"id": "c", "object": "chat.completion", "model": "m", "choices": [choice]}
+    if api == "responses":
+        return list(responses_events(call, 100))[-1][1]["response"]
+    return messages_reply(list(messages_events(call, 100)))
+
+
+def replied(data: bytes) -> Step:
+    async def step(writer: asyncio.StreamWriter) -> None:
+        head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
+        writer.write(head.encode() + b"connection: close\r\n\r\n" + data)
+        await writer.drain()
+
+    return step
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", list(APIS))
+def test_a_recall_in_the_last_round_never_reaches_the_agent(api: str, stream: bool, tmp_path: Path) -> None:
+    """A model that called ``context_recall`` again in the last round (the tool no longer offered) handed the agent
+    a call to a tool it never had, on all three APIs, streamed and not. The call is taken out; the reply ends as
+    one without it (``stop``, ``end_turn``)."""
+    path, build = APIS[api]
+    step = (lambda: streamed(events_bytes(round_events(api, RECALL_CALL)))) if stream else (
+        lambda: replied(json.dumps(whole_reply(api, RECALL_CALL)).encode()))  # fmt: skip
+    with (
+        scripted([step() for _ in range(csp.RECALL_ROUNDS + 1)]) as (upstream, bodies),
+        started("proxy", "--upstream", upstream, *FLAGS, log=tmp_path / "log") as base,
+    ):
+        if stream:
+            status, _, raw = read_stream(base + "/v1" + path, build(24, 80))
+            text = raw.decode()
+        else:
+            answer = httpx2.post(base + "/v1" + path, json=build(24, 80), timeout=60)
+            status, text = answer.status_code, answer.text
+    assert len(bodies) == csp.RECALL_ROUNDS + 1 and cs.RECALL_TOOL not in json.dumps(bodies[-1].get("tools"))
+    assert status == 200 and cs.RECALL_TOOL not in text, text[-600:]
+    assert '"tool_calls"' not in text and '"tool_use"' not in text.replace('"stop_reason": "tool_use"', "")
