@@ -4429,6 +4429,9 @@ def fixed_tokens(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any], co
 # the budget (an 8k window beside an agent's 4k instructions), the system prompt is sent as its outline: each
 # paragraph keeps its headings, its tag lines and its first sentence, as written; the rest is marked, and the
 # whole is one recall away (the proxy's recall tool searches it). A paragraph holding a code fence stays whole.
+_LINE_END = re.compile(r"\r\n|\r|\n")  # LF, CRLF, or CR alone (an old Mac's, a pasted text's)
+_EOL = r"(?:\r\n|\r(?!\n)|\n)"  # one line end: a CRLF is one, never a CR and then an LF
+_PARAGRAPHS = re.compile(rf"({_EOL}[ \t]*{_EOL}(?:[ \t]*{_EOL})*)")  # blank lines between paragraphs
 _OUTLINE_KEPT = re.compile(r"[ \t]*(?:#{1,6}\s|</?[A-Za-z][\w-]*>\s*$)")  # a heading, a tag alone on its line
 OUTLINE_NOTE = "[This system prompt is outlined to fit the window: each paragraph keeps its first sentence.{}]"
 
@@ -4438,7 +4441,7 @@ def outlined(text: str, recall: bool = True) -> str | None:
     """``text`` (a system prompt) as its outline, with a note that says so (and, with ``recall``, that
     :data:`RECALL_TOOL` returns the rest); None when no paragraph is long enough to save :data:`LEAN_LEAST`
     characters. Every line it keeps is the text's own, or its start to the end of a sentence and ``[…]``."""
-    parts = re.split(r"(\n[ \t\r]*\n)", text)  # paragraphs, and the blank lines between them (CRLF too)
+    parts = _PARAGRAPHS.split(text)  # paragraphs, and the blank lines between them (any line ends)
     short = [part if k % 2 else _outlined_paragraph(part) for k, part in enumerate(parts)]
     if short == parts:
         return None
@@ -4449,8 +4452,8 @@ def outlined(text: str, recall: bool = True) -> str | None:
 def _outlined_paragraph(paragraph: str) -> str:
     if "```" in paragraph or "~~~" in paragraph:
         return paragraph
-    out, first = [], True
-    for line in paragraph.split("\n"):
+    out, first, end = [], True, (found.group() if (found := _LINE_END.search(paragraph)) else "\n")
+    for line in _LINE_END.split(paragraph):
         if _OUTLINE_KEPT.match(line):
             out.append(line)
         elif first and line.strip():
@@ -4459,7 +4462,7 @@ def _outlined_paragraph(paragraph: str) -> str:
             first = False
         elif line.strip() and out[-1:] != ["[…]"] and not out[-1].endswith("[…]"):
             out.append("[…]")
-    short = "\n".join(out)
+    short = end.join(out)  # its own line ends
     return short if len(paragraph) - len(short) >= LEAN_LEAST else paragraph
 
 

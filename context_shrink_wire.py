@@ -502,6 +502,21 @@ RECALL_SCHEMA = {"type": "object", "properties": {"query": {"type": "string", "d
                  "required": ["query"], "additionalProperties": False}  # fmt: skip
 RECALL_CONTEXT = 2  # lines around each matching line
 RECALL_TOKENS = 1500  # the most one recall returns
+RECALL_WORDS = 32  # a query's distinct words looked for, at most (a longer query is its first ones)
+RECALL_PIECE = 400  # characters: a longer line is searched, and returned, by its sentences
+
+
+def recall_pieces(text: str) -> list[str]:
+    """A text as the recall searches it: its lines (at any line end: LF, CRLF, CR), a line longer than
+    :data:`RECALL_PIECE` characters by its sentences, and a sentence longer still by that many characters."""
+    pieces = []
+    for line in re.split(r"\r\n|\r|\n", text):
+        if len(line) <= RECALL_PIECE:
+            pieces.append(line)
+            continue
+        for sentence in re.split(r"(?<=[.!?])\s+", line):
+            pieces += [sentence[k : k + RECALL_PIECE] for k in range(0, len(sentence), RECALL_PIECE)]
+    return pieces
 
 
 def recall_lines(
@@ -515,11 +530,12 @@ def recall_lines(
     """What ``messages`` (those folded away) hold that matches ``query``, within ``limit`` tokens, newest
     message first as ``[message N, role]`` blocks: the results of a tool call (among ``messages`` and
     ``calls``, the request's messages: a call may be kept while its result was folded) whose name and
-    arguments hold every word (a file read by its name, a command), from their head; else every line holding
-    all the words (or, when none does, any of them) with :data:`RECALL_CONTEXT` lines around it. A sentence says so when
+    arguments hold every word (a file read by its name, a command), from their head; else every line (a long
+    line's sentences: :func:`recall_pieces`) holding all the query's words (its first :data:`RECALL_WORDS`; or, when
+    none does, any of them) with :data:`RECALL_CONTEXT` lines around it. A sentence says so when
     nothing matches. A query that names a tool in ``described`` (tools whose descriptions the request carries
     cut: :func:`context_shrink.lean_tools`) gets that tool's whole descriptions."""
-    words = [w for w in re.findall(r"[\w.:/@-]+", query.lower()) if len(w) > 1]
+    words = list(dict.fromkeys(w for w in re.findall(r"[\w.:/@-]+", query.lower()) if len(w) > 1))[:RECALL_WORDS]
     if not words:
         return "The query holds no word to search for."
     named = [
@@ -534,7 +550,8 @@ def recall_lines(
     texts = []
     for m in messages:
         calls = [f"{c['function'].get('name')} {c['function'].get('arguments')}" for c in m.get("tool_calls") or []]
-        texts.append("\n".join([plain_content(m.get("content")), *calls]).split("\n"))
+        texts.append(recall_pieces("\n".join([plain_content(m.get("content")), *calls])))
+    lowered = [[line.lower() for line in lines] for lines in texts]
     for needed in (len(words), 1):  # all the words on a line, else any of them
         blocks, room = [], limit
         for i in range(len(messages) - 1, -1, -1):
@@ -542,7 +559,7 @@ def recall_lines(
             if messages[i].get("tool_call_id") in called and needed == len(words):
                 shown = list(range(len(lines)))  # the result of a matching call: whole, from its head
             else:
-                hits = [k for k, line in enumerate(lines) if sum(w in line.lower() for w in words) >= needed]
+                hits = [k for k, line in enumerate(lowered[i]) if sum(w in line for w in words) >= needed]
                 shown = sorted({j for k in hits for j in range(k - RECALL_CONTEXT, k + RECALL_CONTEXT + 1)
                                 if 0 <= j < len(lines)})  # fmt: skip
             if not shown:

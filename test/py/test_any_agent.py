@@ -251,7 +251,11 @@ def system_prompts(draw: Any) -> str:
         rng = random.Random(draw(st.integers(0, 10**6)))
         paragraphs.append(draw(PROSE) if kind == "any" else paragraph(kind, rng))
     prompt = draw(st.sampled_from(["\n\n", "\n \n", "\n\n\n"])).join(paragraphs)
-    return prompt.replace("\n", "\r\n") if draw(st.booleans()) else prompt  # Windows line endings too
+    return prompt.replace("\n", draw(st.sampled_from(["\n", "\r\n", "\r"])))  # Windows' and CR-only line ends too
+
+
+def prompt_lines(text: str) -> list[str]:
+    return re.split(r"\r\n|\r|\n", text)
 
 
 @settings(max_examples=200, deadline=None)
@@ -266,18 +270,18 @@ def test_an_outline_keeps_every_heading_and_each_paragraphs_start_as_written(pro
     assert short == cs.outlined(prompt, recall) and len(short) < len(prompt) + len(cs.OUTLINE_NOTE) + 80
     body, note = short.rsplit("\n\n", 1)
     assert note.startswith(cs.OUTLINE_NOTE.format("")[:-1]) and (cs.RECALL_TOOL in note) == recall
-    lines = prompt.split("\n")
-    for line in body.split("\n"):
+    lines = prompt_lines(prompt)
+    for line in prompt_lines(body):
         start = line.removesuffix(" […]")
         assert line in lines or line == "[…]" or (line.endswith(" […]") and any(
             whole.startswith(start) and whole != start for whole in lines)), line  # fmt: skip
     kept = [line for line in lines if re.match(r"[ \t]*(#{1,6}\s|</?[A-Za-z][\w-]*>\s*$)", line)]
-    assert all(line in body.split("\n") for line in kept)
-    for paragraph in re.split(r"\n[ \t\r]*\n", prompt):
+    assert all(line in prompt_lines(body) for line in kept)
+    for paragraph in re.split(r"(?:\r\n|\r(?!\n)|\n)[ \t]*(?:\r\n|\r(?!\n)|\n)", prompt):
         if "```" in paragraph or "~~~" in paragraph:
             assert paragraph in body
-        opening = [line for line in paragraph.split("\n") if line.strip() and line not in kept]
-        assert not opening or opening[0].rstrip("\r")[:20] in body  # each paragraph begins as it did
+        opening = [line for line in prompt_lines(paragraph) if line.strip() and line not in kept]
+        assert not opening or opening[0][:20] in body  # each paragraph begins as it did
 
 
 def test_a_short_or_fenced_prompt_is_not_outlined() -> None:
@@ -286,14 +290,18 @@ def test_a_short_or_fenced_prompt_is_not_outlined() -> None:
     assert cs.outlined(f"Run it so:\n```sh\n{long_text(rng, 6)}\n```") is None
 
 
+@pytest.mark.parametrize("eol", ["\n", "\r"])
 @pytest.mark.parametrize("api", list(BUILDERS))
-def test_a_fixed_part_still_over_half_the_budget_sends_the_system_prompt_outlined(api: str, tmp_path: Path) -> None:
+def test_a_fixed_part_still_over_half_the_budget_sends_the_system_prompt_outlined(
+    api: str, eol: str, tmp_path: Path
+) -> None:
     """After the tools' cut, instructions alone over half the budget (Codex CLI's at 8k) go as their outline: the
-    same bytes every request, said in the header; the model's recall finds what a paragraph left out."""
+    same bytes every request, said in the header; the model's recall finds what a paragraph left out. A prompt
+    with CR-only line ends (#58) is outlined by its paragraphs too (it was cut to its first sentence)."""
     rng = random.Random(11)
     paragraphs = [f"## Rule {k}\n{long_text(rng, 5)}" for k in range(30)]
     paragraphs[17] += "\nAlways run the zebra-lint check before you commit."
-    prompt = "You are a coding agent.\n\n" + "\n\n".join(paragraphs)
+    prompt = ("You are a coding agent.\n\n" + "\n\n".join(paragraphs)).replace("\n", eol)
     body = with_system_text(api, wide_request(api, tools=2), prompt)
     model = RecallingModel(8192, "zebra-lint")
     with serve(model) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=tmp_path / "log") as url:
@@ -305,6 +313,24 @@ def test_a_fixed_part_still_over_half_the_budget_sends_the_system_prompt_outline
     assert len(sent[0]) < len(prompt) / 3
     header = replies[0].headers["x-context-shrink"]
     assert "the system prompt outlined (-" in header and "recalled=1" in header
+    assert model.recalled and "Always run the zebra-lint check before you commit." in model.recalled[0]
+
+
+@pytest.mark.parametrize("api", list(BUILDERS))
+def test_a_prompt_without_line_breaks_is_recalled_by_its_sentences(api: str, tmp_path: Path) -> None:
+    """A system prompt of one line (no line break at all) is outlined to its first sentence; the recall of what it
+    left out returned only ``[… cut: the recall's limit]`` (the one line was over the limit). A long line is
+    searched and returned by its sentences (#58)."""
+    rng = random.Random(12)
+    sentences = [sentence(rng, rng.randint(8, 16)) for _ in range(400)]
+    sentences[260] = "Always run the zebra-lint check before you commit."
+    prompt = "You are a coding agent. " + " ".join(sentences)
+    body = with_system_text(api, wide_request(api, tools=2), prompt)
+    model = RecallingModel(8192, "zebra-lint")
+    with serve(model) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=tmp_path / "log") as url:
+        reply = httpx2.post(url + BUILDERS[api][0], json=body, timeout=60)
+    assert reply.status_code == 200 and "the system prompt outlined (-" in reply.headers["x-context-shrink"]
+    assert "zebra-lint" not in system_text(api, model.log[0][1])
     assert model.recalled and "Always run the zebra-lint check before you commit." in model.recalled[0]
 
 
