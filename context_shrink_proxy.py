@@ -384,10 +384,18 @@ class ProxyReport(FitReport):
     recalled: int | None = None  # the model's calls to the recall tool, answered by the proxy
     repeated: float | None = None  # the share of what was sent that repeats the previous request's start
     lean: str | None = None  # what making the fixed part leaner did (:func:`lean_request`)
+    offered: int = 0  # what the recall tool's definition added to what was sent, in the upstream's tokens
+    appended: int = 0  # and what the recall rounds appended (the model's calls, their answers)
+
+    @property
+    def as_sent(self) -> int | None:
+        """The estimate of the request the upstream answered last: the shrunk request, the recall tool while it
+        was offered, and what the recall rounds appended (a reply's usage calibrates against it)."""
+        return None if self.tokens_after is None else self.tokens_after + self.offered + self.appended
 
     def header(self, **changes: Any) -> str:
         """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead."""
-        return shrink_header({**dataclasses.asdict(self), **changes})
+        return shrink_header({**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
 
 
 # The live page (GET /context-shrink/): one self-contained file, no asset from outside the proxy; it polls
@@ -973,6 +981,7 @@ def refused(request: Request, status: int, why: str, kind: str) -> Response:
 RECALL_ROUNDS = 2  # recall calls answered per request, then the model answers without the tool
 RECALL_MARGIN = 256  # tokens left free beside a recall's answer (the call, the tool's definition)
 RECALL_LEAST = 128  # below this much room the recall tool is not offered
+RECALL_CALL_TOKENS = 24  # what a recall call and its answer's message add beside their texts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1102,7 +1111,8 @@ class RecallStream(httpx2.AsyncByteStream):
                     if (out := self.relayed(rounds, block, payload, round_)) is not None:
                         yield out
                 return
-            body = await self.front.answered(exchange, body, asked, self.folded, self.limit, self.report, round_)
+            body, self.limit = await self.front.answered(exchange, body, asked, self.folded, self.limit, self.report,
+                                                         round_)  # fmt: skip
             self.upstream = await self.front.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
             if not _plain_events(self.upstream):
                 error = scrub_secrets(await self.front.read_whole(self.upstream), self.front.secrets)
@@ -1377,6 +1387,7 @@ class ProxyFront:
                 recall = self.recall_room(body, sent, report, lean.recallable)
                 if recall:
                     content = _encode(wire.with_tool(json.loads(content)))
+                    report.offered = self.recall_cost(wire, (model_of(body), report.estimated_as))
                 upstream = await self.open_upstream("POST", url, headers, content)
                 if upstream.status_code < 400 or attempt:
                     break
@@ -1477,6 +1488,12 @@ class ProxyFront:
         gone = await anyio.to_thread.run_sync(folded_away, body["messages"], sent["messages"])
         return [*(m for _, m in gone), *report.carried]
 
+    def recall_cost(self, wire: Wire, key: tuple[str | None, str]) -> int:
+        """What offering the recall tool adds to a request (its definition), in the upstream's tokens at the
+        calibration ``key``."""
+        tool = wire.with_tool({})["tools"][0]
+        return math.ceil(self.state.tokenizer.count(json.dumps(tool)) * self.state.factor(key))
+
     def recall_room(self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport, leaned: bool = False) -> int:
         """The tokens a recall may return for this request: none unless the policy offers recall, something
         was folded away or carried in a ledger (or the fixed part cut: ``leaned``), the agent sends tools and lets
@@ -1519,27 +1536,37 @@ class ProxyFront:
                                        stream=Replayed([_encode(reply)], upstream))  # fmt: skip
             if rest is not None or not asked or round_ == RECALL_ROUNDS:
                 return replay
-            body = await self.answered(exchange, body, asked, folded, limit, report, round_)
+            body, limit = await self.answered(exchange, body, asked, folded, limit, report, round_)
             upstream = await self.open_upstream("POST", exchange.url, exchange.headers, _encode(body))
         return upstream
 
     async def answered(
         self, exchange: Exchange, body: dict[str, Any], asked: list[Call], folded: list[dict[str, Any]], limit: int,
         report: ProxyReport, round_: int,
-    ) -> dict[str, Any]:  # fmt: skip
-        """The request asked again after the model's recall calls ``asked``: each answered from what was folded
-        away (:func:`recall_lines`, in a worker thread: a long query over a large history takes its time), and the
-        tool no longer offered after the last round but one."""
-        count = self.state.tokenizer.count
-        results = await anyio.to_thread.run_sync(lambda: [
-            recall_lines(folded, c.query(), limit // len(asked), count, exchange.calls, exchange.described)
-            for c in asked])  # fmt: skip
+    ) -> tuple[dict[str, Any], int]:  # fmt: skip
+        """The request asked again after the model's recall calls ``asked``, and the room left for later rounds:
+        each call answered from what was folded away (:func:`recall_lines`, in a worker thread: a long query over
+        a large history takes its time) within its share of ``limit`` (the room every round's answers share, in
+        the upstream's tokens: the request stays within its window however many rounds there are), and the tool
+        no longer offered after the last round but one."""
+        key = (model_of(exchange.body), report.estimated_as)
+
+        def answers() -> tuple[list[str], int]:
+            count = dataclasses.replace(self.state.tokenizer, scale=self.state.factor(key)).scaled
+            share = max(0, limit) // len(asked)
+            results = [recall_lines(folded, c.query(), share, count, exchange.calls, exchange.described)
+                       for c in asked]  # fmt: skip
+            spent = [count(r) + count(c.arguments) + RECALL_CALL_TOKENS for c, r in zip(asked, results, strict=True)]
+            return results, sum(spent)
+
+        results, used = await anyio.to_thread.run_sync(answers)
         report.recalled = (report.recalled or 0) + len(asked)
         log.info("proxy: the model recalled %s", ", ".join(repr(c.query()) for c in asked))
         body = exchange.wire.answered(body, asked, results)
+        report.appended += used
         if round_ == RECALL_ROUNDS - 1:  # the last ask: the tool is not offered again (with_tool put it last)
-            body = {**body, "tools": body["tools"][:-1]}
-        return body
+            body, report.offered = {**body, "tools": body["tools"][:-1]}, 0
+        return body, limit - used
 
     async def deliver(
         self, upstream: httpx2.Response, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport,
@@ -1558,10 +1585,9 @@ class ProxyFront:
             report.refusals += parse_overflow(error) is not None
             headers = {**self.reply_headers(upstream, decoded=True), **extra}
             return Response(error, upstream.status_code, headers=headers)
-        estimate, tools = report.tokens_after, report.tools_tokens
-        if body.get("stream") is True:
-            text = report.estimated_as
-            learn = lambda tail: st.learn_usage(model, estimate, usage_in_stream(tail), tools, text)  # noqa: E731
+        tools, text = report.tools_tokens, report.estimated_as
+        if body.get("stream") is True:  # the last round's usage counts what recall rounds appended: read at the end
+            learn = lambda tail: st.learn_usage(model, report.as_sent, usage_in_stream(tail), tools, text)  # noqa: E731
             return self.relay(upstream, extra, learn, error_event=wire.error_event)
         head, rest = await self.read_head(upstream)
         if rest is not None:  # too large to hold in memory: streamed through, not read
@@ -1570,7 +1596,7 @@ class ProxyFront:
         if upstream.headers.get("content-encoding", "identity") == "identity":
             with contextlib.suppress(ValueError, AttributeError, TypeError):
                 usage = prompt_tokens_in(json_or(reply))
-                if note := st.learn_usage(model, estimate, usage, tools, report.estimated_as):
+                if note := st.learn_usage(model, report.as_sent, usage, tools, text):
                     extra["x-context-shrink-warning"] = note
         return Response(reply, upstream.status_code, headers={**self.reply_headers(upstream), **extra})
 

@@ -24,6 +24,7 @@ from fake_openai import FakeOpenAI, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from proxy_helpers import MODULE, started
+from recalling import RecallingModel
 from recalling import sse_text as recall_sse
 from starlette.responses import JSONResponse
 from tiny_llama import free_port
@@ -31,6 +32,7 @@ from upstreams import Recorder, proxied, raw_upstream
 
 import context_shrink as cs
 import context_shrink_proxy as csp
+import context_shrink_state as cst
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Today is 2026-12-07."}
 
@@ -417,3 +419,44 @@ def test_a_recall_in_the_last_round_never_reaches_the_agent(api: str, stream: bo
     assert len(bodies) == csp.RECALL_ROUNDS + 1 and cs.RECALL_TOOL not in json.dumps(bodies[-1].get("tools"))
     assert status == 200 and cs.RECALL_TOOL not in text, text[-600:]
     assert '"tool_calls"' not in text and '"tool_use"' not in text.replace('"stop_reason": "tool_use"', "")
+
+
+# --------------------------------------------------------------------------- 11. calibration after recall rounds
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_calibration_is_not_taken_from_a_recall_rounds_longer_request(stream: bool, tmp_path: Path) -> None:
+    """After a recall round the reply's usage counts the request with the model's call and the recall's answer
+    appended, but it calibrated the first round's estimate: the factor drifted (x1.6 to x2.12) and the counts
+    the proxy reported were 32 % high. A reply calibrates what the upstream answered last: the shrunk request,
+    the recall tool while it was offered, and what the rounds appended. With a model whose usage is exact (and
+    that recalls twice in every request), the factor stays within 5 % of 1."""
+    model = RecallingModel(6000, "cat f0", times=csp.RECALL_ROUNDS)
+    model.counting = False  # it cannot count a request: its replies' usage is what calibrates
+    state = tmp_path / "state.sqlite3"
+    flags = ("--window", "6000", "--no-archive", "--rungs", "diet,clear,trim", "--state", f"sqlite:{state}")
+    with serve(model) as upstream, started("proxy", "--upstream", upstream, *flags, log=tmp_path / "log") as base:
+        for turns in range(20, 32, 2):
+            body = {**chat_request(turns, 200), "stream": stream}
+            if stream:
+                read_stream(base + "/v1/chat/completions", body)
+            else:
+                assert httpx2.post(base + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert len(model.log) >= 12 and "recalled" in (tmp_path / "log").read_text()  # a recall round each time
+    store = cst.SqliteStore(state, cs.upstream_namespace(upstream))
+    factors = [value for _, value in store.items("factors")]
+    store.close()
+    assert factors and all(0.95 <= f <= 1.05 for f in factors), factors
+
+
+def test_every_recall_round_together_stays_within_the_window(tmp_path: Path) -> None:
+    """Each recall round was given the whole room the window left beside the request: a model that recalled in
+    two rounds was sent a request over its window, and the agent got a length refusal it had not caused. The
+    rounds share the room (found while testing the calibration, #58)."""
+    model = RecallingModel(16000, "cat f0", times=csp.RECALL_ROUNDS)
+    flags = ("--window", "16000", "--no-archive", "--rungs", "diet,clear,trim")
+    with serve(model) as upstream, started("proxy", "--upstream", upstream, *flags, log=tmp_path / "log") as base:
+        answers = [httpx2.post(base + "/v1/chat/completions", json=chat_request(turns, 300), timeout=60)
+                   for turns in (40, 44, 48)]  # fmt: skip
+    assert [a.status_code for a in answers] == [200, 200, 200] and not model.refused
+    assert all(f"recalled={csp.RECALL_ROUNDS}" in a.headers["x-context-shrink"] for a in answers)
