@@ -217,6 +217,7 @@ def _entry_out(entry: Mapping[str, Any]) -> dict[str, Any]:
     return {k: entry.get(k) for k in ARCHIVE_FIELDS}
 
 
+ARCHIVE_ROW_BYTES = 384  # what a message archived takes on disk beside its entry and its words: rows, indexes
 STATE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (ns TEXT NOT NULL, tbl TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL,
   size INTEGER NOT NULL, at REAL NOT NULL, PRIMARY KEY (ns, tbl, key)) WITHOUT ROWID;
@@ -347,14 +348,15 @@ class SqliteStore:
             for e in entries:
                 kept = {k: v for k, v in e.items() if k != "words"}
                 text = json.dumps(kept, ensure_ascii=False, default=str)
+                words = " ".join(e.get("words") or archive_words(archive_text(e["message"])))
+                size = len(text.encode()) + 2 * len(words.encode()) + ARCHIVE_ROW_BYTES  # on disk, about: words twice
                 cursor = db.execute("INSERT OR IGNORE INTO archive (ns, conversation, hash, time, size, entry) VALUES "
-                                    "(?, ?, ?, ?, ?, ?)", (self.ns, e["conversation"], e["hash"], e["time"], e["size"],
+                                    "(?, ?, ?, ?, ?, ?)", (self.ns, e["conversation"], e["hash"], e["time"], size,
                                                            text))  # fmt: skip
                 if cursor.rowcount == 1:
                     written += 1
-                    words = e.get("words") or archive_words(archive_text(e["message"]))
                     db.execute(f"INSERT INTO {self.fts} (rowid, words, conversation) VALUES (?, ?, ?)",
-                               (cursor.lastrowid, " ".join(words), e["conversation"]))  # fmt: skip
+                               (cursor.lastrowid, words, e["conversation"]))  # fmt: skip
             self._prune(max_bytes, time.time() - max_days * 86400)
         return written
 

@@ -460,3 +460,22 @@ def test_every_recall_round_together_stays_within_the_window(tmp_path: Path) -> 
                    for turns in (40, 44, 48)]  # fmt: skip
     assert [a.status_code for a in answers] == [200, 200, 200] and not model.refused
     assert all(f"recalled={csp.RECALL_ROUNDS}" in a.headers["x-context-shrink"] for a in answers)
+
+
+# --------------------------------------------------------------------------- 12. the archive's bound on disk
+
+
+@pytest.mark.parametrize("words", [0, 20])
+def test_the_archive_on_disk_stays_near_its_bound(words: int, tmp_path: Path) -> None:
+    """The store on disk was about 20x ``--archive-max-bytes`` (42 MiB for 2 MiB) for short typed messages: the
+    bound counted each message's JSON alone, not its entry, its indexed words and its rows. It now counts what a
+    message takes on disk, about: the file stays within twice the bound (SQLite keeps some free pages)."""
+    path, bound = tmp_path / "state.sqlite3", 1 << 20
+    store = cst.SqliteStore(path, "ns")
+    for batch in range(1500):
+        typed = [{"role": "user", "content": f"go on {batch}-{k} " + "the parser file " * words} for k in range(10)]
+        store.archive(cst.archive_entries(typed, [], cst.TYPED, range(10)), bound, 30)
+    store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("state.sqlite3*"))
+    assert on_disk <= 2 * bound, f"{on_disk:,} bytes on disk for a bound of {bound:,}"
