@@ -384,6 +384,7 @@ class ProxyReport(FitReport):
     recalled: int | None = None  # the model's calls to the recall tool, answered by the proxy
     repeated: float | None = None  # the share of what was sent that repeats the previous request's start
     lean: str | None = None  # what making the fixed part leaner did (:func:`lean_request`)
+    detail: str | None = None  # why, as only this request's client is told (it may quote what the client sent)
     offered: int = 0  # what the recall tool's definition added to what was sent, in the upstream's tokens
     appended: int = 0  # and what the recall rounds appended (the model's calls, their answers)
 
@@ -394,8 +395,11 @@ class ProxyReport(FitReport):
         return None if self.tokens_after is None else self.tokens_after + self.offered + self.appended
 
     def header(self, **changes: Any) -> str:
-        """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead."""
-        return shrink_header({**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes})
+        """The ``x-context-shrink`` header (:func:`shrink_header`), with ``changes`` said instead: the reason in
+        full for the client that sent the request (``detail``), where the stats every client reads keep only
+        ``reason``."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return shrink_header({**fields, "reason": self.detail or self.reason, **changes})
 
 
 # The live page (GET /context-shrink/): one self-contained file, no asset from outside the proxy; it polls
@@ -1432,9 +1436,11 @@ class ProxyFront:
         """:func:`shrink_request`, failing open: the original goes out, and the log says why."""
         try:
             return await shrink_request(self.state, body, authorization, window, caller)
-        except ContextShrinkError as exc:
+        except ContextShrinkError as exc:  # its words may quote the client's body: for that client alone
             log.warning("proxy: not shrunk, forwarded as is: %s", exc)
-            return body, ProxyReport(reason=str(exc))
+            return body, ProxyReport(
+                reason="not shrunk: the request could not be read (its client is told why)", detail=str(exc)
+            )
         except Exception as exc:  # a bug here must not take the agent's session down: said, and relayed as is
             log.exception("proxy: could not shrink the request (a bug: please report it); forwarded as is")
             return body, ProxyReport(action="forwarded unchanged", reason=f"internal error ({type(exc).__name__})")

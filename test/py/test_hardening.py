@@ -479,3 +479,18 @@ def test_the_archive_on_disk_stays_near_its_bound(words: int, tmp_path: Path) ->
     store.close()
     on_disk = sum(f.stat().st_size for f in tmp_path.glob("state.sqlite3*"))
     assert on_disk <= 2 * bound, f"{on_disk:,} bytes on disk for a bound of {bound:,}"
+
+
+# --------------------------------------------------------------------------- 13. what every client reads
+
+
+def test_what_one_client_sent_is_not_quoted_on_the_stats_every_client_reads(tmp_path: Path) -> None:
+    """An invalid ``role`` one client sent was quoted in a reason on ``/context-shrink/stats``, which every client
+    reads. The client that sent it is told in its own header; the stats say only that a request could not be read."""
+    fake = FakeOpenAI(window=8192)
+    odd = {"role": "PASSWORD-hunter2", "content": "hi"}
+    with serve(fake) as upstream, proxied(upstream, window=8192) as url:
+        own = chat(url, "sk-a", [{"role": "user", "content": "hi"}, odd])
+        stats = httpx2.get(url.removesuffix("/v1") + "/context-shrink/stats").text
+    assert "PASSWORD-hunter2" in own.headers["x-context-shrink"]
+    assert "hunter2" not in stats and "could not be read" in stats
