@@ -1014,6 +1014,7 @@ HEURISTIC_KINDS = (
 # vocabulary knows less well, prose in capitals.
 HEURISTIC_KIND_GAPS: dict[str, dict[tuple[str, str], int]] = {
     "json": {
+        ("stop", "lower"): 64,  # a value after a key's ``":`` (true, false, null): the colon ends the punctuation
         ("space", "space"): 10,
         ("other", "lower"): 34,
         ("lower", "lower"): 3,

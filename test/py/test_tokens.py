@@ -228,10 +228,29 @@ def issue_shapes(rng: random.Random) -> dict[str, str]:
     def legal() -> str:
         return " ".join(" ".join(rng.choice(LEGAL) for _ in range(rng.randint(8, 30))) + "." for _ in range(8))
 
+    def nested(depth: int = 0) -> Any:  # #58: snake_case keys of common words, any value, lists and objects
+        if depth < 3 and rng.random() < 0.3:
+            return ({"_".join(rng.choice(words) for _ in range(rng.randint(1, 3))): nested(depth + 1)
+                     for _ in range(rng.randint(1, 5))} if rng.random() < 0.6 else
+                    [nested(depth + 1) for _ in range(rng.randint(1, 4))])  # fmt: skip
+        return rng.choice(
+            [
+                rng.randint(0, 10**6),
+                -rng.randint(1, 5000),
+                round(rng.uniform(-99, 99), 3),
+                rng.choice(words),
+                f"{rng.choice(words)}-{rng.randint(1, 999)}",
+                True,
+                False,
+                None,
+            ]
+        )
+
     return {
         "runs of common 4-8-letter English words": " ".join(rng.choice(words) for _ in range(rng.randint(50, 500))),
         "legal text in capitals": legal(),
         "minified JSON records": json.dumps([record() for _ in range(rng.randint(3, 40))], separators=(",", ":")),
+        "minified JSON of nested records": json.dumps([nested(1) for _ in range(60)], separators=(",", ":"))[:4300],
         "random common Han characters": "".join(rng.choice(HAN) for _ in range(rng.randint(100, 1500))),
         "random Han characters": "".join(chr(rng.randint(0x4E00, 0x9FA5)) for _ in range(rng.randint(100, 1500))),
     }
