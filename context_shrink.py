@@ -61,6 +61,7 @@ __all__ = [
     "HEURISTIC_SCRIPTS",
     "HEURISTIC_SCRIPT_WEIGHTS",
     "IMAGE_TOKENS_DEFAULT",
+    "LEAN_MOST",
     "LEAN_SHARE",
     "LEDGER_MARKER",
     "MAX_CONTEXT_TOKENS_LIMIT",
@@ -137,6 +138,7 @@ __all__ = [
     "calibrated",
     "caller_print",
     "canonical_json",
+    "canonical_pieces",
     "check_opened",
     "check_text",
     "clean_summary",
@@ -172,6 +174,7 @@ __all__ = [
     "history_shape",
     "image_tokens",
     "is_value",
+    "json_bytes",
     "json_or",
     "jsonrpc_id",
     "leading_system",
@@ -196,6 +199,7 @@ __all__ = [
     "ranked_values",
     "read_file_bytes",
     "read_file_text",
+    "read_json",
     "read_jsonl_lines",
     "redact",
     "remembered",
@@ -1497,6 +1501,27 @@ def content_text(content: Any) -> str:
     return ""
 
 
+COUNT_PIECE = 1 << 18  # characters tiktoken counts at a time (its tokens are listed holding the interpreter's lock)
+_SAFE_CUT = re.compile(r"\n(?=\S)")  # after a line end, before what is not a space: no token of tiktoken's spans it
+
+
+def _counted_in_pieces(encode: Callable[[str], list[int]]) -> Callable[[str], int]:
+    """A count of ``encode``'s tokens; a long text counted a piece at a time, cut where no token can span (a line
+    end before a character that is not a space: every tiktoken encoding's pattern ends a piece there), so the count
+    is exact and another thread gets in between."""
+
+    def count(text: str) -> int:
+        total, start = 0, 0
+        while len(text) - start > COUNT_PIECE:
+            if (cut := _SAFE_CUT.search(text, start + COUNT_PIECE)) is None:
+                break
+            total += len(encode(text[start : cut.end()]))
+            start = cut.end()
+        return total + len(encode(text[start:] if start else text))
+
+    return count
+
+
 def _load_tiktoken(encoding: str, timeout: float) -> Callable[[str], int]:
     """Load a tiktoken encoding within ``timeout`` seconds, preferring the bundled ``*_offline`` copy."""
     if tiktoken is None:
@@ -1521,8 +1546,7 @@ def _load_tiktoken(encoding: str, timeout: float) -> Callable[[str], int]:
     thread.start()
     thread.join(timeout)
     if "encoding" in outcome:
-        encode = outcome["encoding"].encode_ordinary
-        return lambda text: len(encode(text))
+        return _counted_in_pieces(outcome["encoding"].encode_ordinary)
     if thread.is_alive():
         raise ContextShrinkError(f"loading tiktoken {encoding} took over {timeout:g} s (no network?)")
     raise ContextShrinkError(f"tiktoken {encoding} could not be loaded ({outcome.get('error')})")
@@ -1725,6 +1749,12 @@ def nesting_problem(value: Any, what: str, limit: int = MAX_JSON_DEPTH) -> None:
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped in JSON, or as its 3 bytes
+
+
+def _surrogate_in(raw: bytes) -> bool:
+    """Whether JSON bytes may hold a surrogate (:data:`_SURROGATE_ESCAPE`, looked for only where a quick search of
+    its first bytes finds one: the pattern over megabytes holds the interpreter's lock for tens of ms)."""
+    return any(lead in raw for lead in (b"\\ud", b"\\uD", b"\xed")) and _SURROGATE_ESCAPE.search(raw) is not None
 
 
 def surrogate_field(value: Any, where: str = "") -> str | None:
@@ -2001,12 +2031,55 @@ def api_problems(messages: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def canonical_json(value: Any) -> str:
     """The one hashing recipe: JSON with sorted keys and text as written, so equal values give equal text."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    return "".join(canonical_pieces(value))
+
+
+TEXT_PIECE = 1 << 18  # characters of one text written as JSON at a time (the interpreter's lock is held meanwhile)
+
+
+def canonical_pieces(value: Any) -> Iterator[str]:
+    """:func:`canonical_json`'s text in pieces: a value holding a text over :data:`TEXT_PIECE` characters (a
+    system prompt of megabytes) is written a piece of it at a time, the same text, so that another thread gets in
+    between; any other value in one piece."""
+    if not _holds_long_text(value):
+        yield json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    elif isinstance(value, str):
+        yield '"'
+        for start in range(0, len(value), TEXT_PIECE):
+            yield json.dumps(value[start : start + TEXT_PIECE], ensure_ascii=False)[1:-1]
+        yield '"'
+    elif isinstance(value, dict):
+        yield "{"
+        for k, key in enumerate(sorted(value)):
+            yield (", " if k else "") + json.dumps(key, ensure_ascii=False) + ": "
+            yield from canonical_pieces(value[key])
+        yield "}"
+    else:
+        yield "["
+        for k, item in enumerate(value):
+            yield ", " if k else ""
+            yield from canonical_pieces(item)
+        yield "]"
+
+
+def _holds_long_text(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` holds a text over :data:`TEXT_PIECE` characters (in a message's few levels, under string
+    keys: what :func:`canonical_pieces` writes a piece at a time)."""
+    if isinstance(value, str):
+        return len(value) > TEXT_PIECE
+    if depth > 3:
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(k, str) for k in value) and any(_holds_long_text(v, depth + 1) for v in value.values())
+    return isinstance(value, list | tuple) and any(_holds_long_text(v, depth + 1) for v in value)
 
 
 def fingerprint(value: Any) -> str:
     """The SHA-256 hex digest of :func:`canonical_json` (message ids, span and archive hashes, cache keys)."""
-    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+    digest = hashlib.sha256()
+    for piece in canonical_pieces(value):
+        digest.update(piece.encode())
+    return digest.hexdigest()
 
 
 def message_ids(messages: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -4319,8 +4392,10 @@ _TAGGED_BLOCK = re.compile(r"(?ms)^<([a-z][\w-]*)>$.*?^</\1>\s*$\n?")  # a block
 
 def user_words(message: Mapping[str, Any]) -> str:
     """What the user wrote in a user message: its text without the blocks an agent adds in a tag of its own
-    on lines of their own (``<system-reminder>``, ``<environment_context>``: context, not the user's words)."""
-    return _TAGGED_BLOCK.sub("", plain_content(message.get("content"))).strip()
+    on lines of their own (``<system-reminder>``, ``<environment_context>``: context, not the user's words). A text
+    over :data:`TEXT_PIECE` characters is taken as it is (a pasted file, never carried whole in a ledger)."""
+    text = plain_content(message.get("content"))
+    return (_TAGGED_BLOCK.sub("", text) if len(text) <= TEXT_PIECE else text).strip()
 
 
 def _ledger_items(gone: Sequence[Mapping[str, Any]], later: str) -> dict[str, list[str]]:
@@ -4394,6 +4469,8 @@ def fact_ledger(
 # request (the prefix stays cached).
 LEAN_SHARE = 0.5  # of the budget: a fixed part above it has its tools' descriptions cut
 LEAN_LEAST = 80  # characters a cut must save, else a description is kept whole
+LEAN_MOST = 1 << 20  # characters of a system prompt the diet and the outline read, at most (a larger one, ~250k
+# tokens, is over half of any window it could be made to fit: it goes as it is, and no request waits on seconds of it)
 _VALUES_IN_SCHEMA = frozenset({"enum", "const", "default", "examples", "example"})  # data, never walked into
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s(?!\s*[a-z])|\n")  # a stop and a space, not before a small letter (i.e. so)
 
@@ -4931,10 +5008,13 @@ def thawed(value: Any) -> Any:
 
 class Tables(Protocol):
     """Tables of JSON values by text key (:data:`STATE_TABLES`), oldest written first, each bounded; ``add`` adds
-    counters to a value atomically; ``claim``/``release`` hold a lease that lapses after ``seconds``."""
+    counters to a value atomically; ``claim``/``release`` hold a lease that lapses after ``seconds``. ``first``
+    may answer from a copy a second old (the proxy's store reads from memory); ``latest`` asks the store as it is
+    now, from a worker thread (a summary another process filed is not made again)."""
 
     def get(self, table: str, key: str) -> Any: ...
     def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]: ...
+    def latest(self, table: str, keys: Sequence[str]) -> tuple[int, Any]: ...
     def put(self, table: str, key: str, value: Any) -> None: ...
     def delete(self, table: str, key: str) -> None: ...
     def items(self, table: str) -> list[tuple[str, Any]]: ...
@@ -4991,6 +5071,10 @@ class StoredTable(MutableMapping[Any, Any]):
         """The index in ``keys`` of the first one present and its value; ``(-1, None)`` when none is."""
         return self.store.first(self.table, [state_key(k) for k in keys])
 
+    def latest(self, keys: Sequence[Any]) -> tuple[int, Any]:
+        """:meth:`first`, as the store holds it now (call it from a worker thread: it may wait for the store)."""
+        return self.store.latest(self.table, [state_key(k) for k in keys])
+
 
 class MemoryTables:
     """Tables in this process's memory, kept as the other stores keep them (JSON text), bounded like them."""
@@ -5008,6 +5092,9 @@ class MemoryTables:
     def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
         rows = self.tables[table]
         return next(((k, json.loads(rows[key][0])) for k, key in enumerate(keys) if key in rows), (-1, None))
+
+    def latest(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        return self.first(table, keys)
 
     def put(self, table: str, key: str, value: Any) -> None:
         with self.held:
@@ -5120,7 +5207,7 @@ class SummaryCache:
         """How many of ``span``'s first messages were summarised before (under ``filed``), that summary,
         and the span's chained hashes."""
         chain = span_hashes(span)
-        k, text = self.spans.first([(filed, chain[k]) for k in range(len(span), 0, -1)])
+        k, text = self.spans.latest([(filed, chain[k]) for k in range(len(span), 0, -1)])
         return (len(span) - k, text, chain) if k >= 0 else (0, None, chain)
 
     def file(self, filed: str, chain: Sequence[str], text: str, also: int | None = None) -> None:
@@ -5136,7 +5223,9 @@ class SummaryCache:
         (released after). A lease older than :data:`LEASE_SECONDS` is the mark of a maker gone: taken over."""
         key, held = state_key(["summary", filed, chain[-1]]), False
         deadline = self.clock() + LEASE_SECONDS
-        while not (held := self.store.claim(key, LEASE_SECONDS)) and self.clock() < deadline:
+        while not (held := await anyio.to_thread.run_sync(self.store.claim, key, LEASE_SECONDS)) and (
+            self.clock() < deadline
+        ):  # asked of the store from a worker thread: it may be another process's, slow or locked
             if (filed, chain[-1]) in self.spans:
                 break
             await anyio.sleep(LEASE_POLL)
@@ -5339,7 +5428,7 @@ async def summarise_span(
     items, found = span_items(messages, plan)
     span = [m for _, m in items]
     filed = f"{summariser.name} | {max_summary_tokens} | anchored={anchor}"  # what shapes the text
-    done, filed_text, chain = cache.summarised_start(filed, span)
+    done, filed_text, chain = await anyio.to_thread.run_sync(cache.summarised_start, filed, span)
     rest = span
     if previous is None and done:
         previous, rest = filed_text, span[done:]
@@ -5928,14 +6017,117 @@ async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
     return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
 
 
+# A body of megabytes read or written as one JSON call holds the interpreter's lock for tens of milliseconds (a
+# C call never lets another thread in): a large body is read and written a value at a time instead, its arrays
+# (messages, input items, tools) an element at a time, so the event loop's thread gets in between.
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_JSON_DECODER = json.JSONDecoder()
+
+
+def read_json(raw: bytes) -> Any:
+    """``json.loads(raw)``, the same value and the same errors; a large body's top-level object value by value and
+    its arrays element by element (:data:`OFF_LOOP_BYTES`)."""
+    if len(raw) < OFF_LOOP_BYTES:
+        return json.loads(raw)
+    text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    start = _JSON_SPACE.match(text).end()
+    if not text.startswith("{", start):
+        return json.loads(text)
+    out: dict[str, Any] = {}
+    at = _json_container(text, start, "}", lambda at: _json_member(text, at, out))
+    if _JSON_SPACE.match(text, at).end() != len(text):
+        raise json.JSONDecodeError("Extra data", text, at)
+    return out
+
+
+def _json_container(text: str, at: int, closing: str, item: Callable[[int], int]) -> int:
+    """Read an object or an array from ``text[at]`` (its opening bracket) to its ``closing`` one, each member by
+    ``item`` (which keeps it and returns where it ends); where it ends."""
+    at = _JSON_SPACE.match(text, at + 1).end()
+    if text.startswith(closing, at):
+        return at + 1
+    while True:
+        at = _JSON_SPACE.match(text, item(at)).end()
+        if text.startswith(closing, at):
+            return at + 1
+        if not text.startswith(",", at):
+            raise json.JSONDecodeError(f"Expecting ',' delimiter or '{closing}'", text, at)
+        at = _JSON_SPACE.match(text, at + 1).end()
+
+
+def _json_member(text: str, at: int, out: dict[str, Any]) -> int:
+    """One ``"key": value`` of the top-level object into ``out``; an array value element by element."""
+    if not text.startswith('"', at):
+        raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
+    key, at = _JSON_DECODER.raw_decode(text, at)
+    at = _JSON_SPACE.match(text, at).end()
+    if not text.startswith(":", at):
+        raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
+    at = _JSON_SPACE.match(text, at + 1).end()
+    if text.startswith("[", at):
+        items: list[Any] = []
+
+        def element(at: int) -> int:
+            value, end = _JSON_DECODER.raw_decode(text, at)
+            items.append(value)
+            return end
+
+        at = _json_container(text, at, "]", element)
+        out[key] = items
+        return at
+    out[key], at = _JSON_DECODER.raw_decode(text, at)
+    return at
+
+
+def json_bytes(value: Any) -> bytes:
+    """``json.dumps(value, ensure_ascii=False)`` in UTF-8 (the same bytes); a large object's arrays written an
+    element at a time, a text of megabytes a piece at a time (:func:`_json_pieces`)."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        return json.dumps(value, ensure_ascii=False).encode()
+    parts = [b"{"]
+    for k, (key, item) in enumerate(value.items()):
+        parts.append(f"{', ' if k else ''}{json.dumps(key, ensure_ascii=False)}: ".encode())
+        if isinstance(item, list) and item:
+            parts.append(b"[")
+            for j, element in enumerate(item):
+                parts += [b", "] if j else []
+                parts += [piece.encode() for piece in _json_pieces(element)]
+            parts.append(b"]")
+        else:
+            parts += [piece.encode() for piece in _json_pieces(item)]
+    return b"".join([*parts, b"}"])
+
+
+def _json_pieces(value: Any) -> Iterator[str]:
+    """``json.dumps(value, ensure_ascii=False)`` in pieces: a text of megabytes in a message's few levels a piece
+    at a time (as :func:`canonical_pieces`, keys in their order)."""
+    if not _holds_long_text(value):
+        yield json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, str):
+        yield from canonical_pieces(value)
+    elif isinstance(value, dict):
+        yield "{"
+        for k, (key, item) in enumerate(value.items()):
+            yield (", " if k else "") + json.dumps(key, ensure_ascii=False) + ": "
+            yield from _json_pieces(item)
+        yield "}"
+    else:
+        yield "["
+        for k, item in enumerate(value):
+            yield ", " if k else ""
+            yield from _json_pieces(item)
+        yield "]"
+
+
 async def parsed(raw: bytes) -> Any:
-    """A request body's JSON, checked for nesting (:func:`nesting_problem`) and for text that is not text
-    (:class:`InvalidText`: looked for only when the bytes hold a surrogate's escape), read :func:`off_loop`."""
+    """A request body's JSON (:func:`read_json`), checked for nesting (:func:`nesting_problem`) and for text that is
+    not text (:class:`InvalidText`: looked for only when the bytes hold a surrogate's escape), read
+    :func:`off_loop`."""
 
     def read() -> Any:
-        body = json.loads(raw)
+        body = read_json(raw)
         nesting_problem(body, "the body's values")
-        if _SURROGATE_ESCAPE.search(raw) and (field := surrogate_field(body)) is not None:
+        if _surrogate_in(raw) and (field := surrogate_field(body)) is not None:
             raise InvalidText(field)
         return body
 
@@ -6097,8 +6289,9 @@ class Backend:
     ) -> Any:
         """Send a JSON request with bounded retries; return the parsed JSON reply of a 2xx answer."""
         options: dict[str, Any] = {"headers": self.headers}
-        if body is not None:
-            options["json"] = body
+        if body is not None:  # written in a worker thread: a count probe carries a whole request
+            options["content"] = await anyio.to_thread.run_sync(json_bytes, body)
+            options["headers"] = {**self.headers, "Content-Type": "application/json"}
         if wait is not None:  # this request's own timeout
             options["timeout"] = httpx2.Timeout(wait, connect=min(10.0, wait))
         for attempt in range(retries + 1):
@@ -6369,6 +6562,7 @@ PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max
 CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
 EXACT_ZONE = (0.5, 4.0)  # estimates from half the trigger to 4x the budget are counted by the upstream, if it can
 EXACT_RECHECK = 0.85  # a shrunk request estimated above this share of the budget is counted too
+CALIBRATE_MOST = 8  # windows: a first request larger than this is not sent to the upstream to be counted
 
 
 def text_class(texts: Iterable[str]) -> str:
@@ -6403,6 +6597,11 @@ def caller_print(credentials: Iterable[str | None]) -> str:
 _NUMBERS = re.compile(r"\d+")
 
 
+def _ends(text: str, most: int = 1 << 16) -> str:
+    """A text's head and tail when it is long (an identity need not read megabytes), with its length."""
+    return text if len(text) <= most else f"{text[: most // 2]}…{len(text)}…{text[-most // 2 :]}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatRequest:
     """A chat-shaped request as the proxy reads it: its messages and tools checked, its model, and who asks
@@ -6413,6 +6612,7 @@ class ChatRequest:
     tools: list[dict[str, Any]]
     model: str | None
     caller: str = ""
+    size: int = 0  # its bytes, as the door read them: what decides where its work runs (:func:`off_loop`)
 
     @functools.cached_property
     def scope(self) -> str:
@@ -6421,7 +6621,7 @@ class ChatRequest:
         tools' names). What a conversation held is remembered under it and its task, never under a message
         alone: a client never meets another's words, nor an agent another agent's."""
         lead = leading_system(self.messages)
-        texts = [_NUMBERS.sub("0", plain_content(m.get("content"))) for m in self.messages[:lead]]
+        texts = [_NUMBERS.sub("0", _ends(plain_content(m.get("content")))) for m in self.messages[:lead]]
         names = sorted(str((t.get("function") or {}).get("name")) for t in self.tools)
         return fingerprint([self.caller, texts, names])[:24]
 
@@ -6431,13 +6631,15 @@ class ChatRequest:
         return self.model, text_class(plain_content(m.get("content")) for m in self.messages)
 
     @classmethod
-    def read(cls, body: dict[str, Any], caller: str = "") -> ChatRequest:
+    def read(cls, body: dict[str, Any], caller: str = "", size: int = 0) -> ChatRequest:
         """Raises :class:`ContextShrinkError` for a body whose messages or tools do not read as chat."""
         tools = body.get("tools") or []
         if isinstance(tools, list):  # a tool of another kind (``custom``, a server's own) counted as its JSON
             tools = [pseudo_tool(t) if isinstance(t, dict) and t.get("type", "function") != "function" else t
                      for t in tools]  # fmt: skip
-        return cls(body, validate_messages(body.get("messages")), validate_tools(tools), model_of(body), caller)
+        messages = validate_messages(body.get("messages"))
+        size = max(size, len(messages) * MESSAGE_BYTES)
+        return cls(body, messages, validate_tools(tools), model_of(body), caller, size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6597,9 +6799,11 @@ async def calibrate(
     state: ServerMemory, request: ChatRequest, raw: int, window: int, authorization: str | None
 ) -> bool:
     """Learn the model's calibration from the upstream's own count of a request over a quarter of the window
-    (``raw``: its local count, messages and tools), when the upstream can count (llama.cpp, vLLM, TGI), so the
-    first shrunk request is sized right. True when the upstream counted it."""
-    if raw <= window // 4:
+    (``raw``: its local count, messages and tools) and under :data:`CALIBRATE_MOST` windows, when the upstream can
+    count (llama.cpp, vLLM, TGI), so the first shrunk request is sized right. True when the upstream counted it. (A
+    request of many windows is not sent to be counted: the server would tokenise megabytes to tell a ratio a
+    smaller request tells as well.)"""
+    if not window // 4 < raw <= CALIBRATE_MOST * window:
         return False
     try:
         backend = state.backend(state.config.base, authorization)
@@ -6622,7 +6826,9 @@ async def upstream_count(
     the tools' part is 0 when its chat template drops them — or None when it cannot count. Counts are
     remembered by message prefix: a request that extends one counted before costs no call while what it adds
     (``counts``: the messages' local counts, scaled) is under a quarter of the counted part."""
-    chain, tools_print = span_hashes(messages), fingerprint(tools)
+    chain, tools_print = await off_loop(
+        len(messages) * MESSAGE_BYTES, lambda: (span_hashes(messages), fingerprint(tools))
+    )
     k, found = state.counts.first([(model, tools_print, chain[k]) for k in range(len(messages), 0, -1)])
     if found is not None:
         (bare, cost, method), known = found, len(messages) - k
@@ -6666,13 +6872,18 @@ async def measure(
     and the tools apart: a template may drop the tools), and that count decides and calibrates; a first long
     request of a model and text class calibrates it. ``source`` says what counted: the upstream's endpoint, or the
     local tokenizer with the text's class and the calibration it was scaled by."""
-    tok, model, key = state.tokenizer, request.model, request.calibration
-    counts = await off_loop(sum(map(_text_size, request.messages)),
-                            lambda: [count_message(m, tok.count, tok.format) for m in request.messages])  # fmt: skip
+    tok, model = state.tokenizer, request.model
+
+    def counted() -> tuple[list[int], tuple[str | None, str], str, int]:  # in proportion to the request's size
+        tools = fingerprint(request.tools)
+        tools_cost = state.tool_costs.get((model, tools)) if request.tools else 0  # the upstream's, once it said
+        local = count_tools(request.tools, tok) if tools_cost is None else 0
+        return [count_message(m, tok.count, tok.format) for m in request.messages], request.calibration, tools, local
+
+    counts, key, tools_print, local_tools = await off_loop(request.size, counted)
     raw = sum(counts) + tok.format.priming
-    tools_key = (model, fingerprint(request.tools))
-    tools_cost = state.tool_costs.get(tools_key) if request.tools else 0  # the upstream's count, once it said
-    local_tools = count_tools(request.tools, tok) if tools_cost is None else 0
+    tools_key = (model, tools_print)
+    tools_cost = state.tool_costs.get(tools_key) if request.tools else 0
     factor = state.factor(key)
     scaled, total = _scaled(counts, factor, tok.format.priming)
     tools = math.ceil(local_tools * factor) if tools_cost is None else tools_cost
@@ -6690,19 +6901,21 @@ async def measure(
 
 async def fit_request(
     state: ServerMemory, body: dict[str, Any], authorization: str | None, report: ReportT, window: int | None = None,
-    caller: str = "",
+    caller: str = "", size: int = 0,
 ) -> tuple[dict[str, Any], ReportT]:  # fmt: skip
     """The request body to forward and its ``report``, filled in, in one direction: read, measure once
     (:func:`measure`), then, over the trigger, :func:`shrink` with the door's policy and the summariser bound to
     this request's model (:func:`shrink_counted`); and what earlier requests of the conversation held that the
     agent no longer sends kept in a ledger (:func:`remembered`, within what ``caller`` — :func:`caller_print` —
     and the agent's fixed part share: :attr:`ChatRequest.scope`; the report names what it drew from,
-    ``carried``, and the user's messages first seen, ``typed``: the proxy archives them). Raises
-    :class:`ContextShrinkError` for a body it does not understand (the caller forwards it as is)."""
+    ``carried``, and the user's messages first seen, ``typed``: the proxy archives them). ``size`` is the request's
+    bytes as the door read them (what is in proportion to it runs in a worker thread when it is large: 0, estimated
+    from its messages). Raises :class:`ContextShrinkError` for a body it does not understand (the caller forwards it
+    as is)."""
     started = time.perf_counter()
     listed = body.get("messages")
-    size = len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0
-    request = await off_loop(size, lambda: ChatRequest.read(body, caller))
+    size = max(size, len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0)
+    request = await off_loop(size, lambda: ChatRequest.read(body, caller, size))
     opening = await off_loop(size, lambda: agent_opening(request.messages, state.tasks, request.scope))
     report.carried, report.typed = await off_loop(size, lambda: remembered(state, request, opening))
     report.window = window or await server_window(state, request.model, authorization)
@@ -6711,7 +6924,8 @@ async def fit_request(
         return body, report
     budget, report.reserve = request_budget(body, report.window)
     sent, report = await _fitted(state, request, budget, authorization, report, opening, started)
-    return with_carried(state, sent, report, report.carried, budget, state.factor(request.calibration)), report
+    factor = state.factor(request.calibration)
+    return await off_loop(size, lambda: with_carried(state, sent, report, report.carried, budget, factor)), report
 
 
 async def _fitted(
@@ -6878,7 +7092,7 @@ async def shrink_counted(
     result = await planned(state.factor(key))
     factor = None
     if result["tokens_after"] >= EXACT_RECHECK * budget and result["messages"] != request.messages:
-        kept, raw = count_messages(result["messages"], state.tokenizer)
+        kept, raw = await off_loop(request.size, lambda: count_messages(result["messages"], state.tokenizer))
         scaled = _scaled(kept, state.factor(key), 0)[0]
         found = await upstream_count(state, result["messages"], tools, model, authorization, scaled)
         if found and found[0] + found[1] > budget:

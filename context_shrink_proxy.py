@@ -13,18 +13,21 @@ from __future__ import annotations
 
 __all__ = [
     "LIVE_PAGE",
+    "PRINTS_TAIL",
     "PROXY_MAX_BODY_BYTES",
     "PROXY_PORT",
     "PROXY_TIMEOUT",
     "RECALL_ROUNDS",
     "HeaderDeadline",
     "ProxyConfig",
+    "ProxyFront",
     "ProxyReport",
     "ProxyState",
     "bound_listener",
     "build_proxy",
     "command",
     "command_parser",
+    "events_end",
     "listening",
     "prefix_prints",
     "proxy_config",
@@ -34,6 +37,7 @@ __all__ = [
     "shrink_header",
     "silently_truncated",
     "usage_in_stream",
+    "whole_events",
 ]
 
 
@@ -43,6 +47,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import hashlib
 import hmac
 import importlib.metadata
@@ -86,6 +91,7 @@ from context_shrink import (
     DEFAULT_MAX_SUMMARY_TOKENS,
     DEFAULT_SUMMARY_CONCURRENCY,
     DIETED,
+    LEAN_MOST,
     LEAN_SHARE,
     MAX_CONTEXT_TOKENS_LIMIT,
     MAX_FILE_BYTES,
@@ -114,11 +120,12 @@ from context_shrink import (
     build_server,
     calibrated,
     caller_print,
-    canonical_json,
+    canonical_pieces,
     count_messages,
     field_at,
     fit_request,
     fixed_tokens,
+    json_bytes,
     json_or,
     leading_system,
     lean_tools,
@@ -126,6 +133,7 @@ from context_shrink import (
     log_level_flag,
     model_of,
     off_loop,
+    one_line,
     outlined,
     parse_overflow,
     parsed,
@@ -146,6 +154,7 @@ from context_shrink_state import (
     ARCHIVE_MAX_BYTES,
     ARCHIVE_MAX_DAYS,
     MemoryStore,
+    MirroredStore,
     archive_entries,
     conversation_id,
     default_archive_dir,
@@ -240,25 +249,42 @@ def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeou
 PROXY_BUFFER_BYTES = 8 * 1024 * 1024  # a non-streamed reply larger than this is relayed as it arrives
 
 
-def prefix_prints(messages: Sequence[Mapping[str, Any]]) -> list[tuple[bytes, int]]:
-    """Each prefix of ``messages`` as ``(chained digest, characters so far)``: how much of a request repeats
-    the start of the one before (what the server's prompt cache can keep) is where two lists part."""
+PRINTS_MOST = 2048  # prefixes a request's prints keep (a longer request's, sampled on a grid of powers of two)
+PRINTS_TAIL = 64  # and its last prefixes, every one
+
+
+def prefix_prints(messages: Sequence[Mapping[str, Any]], most: int = PRINTS_MOST) -> list[tuple[int, str, int]]:
+    """Prefixes of ``messages`` as ``(their length, chained digest, characters so far)``: how much of a request
+    repeats the start of the one before (what the server's prompt cache can keep) is where two lists part. A
+    request of more than ``most`` messages keeps every ``2**k``-th prefix and the whole (the grid a longer request
+    of the same conversation samples is the same or half as fine: the two still meet) and its last
+    :data:`PRINTS_TAIL` (the previous request's end, when turns were appended: the share is then exact)."""
+    step = 1 << max(0, math.ceil(math.log2(len(messages) / most))) if len(messages) > most else 1
     chain, size, prints = b"context-shrink prefix", 0, []
-    for m in messages:
-        text = canonical_json(m)
-        chain, size = hashlib.sha256(chain + text.encode()).digest(), size + len(text)
-        prints.append((chain, size))
+    for k, m in enumerate(messages, 1):
+        digest = hashlib.sha256(chain)
+        for piece in canonical_pieces(m):  # a message of megabytes a piece at a time
+            digest.update(piece.encode())
+            size += len(piece)
+        chain = digest.digest()
+        if k % step == 0 or k > len(messages) - PRINTS_TAIL:
+            prints.append((k, chain.hex(), size))
     return prints
 
 
-def repeated_share(before: Sequence[tuple[bytes, int]] | None, now: Sequence[tuple[bytes, int]]) -> float | None:
-    """The share of ``now`` (by characters) that repeats the start of ``before`` (None: nothing before)."""
+def repeated_share(before: Sequence[Sequence[Any]] | None, now: Sequence[Sequence[Any]]) -> float | None:
+    """The share of ``now`` (by characters) that repeats the start of ``before`` (None: nothing before), both
+    :func:`prefix_prints`: up to the longest prefix both sampled with the same digest (each digest chains all
+    before it)."""
     if not before or not now:
         return None
-    same = 0
-    while same < min(len(before), len(now)) and before[same][0] == now[same][0]:
-        same += 1
-    return round(now[same - 1][1] / now[-1][1], 4) if same else 0.0
+    digests, same = {k: digest for k, digest, _ in before}, 0
+    for k, digest, size in now:
+        if k in digests:
+            if digests[k] != digest:
+                break
+            same = size
+    return round(same / now[-1][2], 4)
 
 
 TRUNCATION_RATIO = 0.6  # a reply counting fewer prompt tokens than this share of the estimate was cut
@@ -642,10 +668,10 @@ class ProxyStats:
     def repeated(self, conversation: str, sent: Sequence[Mapping[str, Any]]) -> float | None:
         """The share of ``sent`` that repeats the start of this conversation's previous request (run off the
         event loop for a large request: it reads every message)."""
-        prints = [[digest.hex(), size] for digest, size in prefix_prints(sent)]
+        prints = prefix_prints(sent)
         before = self.store.get("prints", state_key(conversation))
         self.store.put("prints", state_key(conversation), prints)
-        return repeated_share(before, prints)
+        return repeated_share([p for p in before or [] if len(p) == 3], prints)  # an earlier version's: none
 
     def record(self, model: str | None, conversation: str | None, report: ProxyReport, status: int) -> None:
         """Count one chat request: its report and the status the client got."""
@@ -833,19 +859,32 @@ class ProxyState(ServerMemory):
         await anyio.to_thread.run_sync(self.store.archive, entries, *limits)
         return entries[0]["conversation"] if entries else await anyio.to_thread.run_sync(conversation_id, original)
 
+    async def fresh(self) -> None:
+        """What other processes on the store learnt, read into its mirror before a request is fitted
+        (:meth:`MirroredStore.refresh`, from a worker thread: the store may be slow); nothing to read for a store in
+        this process's memory."""
+        if isinstance(self.store, MirroredStore):
+            await anyio.to_thread.run_sync(self.store.refresh)
+
+    async def settled(self) -> None:
+        """What this request learnt, waited for until it reached the store (:meth:`MirroredStore.settle`)."""
+        if isinstance(self.store, MirroredStore):
+            await anyio.to_thread.run_sync(self.store.settle)
+
     def degraded(self) -> str | None:
         """Why the store configured is not the one answering now (it is unreachable), else None."""
         return f"{self.store.name} unreachable ({self.store.down}): serving from memory" if self.store.down else None
 
 
 async def shrink_request(
-    state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None, caller: str = ""
-) -> tuple[dict[str, Any], ProxyReport]:
+    state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None, caller: str = "",
+    size: int = 0,
+) -> tuple[dict[str, Any], ProxyReport]:  # fmt: skip
     """The request body to forward and its report: the core's :func:`context_shrink.fit_request` (read, measure
     once, over the trigger :func:`context_shrink.shrink`, recount) with a fresh :class:`ProxyReport` to fill;
-    ``caller`` is who asks (:func:`caller_of`). Raises :class:`ContextShrinkError` for a body it does not
-    understand (the caller forwards it as is)."""
-    return await fit_request(state, body, authorization, ProxyReport(), window, caller)
+    ``caller`` is who asks (:func:`caller_of`), ``size`` the body's bytes. Raises :class:`ContextShrinkError` for a
+    body it does not understand (the caller forwards it as is)."""
+    return await fit_request(state, body, authorization, ProxyReport(), window, caller, size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -873,7 +912,7 @@ SystemEditor = Callable[[dict[str, Any], Callable[[str], str]], dict[str, Any]] 
 
 async def lean_request(
     state: ServerMemory, body: dict[str, Any], chat: Mapping[str, Any], authorization: str | None,
-    with_system: SystemEditor | None = None,
+    with_system: SystemEditor | None = None, size: int = 0,
 ) -> Lean:  # fmt: skip
     """``body`` (in its wire's format; ``chat`` its chat view) with a leaner fixed part when the agent's system
     prompt and tools (:func:`fixed_tokens`, the local estimate: the same every request) take over
@@ -882,18 +921,29 @@ async def lean_request(
     (:func:`dieted_text`: every kept line as it was, each gap marked), written by the wire's ``with_system``; when
     that still leaves it over the share, the system prompt sent as its outline (:func:`outlined`; its whole text
     what the recall tool searches). As it is otherwise, with the policy's ``lean_tools`` off, when the window is
-    unknown, or for a body it cannot read (the request path says why)."""
-    policy, tools = state.policy, body.get("tools") if isinstance(body.get("tools"), list) else []
-    if not policy.lean_tools:
+    unknown, or for a body it cannot read (the request path says why). The work runs in a worker thread for a
+    request of ``size`` bytes or more (a system prompt of megabytes takes seconds: :func:`context_shrink.off_loop`)."""
+    if not state.policy.lean_tools:
         return Lean(body)
+    window = await server_window(state, model_of(chat), authorization)
+    if window is None:
+        return Lean(body)
+    return await off_loop(size, lambda: leaner_request(state, body, chat, window, with_system))
+
+
+def leaner_request(
+    state: ServerMemory, body: dict[str, Any], chat: Mapping[str, Any], window: int,
+    with_system: SystemEditor | None = None,
+) -> Lean:  # fmt: skip
+    """:func:`lean_request` once the ``window`` is known."""
+    policy, tools = state.policy, body.get("tools") if isinstance(body.get("tools"), list) else []
     count = state.tokenizer.count
     try:
         messages = validate_messages(chat.get("messages"))
-        window = await server_window(state, model_of(chat), authorization)
         tools_cost = fixed_tokens([], tools, count)  # counted once: for the decision and for what was saved
         system_cost = fixed_tokens(messages, [], count)
-        budget = request_budget(chat, window)[0] if window is not None else 0  # what the reply's reserve leaves
-        if window is None or system_cost + tools_cost <= LEAN_SHARE * budget:
+        budget = request_budget(chat, window)[0]  # what the reply's reserve leaves
+        if system_cost + tools_cost <= LEAN_SHARE * budget:
             return Lean(body)
         short, whole = lean_tools(tools, policy.recall) if tools else ([], {})
     except (ContextShrinkError, TypeError, AttributeError, ValueError, RecursionError):
@@ -901,7 +951,7 @@ async def lean_request(
     lines, saved, outline = [0], [0], [0]  # the system prompt's lines and tokens the diet takes out; the outline's
 
     def diet(text: str) -> str:
-        if (lighter := DIETED[text]) is None:
+        if len(text) > LEAN_MOST or (lighter := DIETED[text]) is None:
             return text
         markers = len(_DIET_MARKERS.findall(lighter)) - len(_DIET_MARKERS.findall(text))
         lines[0] += text.count("\n") - lighter.count("\n") + markers  # the lines it took out
@@ -909,7 +959,7 @@ async def lean_request(
         return lighter
 
     def outlined_text(text: str) -> str:
-        if (lighter := outlined(text, policy.recall)) is None:
+        if len(text) > LEAN_MOST or (lighter := outlined(text, policy.recall)) is None:
             return text
         outline[0] += count(text) - count(lighter)
         return lighter
@@ -986,6 +1036,16 @@ RECALL_ROUNDS = 2  # recall calls answered per request, then the model answers w
 RECALL_MARGIN = 256  # tokens left free beside a recall's answer (the call, the tool's definition)
 RECALL_LEAST = 128  # below this much room the recall tool is not offered
 RECALL_CALL_TOKENS = 24  # what a recall call and its answer's message add beside their texts
+
+
+@dataclasses.dataclass(frozen=True)
+class Wired:
+    """A chat request as its own wire API sends it: ``body`` and ``raw`` as the client sent them (made leaner:
+    :func:`lean_request`), and ``written(sent)`` the body for the chat request as it is sent (None: as it came)."""
+
+    body: dict[str, Any]
+    raw: bytes
+    written: Callable[[dict[str, Any]], dict[str, Any] | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1189,7 +1249,9 @@ class ProxyFront:
         timeout = httpx2.Timeout(self.config.timeout, connect=10.0)
         limits = httpx2.Limits(max_connections=256, max_keepalive_connections=32)
         config = self.config
-        store = self.store or await anyio.to_thread.run_sync(open_store, config.state, config.namespace)
+        store = self.store or await anyio.to_thread.run_sync(
+            functools.partial(open_store, config.state, config.namespace, mirrored=True)
+        )
         log.info("proxy: what is learnt is kept in %s (namespace %s)", store.name, config.namespace)
         if config.archive_dir is not None:
             bounds = (config.archive_max_bytes, config.archive_max_days)
@@ -1224,13 +1286,18 @@ class ProxyFront:
         return HTMLResponse(LIVE_PAGE, headers=PAGE_HEADERS)
 
     async def stats(self, request: Request) -> Response:
+        """The stats as JSON, every replica's (read fresh from the store, in a worker thread)."""
         st = self.state
+        await st.fresh()
         state = {"store": st.store.name, "namespace": st.config.namespace, "degraded": st.degraded()}
-        return JSONResponse({**st.stats.snapshot(), "summarisers": st.summaries.report(), "state": state})
+        snapshot = await anyio.to_thread.run_sync(st.stats.snapshot)
+        return JSONResponse({**snapshot, "summarisers": st.summaries.report(), "state": state})
 
     async def metrics(self, request: Request) -> Response:
         try:
-            return Response(self.state.stats.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
+            await self.state.fresh()
+            exposed = await anyio.to_thread.run_sync(self.state.stats.prometheus)
+            return Response(exposed, media_type="text/plain; version=0.0.4; charset=utf-8")
         except ImportError:
             message = (
                 "context-shrink proxy: /metrics needs prometheus-client: pip install 'context-shrink-mcp[metrics]'"
@@ -1326,13 +1393,12 @@ class ProxyFront:
         except (ValueError, RecursionError) as exc:  # not a body we understand: the upstream answers it
             why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             return await self.passthrough(request, raw, f"not shrunk: {why}" if why else None)
-        lean = await lean_request(
-            self.state, body, body, request.headers.get("authorization"), WIRES["chat"].with_system
-        )
+        authorization, size = request.headers.get("authorization"), len(raw)
+        lean = await lean_request(self.state, body, body, authorization, WIRES["chat"].with_system, size)
         if lean.body is not body:
-            body, raw = lean.body, _encode(lean.body)
-        return await self.exchange(request, body, lambda sent: raw if sent is body else _encode(sent), WIRES["chat"],
-                                   lean)  # fmt: skip
+            body, raw = lean.body, await off_loop(size, functools.partial(_encode, lean.body))
+        wired = Wired(body, raw, lambda sent: None if sent is body else sent)
+        return await self.exchange(request, body, wired, WIRES["chat"], lean)
 
     async def translated(
         self,
@@ -1360,82 +1426,98 @@ class ProxyFront:
                     "max_tokens": body.get(reserve), "stream": body.get("stream")}  # fmt: skip
             return {k: v for k, v in chat.items() if v is not None}
 
-        chat = chat_of(view)
-        lean = await lean_request(self.state, body, chat, request.headers.get("authorization"), wire.with_system)
+        chat, size = chat_of(view), len(raw)
+        lean = await lean_request(self.state, body, chat, request.headers.get("authorization"), wire.with_system, size)
         if lean.body is not body:  # the tools' descriptions cut, in the wire's own format
-            body, raw = lean.body, _encode(lean.body)
-            view = await off_loop(len(raw), lambda: wire.view(body))
+            body, raw = lean.body, await off_loop(size, functools.partial(_encode, lean.body))
+            view = await off_loop(size, lambda: wire.view(body))
             chat = chat_of(view)
-
-        def encode(sent: dict[str, Any]) -> bytes:
-            return raw if sent is chat else _encode(wire.write(body, view, sent["messages"]))
-
-        return await self.exchange(request, chat, encode, wire, lean)
+        wired = Wired(body, raw, lambda sent: None if sent is chat else wire.write(body, view, sent["messages"]))
+        return await self.exchange(request, chat, wired, wire, lean)
 
     async def exchange(
-        self, request: Request, body: dict[str, Any], encode: Callable[[dict[str, Any]], bytes], wire: Wire,
-        lean: Lean = UNLEANED,
-    ) -> Response:  # fmt: skip
-        """Shrink a chat-shaped ``body``, send it (``encode`` writes it in the request's own wire format) and
+        self, request: Request, body: dict[str, Any], wired: Wired, wire: Wire, lean: Lean = UNLEANED
+    ) -> Response:
+        """Shrink a chat-shaped ``body``, send it (``wired`` writes it in the request's own wire format) and
         retry once, strictly smaller, after a length refusal. When something was folded away, the model is
-        offered the recall tool (:meth:`recalled`)."""
-        authorization, caller = request.headers.get("authorization"), caller_of(request.headers)
-        url = self.config.target(request.url.path, request.url.query)
-        headers = _forward_headers(request.headers, self.config, chat=True)
-        sent, report = await self.shrunk(body, authorization, None, caller)
+        offered the recall tool (:meth:`recalled`). What is in proportion to the request's size runs in a worker
+        thread when the request is large (:func:`context_shrink.off_loop`)."""
+        authorization, caller, size = request.headers.get("authorization"), caller_of(request.headers), len(wired.raw)
+        url, headers = self.config.target(request.url.path, request.url.query), _forward_headers(
+            request.headers, self.config, chat=True)  # fmt: skip
+        conversation = await off_loop(size, lambda: conversation_id(body["messages"]) if body["messages"] else None)
+        await self.state.fresh()
+        sent, report = await self.shrunk(body, authorization, None, caller, size)
         report.lean = lean.said
         upstream: httpx2.Response | None = None
         try:
             for attempt in range(2):
-                content = encode(sent)
-                recall = self.recall_room(body, sent, report, lean.recallable)
-                if recall:
-                    content = _encode(wire.with_tool(json.loads(content)))
-                    report.offered = self.recall_cost(wire, (model_of(body), report.estimated_as))
+                payload, content, recall = await self.outgoing(body, sent, report, wired, wire, lean)
                 upstream = await self.open_upstream("POST", url, headers, content)
                 if upstream.status_code < 400 or attempt:
                     break
-                retry = await self.after_refusal(upstream, body, sent, report, authorization, caller)
+                retry = await self.after_refusal(upstream, body, sent, report, authorization, caller, size)
                 if isinstance(retry, Response):
-                    return self.finish(body, report, retry)
+                    return await self.finish(body, report, retry, conversation)
                 sent, report = retry
             if recall and upstream.status_code < 400:
+                exchange = Exchange(wire, payload or wired.body, url, headers, body.get("stream") is True,
+                                    [m for m in body["messages"] if m.get("tool_calls")], lean.whole)  # fmt: skip
                 folded = [*await self.recall_source(body, sent, report), *lean.system]  # and the prompt outlined
-                calls = [m for m in body["messages"] if m.get("tool_calls")]
-                exchange = Exchange(wire, json.loads(content), url, headers, body.get("stream") is True, calls,
-                                    lean.whole)  # fmt: skip
                 upstream = await self.recalled(upstream, exchange, folded, recall, report)
-            if body["messages"]:  # what the server's prompt cache can keep of what was sent
-                conversation = conversation_id(body["messages"])
-                report.repeated = await off_loop(
-                    len(content), lambda: self.state.stats.repeated(conversation, sent["messages"])
-                )
-            return self.finish(body, report, await self.deliver(upstream, body, sent, report, wire))
+            report.repeated = await self.repeated(conversation, sent, size)
+            response = await self.deliver(upstream, body, sent, report, wire)
+            return await self.finish(body, report, response, conversation)
         except BaseException as exc:  # the upstream's reply is closed on every path: the pool keeps its room
             if upstream is not None:
                 with anyio.CancelScope(shield=True):
                     await upstream.aclose()
             if isinstance(exc, ContextShrinkError):  # the endpoint answers with a 502
-                self.count(body, report, 502)
+                self.count(body, report, 502, conversation)
             raise
 
-    def finish(self, body: dict[str, Any], report: ProxyReport, response: Response) -> Response:
-        self.count(body, report, response.status_code)
+    async def repeated(self, conversation: str | None, sent: dict[str, Any], size: int) -> float | None:
+        """What the server's prompt cache can keep of what was sent (:meth:`ProxyStats.repeated`)."""
+        if conversation is None:
+            return None
+        return await off_loop(size, lambda: self.state.stats.repeated(conversation, sent["messages"]))
+
+    async def outgoing(
+        self, body: dict[str, Any], sent: dict[str, Any], report: ProxyReport, wired: Wired, wire: Wire, lean: Lean
+    ) -> tuple[dict[str, Any] | None, bytes, int]:
+        """What goes upstream for the chat request ``sent``: its body in the wire's format (None: as it came), its
+        bytes, and the room a recall may take (0: the recall tool is not offered)."""
+        size = len(wired.raw)
+        payload = await off_loop(size, functools.partial(wired.written, sent))
+        recall = self.recall_room(body, sent, report, lean.recallable)
+        if recall:
+            payload = wire.with_tool(wired.body if payload is None else payload)
+            report.offered = self.recall_cost(wire, (model_of(body), report.estimated_as))
+        content = wired.raw if payload is None else await off_loop(size, functools.partial(_encode, payload))
+        return payload, content, recall
+
+    async def finish(
+        self, body: dict[str, Any], report: ProxyReport, response: Response, conversation: str | None
+    ) -> Response:
+        """The response, once the request is counted and what it learnt has reached the store (a replica serving
+        the next request sees it)."""
+        self.count(body, report, response.status_code, conversation)
+        await self.state.settled()
         return response
 
-    def count(self, body: dict[str, Any], report: ProxyReport, status: int) -> None:
-        """Count a chat request in the stats and log it, one line, whatever happened to it."""
+    def count(self, body: dict[str, Any], report: ProxyReport, status: int, conversation: str | None) -> None:
+        """Count a chat request in the stats (under its ``conversation``) and log it, one line, whatever happened
+        to it."""
         model = model_of(body)
-        conversation = conversation_id(body["messages"]) if body["messages"] else None
         self.state.stats.record(model, conversation, report, status)
         log.info("proxy: %s %s status=%s", model, report.header(), status)
 
     async def shrunk(
-        self, body: dict[str, Any], authorization: str | None, window: int | None, caller: str
+        self, body: dict[str, Any], authorization: str | None, window: int | None, caller: str, size: int
     ) -> tuple[dict[str, Any], ProxyReport]:
         """:func:`shrink_request`, failing open: the original goes out, and the log says why."""
         try:
-            return await shrink_request(self.state, body, authorization, window, caller)
+            return await shrink_request(self.state, body, authorization, window, caller, size)
         except ContextShrinkError as exc:  # its words may quote the client's body: for that client alone
             log.warning("proxy: not shrunk, forwarded as is: %s", exc)
             return body, ProxyReport(
@@ -1453,6 +1535,7 @@ class ProxyFront:
         report: ProxyReport,
         authorization: str | None,
         caller: str,
+        size: int,
     ) -> Response | tuple[dict[str, Any], ProxyReport]:
         """After an upstream error: a strictly smaller request to retry with, when it refused for length and
         one can be made; else the reply for the client (the upstream's answer)."""
@@ -1466,7 +1549,7 @@ class ProxyFront:
         estimate = report.tokens_after or count_messages(validate_messages(body["messages"]), st.tokenizer)[1]
         reported = await self.reported_window(model_of(body), authorization)
         limit, refused = st.learn_refusal(model_of(body), overflow, report, estimate, reported)
-        retry, retried = await self.shrunk(body, authorization, limit, caller) if limit else (sent, report)
+        retry, retried = await self.shrunk(body, authorization, limit, caller, size) if limit else (sent, report)
         if retry is sent or (retried.tokens_after or refused) >= refused:  # it would be refused again
             log.warning("proxy: %s refused the request for length (window %s); nothing smaller to send",
                         self.config.shown, limit)  # fmt: skip
@@ -1567,7 +1650,7 @@ class ProxyFront:
 
         results, used = await anyio.to_thread.run_sync(answers)
         report.recalled = (report.recalled or 0) + len(asked)
-        log.info("proxy: the model recalled %s", ", ".join(repr(c.query()) for c in asked))
+        log.info("proxy: the model recalled %s", ", ".join(repr(one_line(c.query(), 120)) for c in asked))
         body = exchange.wire.answered(body, asked, results)
         report.appended += used
         if round_ == RECALL_ROUNDS - 1:  # the last ask: the tool is not offered again (with_tool put it last)
@@ -1756,7 +1839,7 @@ class CutResponse(StreamingResponse):
 
 
 def _encode(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False).encode()
+    return json_bytes(body)  # a large body an element at a time: another thread gets in between
 
 
 async def _chained(head: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -2089,7 +2172,9 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
     serve_http(build_proxy(config, tokenizer), config.host, config.port, timeouts, announce)
 
 
-SWITCH_INTERVAL = 0.0005  # seconds a thread holds the GIL before another may take it (CPython's default: 0.005)
+SWITCH_INTERVAL = 0.0001  # seconds a thread holds the GIL before another may take it (CPython's default: 0.005)
+GC_THRESHOLDS = (10_000, 50, 100)  # the collector's (CPython's: 700, 10, 10): a 100,000-message request made it walk
+# every object 17 times for 25-52 ms each (the GIL held), stalling the small requests served beside it; now 3
 
 
 def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], announce: str) -> None:
@@ -2097,8 +2182,10 @@ def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], an
     connection) on ``host:port``, bound before ``announce`` (its ``{}`` is the address) is logged: a taken port
     raises :class:`OSError` before anything claims to serve. The event loop waits for the GIL at most
     :data:`SWITCH_INTERVAL` while a large request is shrunk in a worker thread (at the default 5 ms, a small
-    request served beside it waited that long at every step: ~100 ms instead of ~5)."""
+    request served beside it waited that long at every step: ~100 ms instead of ~5), and the collector walks every
+    object less often (:data:`GC_THRESHOLDS`)."""
     sys.setswitchinterval(SWITCH_INTERVAL)
+    gc.set_threshold(*GC_THRESHOLDS)
     server = uvicorn.Server(listening(app, host, port, *timeouts))
     listener = bound_listener(host, port)
     log.info(announce.replace("{}", f"{host}:{listener.getsockname()[1]}", 1))
@@ -2370,7 +2457,7 @@ def _serve(served: ServeConfig, config: Config) -> int:
     store = None
     try:
         if served.proxy is not None:
-            store = open_store(served.proxy.state, served.proxy.namespace)
+            store = open_store(served.proxy.state, served.proxy.namespace, mirrored=True)
             config = dataclasses.replace(config, state=served.proxy.state, namespace=served.proxy.namespace)
         tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
         run_serve(served, build_server(config, store), tokenizer, store)

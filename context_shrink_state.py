@@ -10,8 +10,10 @@ from __future__ import annotations
 
 __all__ = [
     "ARCHIVE_FIELDS",
+    "ARCHIVE_TERMS",
     "TYPED",
     "MemoryStore",
+    "MirroredStore",
     "RedisStore",
     "SqliteStore",
     "archive_entries",
@@ -19,12 +21,14 @@ __all__ = [
     "conversation_id",
     "default_state_path",
     "folded_away",
+    "fts_query",
     "message_hash",
     "open_store",
     "read_archive",
 ]
 
 
+import collections
 import contextlib
 import hashlib
 import importlib.metadata
@@ -185,16 +189,20 @@ def archive_words(text: str) -> list[str]:
     return ARCHIVE_WORD.findall("".join(c for c in folded if not unicodedata.combining(c)))
 
 
+ARCHIVE_TERMS = 32  # a query's distinct terms searched for, at most (each is a pass over the index)
+
+
 def archive_terms(query: str) -> list[tuple[tuple[str, ...], bool]]:
-    """A query's terms: each a phrase (its words) and whether its last word is a prefix. A clear error when
-    it holds no word."""
-    terms = []
+    """A query's terms: each a phrase (its words) and whether its last word is a prefix; each term once, the first
+    :data:`ARCHIVE_TERMS` of them (400 terms, prefixes repeated, took FTS5 10-15 s). A clear error when it holds no
+    word."""
+    terms: dict[tuple[tuple[str, ...], bool], None] = {}
     for quoted, star, bare in re.findall(r'"([^"]*)"(\*?)|(\S+)', query):
         if words := tuple(archive_words(quoted or bare)):
-            terms.append((words, bool(star) if quoted else bare.endswith("*")))
+            terms[words, bool(star) if quoted else bare.endswith("*")] = None
     if not terms:
         raise ContextShrinkError("query must hold a word, a phrase or an id from the archive")
-    return terms
+    return list(terms)[:ARCHIVE_TERMS]
 
 
 def fts_query(query: str) -> str:
@@ -222,6 +230,7 @@ STATE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (ns TEXT NOT NULL, tbl TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL,
   size INTEGER NOT NULL, at REAL NOT NULL, PRIMARY KEY (ns, tbl, key)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS kv_at ON kv (ns, tbl, at, size);
+CREATE INDEX IF NOT EXISTS kv_written ON kv (ns, at);
 CREATE TABLE IF NOT EXISTS lease (ns TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL, until REAL NOT NULL,
   PRIMARY KEY (ns, key)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS archive (id INTEGER PRIMARY KEY, ns TEXT NOT NULL, conversation TEXT NOT NULL,
@@ -253,6 +262,12 @@ class SqliteStore:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(STATE_SCHEMA + f"CREATE VIRTUAL TABLE IF NOT EXISTS {self.fts} USING fts5(words, "
                               "conversation UNINDEXED, tokenize='unicode61 remove_diacritics 0');")  # fmt: skip
+        # A file's reads (searches, what changed) have a connection of their own: in WAL mode they never wait for a
+        # write, this process's or another's (a writer holding SQLite's lock, a long search).
+        self.reading, self.reader = self.held, self.db
+        if path is not None:
+            self.reading = threading.Lock()
+            self.reader = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
 
     def _value(self, table: str, key: str) -> Any:
         """A table's value (the caller holds the lock)."""
@@ -279,6 +294,9 @@ class SqliteStore:
                 found.update(self.db.execute(f"SELECT key, value FROM kv WHERE ns = ? AND tbl = ? AND key IN "
                                              f"({','.join('?' * len(part))})", (self.ns, table, *part)))  # fmt: skip
         return next(((k, json.loads(found[key])) for k, key in enumerate(keys) if key in found), (-1, None))
+
+    def latest(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        return self.first(table, keys)
 
     def put(self, table: str, key: str, value: Any) -> None:
         with self.held:
@@ -357,7 +375,8 @@ class SqliteStore:
                     written += 1
                     db.execute(f"INSERT INTO {self.fts} (rowid, words, conversation) VALUES (?, ?, ?)",
                                (cursor.lastrowid, words, e["conversation"]))  # fmt: skip
-            self._prune(max_bytes, time.time() - max_days * 86400)
+            if math.isfinite(max_days) or max_bytes < 1 << 62:  # unbounded: a chunk before the last (MirroredStore)
+                self._prune(max_bytes, time.time() - max_days * 86400)
         return written
 
     def _prune(self, max_bytes: int, cutoff: float) -> None:
@@ -394,20 +413,32 @@ class SqliteStore:
                                                              "? AND hash = ?", (self.ns, c, h))]  # fmt: skip
             self._remove(ids)
 
+    def changed(self, since: float, known: Mapping[tuple[str, str], float]) -> list[tuple[str, str, Any, float]]:
+        """Every table row written after ``since`` (seconds since the epoch) but those ``known`` as written then,
+        oldest first: ``(table, key, value, when)``."""
+        with self.reading:
+            rows = self.reader.execute("SELECT tbl, key, at FROM kv WHERE ns = ? AND at > ? ORDER BY at",
+                                       (self.ns, since)).fetchall()  # fmt: skip
+            new = [(table, key, at) for table, key, at in rows if known.get((table, key)) != at]
+            values = [self.reader.execute("SELECT value FROM kv WHERE ns = ? AND tbl = ? AND key = ?",
+                                          (self.ns, table, key)).fetchone() for table, key, _ in new]  # fmt: skip
+        return [(table, key, json.loads(value[0]), at) for (table, key, at), value in zip(new, values, strict=True)
+                if value is not None]  # fmt: skip
+
     def found(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
         """How many messages were searched, and the best ``limit`` entries as archived."""
         mine = "" if conversation is None else " AND conversation = ?"
         scope = (self.ns,) if conversation is None else (self.ns, conversation)
-        with self.held:
-            (searched,) = self.db.execute(f"SELECT count(*) FROM archive WHERE ns = ?{mine}", scope).fetchone()
+        with self.reading:
+            (searched,) = self.reader.execute(f"SELECT count(*) FROM archive WHERE ns = ?{mine}", scope).fetchone()
             if is_entry_id(query):
                 start = query.strip()
-                rows = self.db.execute(f"SELECT entry FROM archive WHERE ns = ?{mine} AND hash >= ? AND hash < ? "
-                                       "ORDER BY time DESC, id DESC LIMIT ?", (*scope, start, start + "g",
-                                                                              limit)).fetchall()  # fmt: skip
+                rows = self.reader.execute(f"SELECT entry FROM archive WHERE ns = ?{mine} AND hash >= ? AND hash < ? "
+                                           "ORDER BY time DESC, id DESC LIMIT ?", (*scope, start, start + "g",
+                                                                                  limit)).fetchall()  # fmt: skip
                 if rows:
                     return searched, [json.loads(r[0]) for r in rows]
-            rows = self.db.execute(
+            rows = self.reader.execute(
                 f"SELECT a.entry FROM {self.fts} f JOIN archive a ON a.id = f.rowid WHERE {self.fts} MATCH ?"
                 + ("" if conversation is None else " AND f.conversation = ?")
                 + " ORDER BY f.rank, a.time DESC, a.id DESC LIMIT ?",
@@ -422,6 +453,9 @@ class SqliteStore:
     def close(self) -> None:
         with self.held:
             self.db.close()
+        if self.reader is not self.db:
+            with self.reading:
+                self.reader.close()
 
 
 class MemoryStore(MemoryTables):
@@ -440,6 +474,14 @@ class MemoryStore(MemoryTables):
 
     def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
         return self.index.search(query, conversation, limit)
+
+    def changed(self, since: float, known: Mapping[tuple[str, str], float]) -> list[tuple[str, str, Any, float]]:
+        """Every table row written after ``since`` but those ``known`` as written then, oldest first: ``(table, key,
+        value, when)``."""
+        with self.held:
+            rows = [(t, k, text, at) for t, kept in self.tables.items() for k, (text, at, _) in kept.items()
+                    if at > since and known.get((t, k)) != at]  # fmt: skip
+        return [(t, k, json.loads(text), at) for t, k, text, at in sorted(rows, key=lambda row: row[3])]
 
     def close(self) -> None:
         self.index.close()
@@ -536,6 +578,9 @@ class RedisStore:
         values = self.server.hmget(self._keys(table)[0], list(keys)) if keys else []
         return next(((k, json.loads(v)) for k, v in enumerate(values) if v is not None), (-1, None))
 
+    def latest(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        return self.first(table, keys)
+
     def put(self, table: str, key: str, value: Any) -> None:
         self._write(table, key, json.dumps(value, ensure_ascii=False, default=str), "put")
 
@@ -552,6 +597,19 @@ class RedisStore:
 
     def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
         self._write(table, key, json.dumps(dict(counts)), "add")
+
+    def changed(self, since: float, known: Mapping[tuple[str, str], float]) -> list[tuple[str, str, Any, float]]:
+        """Every table row written after ``since`` but those ``known`` as written then, oldest first: ``(table, key,
+        value, when)``."""
+        tables, pipe = list(STATE_TABLES), self.server.pipeline(transaction=False)
+        for table in tables:
+            pipe.zrangebyscore(self._keys(table)[1], f"({since}", "+inf", withscores=True)
+        rows = []
+        for table, written in zip(tables, pipe.execute(), strict=True):
+            new = [(k, at) for k, at in written if known.get((table, k)) != at]
+            values = self._values(table, [k for k, _ in new]) if new else []
+            rows += [(table, k, json.loads(v), at) for (k, at), v in zip(new, values, strict=True) if v is not None]
+        return sorted(rows, key=lambda row: row[3])
 
     def claim(self, key: str, seconds: float) -> bool:
         return bool(self.server.set(f"{self.prefix}lease:{key}", self.owner, nx=True, px=int(seconds * 1000)))
@@ -653,6 +711,9 @@ class FallbackStore:
     def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
         return self._call("first", table, keys)
 
+    def latest(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        return self._call("latest", table, keys)
+
     def put(self, table: str, key: str, value: Any) -> None:
         self._call("put", table, key, value)
 
@@ -677,24 +738,297 @@ class FallbackStore:
     def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
         return self._call("search", query, conversation, limit)
 
+    def changed(self, since: float, known: Mapping[tuple[str, str], float]) -> list[tuple[str, str, Any, float]]:
+        return self._call("changed", since, known)
+
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
         self.memory.close()
 
 
-def open_store(spec: str | None, namespace: str = "default", environ: Mapping[str, str] | None = None) -> Store:
+SYNC_SECONDS = 0.5  # how often the mirror reads what other processes wrote to the store (and at each request)
+SYNC_OVERLAP = 2.0  # seconds of writes read again each time (another machine's clock may lag a little)
+WRITES_MOST = 50_000  # writes waiting for the store at most: beyond, the newest learnt values are not kept there
+ARCHIVE_WAITING_BYTES = 64 << 20  # and messages waiting to be archived, at most
+ARCHIVE_CHUNK = 32 << 10  # bytes of messages archived in one transaction: a request's learnt values wait no longer
+ARCHIVE_CHUNK_ROWS = 64  # and messages (each is indexed: ~0.05 ms)
+STORE_WAIT = 2.0  # seconds a lease, a fresh read or a search waits for the store before it goes on without
+APPLIED_MOST = 20_000  # rows the mirror remembers having read (their write times): those it does not are read again
+SETTLE_SECONDS = 0.05  # seconds a request waits for what it learnt to reach the store (when the store keeps up)
+
+
+class Writer:
+    """Two lines of writes to a store, applied in order by one thread: the first line's (``urgent``: learnt
+    values) always before the second's (the archive's, a chunk at a time: a value waits for one chunk at most).
+    ``mark`` is a place in a line (an event set when the writes before it in that line are done)."""
+
+    def __init__(self, name: str, apply: Callable[[str, tuple[Any, ...]], None]) -> None:
+        self.apply, self.held = apply, threading.Condition()
+        self.lines: tuple[collections.deque[tuple[str, tuple[Any, ...]]], ...] = (collections.deque(),
+                                                                                 collections.deque())  # fmt: skip
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, name=f"context-shrink {name}", daemon=True)
+        self.thread.start()
+
+    def waiting(self, urgent: bool = True) -> int:
+        return len(self.lines[0 if urgent else 1])
+
+    def put(self, kind: str, *args: Any, urgent: bool = True) -> None:
+        with self.held:
+            self.lines[0 if urgent else 1].append((kind, args))
+            self.held.notify_all()
+
+    def mark(self, urgent: bool = True) -> threading.Event:
+        reached = threading.Event()
+        self.put("mark", reached, urgent=urgent)
+        return reached
+
+    def close(self, seconds: float) -> None:
+        with self.held:
+            self.closing = True
+            self.held.notify_all()
+        self.thread.join(seconds)
+
+    def _run(self) -> None:
+        while True:
+            with self.held:
+                while not any(self.lines) and not self.closing:
+                    self.held.wait()
+                if not any(self.lines):
+                    return
+                kind, args = (self.lines[0] or self.lines[1]).popleft()
+            if kind == "mark":
+                args[0].set()
+            else:
+                self.apply(kind, args)
+
+
+class MirroredStore:
+    """The store as the proxy's request path sees it: every read from memory (a mirror of the store), every write
+    to the mirror at once and to the store by writer threads, in order: so a store that is slow, locked by another
+    process or unreachable never holds up the event loop, and nothing of it runs there. The mirror reads what other
+    processes wrote (:meth:`sync`) every :data:`SYNC_SECONDS` and when a request begins (:meth:`refresh`, waited for
+    at most :data:`SETTLE_SECONDS`); a request waits for what it learnt to reach the store when it ends
+    (:meth:`settle`, as long at most, and not at all while the store is behind): a replica serving the next request
+    sees it.
+    Learnt values and the archive have a line each, one writer for both, the values first (a large archive, written
+    :data:`ARCHIVE_CHUNK` bytes or :data:`ARCHIVE_CHUNK_ROWS` messages at a time, never holds them up long). A
+    lease (``claim``) and a fresh read (``latest``) ask the store itself, at most :data:`STORE_WAIT` seconds; a lease
+    held brings the mirror up to date first (a summary another replica filed before it let the lease go is seen);
+    ``release`` waits in line behind the writes before it, ``search`` for the archive's. ``close`` writes what is
+    waiting first."""
+
+    errors: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, inner: Store) -> None:
+        self.inner, self.name = inner, inner.name
+        self.mirror = MemoryTables()
+        self.held = threading.Lock()
+        self.pending: collections.Counter[tuple[str, str]] = collections.Counter()  # writes waiting, by key
+        self.added: dict[tuple[str, str], dict[str, float]] = {}  # counters added that the store has not yet
+        self.waiting_bytes, self.dropped, self.seen, self.behind = 0, 0, 0.0, False
+        self.applied: dict[tuple[str, str], float] = {}  # what was read, as written when: not read again
+        self.syncing: threading.Event | None = None  # a refresh under way (set when done)
+        self.sync()  # the whole store, once
+        self.writer = Writer("store writer", self._write)
+        self.closing = threading.Event()
+        self.syncer = threading.Thread(target=self._syncs, name="context-shrink store sync", daemon=True)
+        self.syncer.start()
+
+    @property
+    def down(self) -> str | None:
+        return self.inner.down
+
+    def get(self, table: str, key: str) -> Any:
+        return self.mirror.get(table, key)
+
+    def first(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        return self.mirror.first(table, keys)
+
+    def items(self, table: str) -> list[tuple[str, Any]]:
+        return self.mirror.items(table)
+
+    def latest(self, table: str, keys: Sequence[str]) -> tuple[int, Any]:
+        answer = self._asked(lambda: self.inner.latest(table, keys))
+        return self.mirror.first(table, keys) if answer is None else answer
+
+    def put(self, table: str, key: str, value: Any) -> None:
+        self.mirror.put(table, key, value)
+        self._queue("put", table, key, value)
+
+    def delete(self, table: str, key: str) -> None:
+        self.mirror.delete(table, key)
+        self._queue("delete", table, key)
+
+    def add(self, table: str, key: str, counts: Mapping[str, float]) -> None:
+        with self.held:
+            self.mirror.add(table, key, counts)
+            added = self.added.setdefault((table, key), {})
+            for name, n in counts.items():
+                added[name] = added.get(name, 0) + n
+        self._queue("add", table, key, dict(counts))
+
+    def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int:
+        chunks: list[list[Mapping[str, Any]]] = [[]]
+        size = 0
+        for entry in entries:  # in transactions of ARCHIVE_CHUNK bytes: the learnt values' line waits for no more
+            if chunks[-1] and (size >= ARCHIVE_CHUNK or len(chunks[-1]) >= ARCHIVE_CHUNK_ROWS):
+                chunks.append([])
+                size = 0
+            chunks[-1].append(entry)
+            size += int(entry.get("size") or 0)
+        for k, chunk in enumerate(chunks):  # the bounds kept once, with the last chunk
+            bounds = (max_bytes, max_days) if k == len(chunks) - 1 else (1 << 62, math.inf)
+            self._queue("archive", chunk, *bounds)
+        return len(entries)
+
+    def claim(self, key: str, seconds: float) -> bool:
+        if (held := self._asked(lambda: self.inner.claim(key, seconds))) is None:  # slow or locked: a lease is a
+            log.info("state: %s did not answer a lease in %g s; going on without it", self.name, STORE_WAIT)
+            return True  # courtesy between replicas, made here
+        if held:
+            self.sync()
+        return held
+
+    def release(self, key: str) -> None:
+        self.writer.put("release", key)
+
+    def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        self.writer.mark(urgent=False).wait(STORE_WAIT)
+        return self.inner.search(query, conversation, limit)
+
+    def refresh(self) -> bool:
+        """What other processes wrote, read into the mirror before a request is fitted: one :meth:`sync` at a time,
+        waited for at most :data:`SETTLE_SECONDS` (a store that is slow or stopped is read in the background, and
+        the request goes on with the mirror as it is); whether it was read."""
+        with self.held:
+            if self.syncing is None or self.syncing.is_set():
+                self.syncing = threading.Event()
+                threading.Thread(target=self._synced, args=(self.syncing,), name="context-shrink store refresh",
+                                 daemon=True).start()  # fmt: skip
+            syncing = self.syncing
+        return syncing.wait(SETTLE_SECONDS)
+
+    def _synced(self, done: threading.Event) -> None:
+        try:
+            self.sync()
+        finally:
+            done.set()
+
+    def settle(self) -> bool:
+        """Wait for the learnt values waiting now to reach the store, at most :data:`SETTLE_SECONDS` (not at all
+        while the store is behind: once it missed, until it catches up); whether they did."""
+        if self.behind:
+            return False
+        self.behind = not self.writer.mark().wait(SETTLE_SECONDS)
+        if self.behind:
+            log.info("state: %s is behind (%d writes waiting); requests no longer wait for it", self.name,
+                     self.writer.waiting())  # fmt: skip
+            self.writer.put("caught up")
+        return not self.behind
+
+    def close(self) -> None:
+        waiting = [self.writer.mark(urgent) for urgent in (True, False)]
+        if not all(event.wait(10.0) for event in waiting):
+            log.warning("state: %s did not take what was waiting in 10 s: %d write(s) not kept", self.name,
+                        self.writer.waiting() + self.writer.waiting(urgent=False))  # fmt: skip
+        self.closing.set()
+        self.writer.close(5.0)
+        self.syncer.join(5.0)
+        self.inner.close()
+
+    def _asked(self, ask: Callable[[], Any]) -> Any:
+        """What the store answers ``ask`` within :data:`STORE_WAIT` seconds, else None (it goes on alone)."""
+        answer: list[Any] = []
+        asking = threading.Thread(target=lambda: answer.append(ask()), daemon=True)
+        asking.start()
+        asking.join(STORE_WAIT)
+        return answer[0] if answer else None
+
+    def _queue(self, kind: str, *args: Any) -> None:
+        size = sum(int(e.get("size") or 0) for e in args[0]) if kind == "archive" else 0
+        urgent = kind != "archive"
+        with self.held:
+            waiting = self.writer.waiting(urgent)
+            if waiting >= WRITES_MOST or self.waiting_bytes + size > ARCHIVE_WAITING_BYTES:
+                self.dropped += 1
+                if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
+                    log.warning("state: %s is %d writes behind: %d write(s) kept in this process only", self.name,
+                                waiting, self.dropped)  # fmt: skip
+                return
+            self.waiting_bytes += size
+            if kind in ("put", "delete", "add"):
+                self.pending[args[0], args[1]] += 1
+        self.writer.put(kind, *args, urgent=urgent)
+
+    def _write(self, kind: str, args: tuple[Any, ...]) -> None:
+        """One write reaching the store (a writer's thread), and what it leaves waiting."""
+        try:
+            if kind == "caught up":
+                self.behind = False
+            else:
+                getattr(self.inner, kind)(*args)
+        except Exception as exc:  # the store's own failures are its fallback's (memory); anything else: said
+            log.warning("state: a write to %s failed (%s: %s)", self.name, type(exc).__name__, exc)
+        with self.held:
+            if kind == "archive":
+                self.waiting_bytes -= sum(int(e.get("size") or 0) for e in args[0])
+            if kind not in ("put", "delete", "add"):
+                return
+            key = (args[0], args[1])
+            self.pending[key] -= 1
+            if kind == "add":
+                added = self.added.get(key, {})
+                for name, n in args[2].items():
+                    added[name] = added.get(name, 0) - n
+            if self.pending[key] <= 0:
+                del self.pending[key]
+                self.added.pop(key, None)
+
+    def _syncs(self) -> None:
+        """The sync thread: what other processes wrote, read into the mirror every :data:`SYNC_SECONDS`."""
+        while not self.closing.wait(SYNC_SECONDS):
+            self.sync()
+
+    def sync(self) -> None:
+        """Read what the store holds that was written since the last time (everything, the first time) into the
+        mirror, but the values this process wrote that the store does not hold yet; counters with what this
+        process added that the store does not hold yet."""
+        try:
+            rows = self.inner.changed(self.seen - SYNC_OVERLAP if self.seen else 0.0, dict(self.applied))
+        except Exception as exc:  # a store's own failures are its fallback's: anything else is said, and retried
+            log.warning("state: reading what changed in %s failed (%s: %s)", self.name, type(exc).__name__, exc)
+            return
+        with self.held:
+            for table, key, value, at in rows:
+                self.seen, self.applied[table, key] = max(self.seen, at), at
+                while len(self.applied) > APPLIED_MOST:
+                    self.applied.pop(next(iter(self.applied)))
+                if table not in STATE_TABLES or ((table, key) in self.pending and (table, key) not in self.added):
+                    continue
+                if (added := self.added.get((table, key))) and isinstance(value, dict):
+                    value = {**value, **{n: value.get(n, 0) + k for n, k in added.items()}}
+                self.mirror.put(table, key, value)
+
+
+def open_store(
+    spec: str | None, namespace: str = "default", environ: Mapping[str, str] | None = None, mirrored: bool = False
+) -> Store:
     """The store ``spec`` names (:meth:`Settings.state`; None: SQLite in the default place), kept serving from
-    memory while it is unreachable (:class:`FallbackStore`); ``memory`` is memory alone."""
+    memory while it is unreachable (:class:`FallbackStore`); ``memory`` is memory alone. ``mirrored``: read and
+    written in memory, the store kept up to date behind (:class:`MirroredStore`: the proxy's request path)."""
     spec = spec or f"sqlite:{default_state_path(environ)}"
     if spec == "memory":
         return MemoryStore()
     if spec.startswith("sqlite:"):
         path = Path(spec[len("sqlite:") :]).expanduser()
-        return FallbackStore(f"sqlite:{path}", lambda: SqliteStore(path, namespace))
-    if importlib.util.find_spec("redis") is None:
+        store: Store = FallbackStore(f"sqlite:{path}", lambda: SqliteStore(path, namespace))
+    elif importlib.util.find_spec("redis") is None:
         raise ContextShrinkError("--state redis://... needs the redis client: pip install 'context-shrink-mcp[redis]'")
-    return FallbackStore(redis_name(spec), lambda: RedisStore(spec, namespace))
+    else:
+        store = FallbackStore(redis_name(spec), lambda: RedisStore(spec, namespace))
+    return MirroredStore(store) if mirrored else store
 
 
 IMPORT_BATCH = 10_000  # messages of an earlier JSONL archive written to the store at a time (progress between)

@@ -89,22 +89,30 @@ def served_llama(model: Path, **options: Any) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def redis_server(folder: Path) -> Iterator[str]:
-    """A real ``redis-server`` (Debian's package; ``.ci/run`` installs it), yielding its URL. Outside CI a
-    machine without one skips, saying so."""
+def redis_server(folder: Path) -> Iterator[tuple[str, Any]]:
+    """A real ``redis-server`` (Debian's package; ``.ci/run`` installs it), yielding its URL and its process. Outside
+    CI a machine without one skips, saying so."""
     if shutil.which("redis-server") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("CI must run the replica tests on a real redis-server: apt-get install redis-server")
         pytest.skip("no redis-server on this machine (apt-get install redis-server)")
     pytest.importorskip("redis", reason="the redis client (the redis extra) is not installed")
-    from redis_helper import started_redis
+    from redis_helper import redis_process
 
-    with started_redis(folder) as url:
-        yield url
+    with redis_process(folder) as found:
+        yield found
 
 
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     """A fresh real redis-server for one test."""
-    with redis_server(tmp_path) as url:
+    with redis_server(tmp_path) as (url, _):
         yield url
+
+
+@pytest.fixture
+def redis_and_process(tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    """A fresh real redis-server for one test, and its process (to stop it in the middle)."""
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis") as found:
+        yield found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -14,6 +15,13 @@ from pathlib import Path
 @contextlib.contextmanager
 def started_redis(folder: Path) -> Iterator[str]:
     """``redis-server`` from the PATH, its files in ``folder``, until the block ends; yields its URL."""
+    with redis_process(folder) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def redis_process(folder: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`started_redis`, and its process (to stop it, or freeze it, in the middle of a test)."""
     found = shutil.which("redis-server")
     if found is None:
         raise RuntimeError("no redis-server on this machine (apt-get install redis-server)")
@@ -31,7 +39,9 @@ def started_redis(folder: Path) -> Iterator[str]:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start (exit {process.poll()})")
             time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield f"redis://127.0.0.1:{port}/0", process
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGCONT)  # a frozen one ends too
         process.terminate()
         process.wait(timeout=10)

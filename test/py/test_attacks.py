@@ -193,7 +193,7 @@ def test_a_deeply_nested_messages_file_is_a_clear_error(depth: int, tmp_path: Pa
 
 JSON_WE_WROTE = {  # (module, function): the only places json.loads reads text directly
     ("context_shrink", "json_or"),  # the one reader of JSON someone else wrote: no exception escapes it
-    ("context_shrink", "parsed.read"),  # a request body: its callers relay it, saying it is nested too deeply
+    ("context_shrink", "read_json"),  # a request body: its callers relay it, saying it is nested too deeply
     ("context_shrink", "load_messages_file"),  # a messages file: a named error for each way it cannot be read
     ("context_shrink", "read_jsonl_lines"),
     ("context_shrink", "StoredTable.__iter__"),  # a store's keys and values, as the store wrote them
@@ -201,9 +201,12 @@ JSON_WE_WROTE = {  # (module, function): the only places json.loads reads text d
     ("context_shrink", "MemoryTables.first"),
     ("context_shrink", "MemoryTables.items"),
     ("context_shrink_proxy", "ProxyStats.rows"),
-    ("context_shrink_proxy", "ProxyFront.exchange"),  # the body the proxy encoded itself
-    *(("context_shrink_state", f"SqliteStore.{name}") for name in ("_value", "first", "items", "found")),
-    *(("context_shrink_state", f"RedisStore.{name}") for name in ("get", "first", "items", "_catch_up", "search")),
+    ("context_shrink_state", "MemoryStore.changed"),
+    *(("context_shrink_state", f"SqliteStore.{name}") for name in ("_value", "first", "items", "found", "changed")),
+    *(
+        ("context_shrink_state", f"RedisStore.{name}")
+        for name in ("get", "first", "items", "_catch_up", "search", "changed")
+    ),
 }
 
 

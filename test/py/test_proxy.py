@@ -874,12 +874,17 @@ def test_the_repeated_share_is_what_a_prompt_cache_keeps() -> None:
     first = chat_history(4, size=30)
     grown = [*first, {"role": "user", "content": "and now the tests"}]
     before, after = csp.prefix_prints(first), csp.prefix_prints(grown)
-    assert csp.repeated_share(before, after) == round(before[-1][1] / after[-1][1], 4) < 1
+    assert csp.repeated_share(before, after) == round(before[-1][2] / after[-1][2], 4) < 1
     assert csp.repeated_share(before, before) == 1.0 and csp.repeated_share(None, before) is None
     changed = [{**first[0], "content": "another system prompt"}, *first[1:]]
     assert csp.repeated_share(before, csp.prefix_prints(changed)) == 0.0
     cut = [first[0], *first[3:]]  # a cut after the system prompt: only the system prompt is kept
-    assert csp.repeated_share(before, csp.prefix_prints(cut)) == round(before[0][1] / csp.prefix_prints(cut)[-1][1], 4)
+    assert csp.repeated_share(before, csp.prefix_prints(cut)) == round(before[0][2] / csp.prefix_prints(cut)[-1][2], 4)
+    long = chat_history(300, size=5)  # a long request keeps a sample (here every 4th prefix): the share still meets
+    grown_long = [*long, {"role": "user", "content": "go on"}]
+    sampled = csp.prefix_prints(long, most=100), csp.prefix_prints(grown_long, most=100)
+    assert len(sampled[0]) <= 100 + csp.PRINTS_TAIL and csp.repeated_share(*sampled) == csp.repeated_share(
+        csp.prefix_prints(long), csp.prefix_prints(grown_long))  # fmt: skip
 
 
 class ChangingModels(FakeOpenAI):

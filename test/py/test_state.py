@@ -45,7 +45,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[cs.Store]:
         yield opened
         opened.close()
     else:
-        with redis_server(tmp_path) as url:
+        with redis_server(tmp_path) as (url, _):
             opened = cst.RedisStore(url, "test")
             yield opened
             opened.close()
@@ -255,7 +255,7 @@ def test_a_proxy_whose_redis_is_down_keeps_serving_and_says_so(tmp_path: Path) -
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])
 def test_a_restarted_proxy_makes_no_summary_call_again_and_sends_the_same_bytes(tmp_path: Path, kind: str) -> None:
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(redis_server(tmp_path)) if kind == "redis" else None
+        url = stack.enter_context(redis_server(tmp_path))[0] if kind == "redis" else None
         state = f"sqlite:{tmp_path / 'state.sqlite3'}" if url is None else url
         restarted = run_turns("restart", state, tmp_path / "log", 24, 14)
     throughout = run_turns("one", f"sqlite:{tmp_path / 'one.sqlite3'}", tmp_path / "log", 24, 14)
