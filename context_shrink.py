@@ -138,7 +138,6 @@ __all__ = [
     "calibrated",
     "caller_print",
     "canonical_json",
-    "canonical_pieces",
     "check_opened",
     "check_text",
     "clean_summary",
@@ -176,6 +175,7 @@ __all__ = [
     "is_value",
     "json_bytes",
     "json_or",
+    "json_pieces",
     "jsonrpc_id",
     "leading_system",
     "lean_tools",
@@ -2031,18 +2031,19 @@ def api_problems(messages: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def canonical_json(value: Any) -> str:
     """The one hashing recipe: JSON with sorted keys and text as written, so equal values give equal text."""
-    return "".join(canonical_pieces(value))
+    return "".join(json_pieces(value, canonical=True))
 
 
 TEXT_PIECE = 1 << 18  # characters of one text written as JSON at a time (the interpreter's lock is held meanwhile)
 
 
-def canonical_pieces(value: Any) -> Iterator[str]:
-    """:func:`canonical_json`'s text in pieces: a value holding a text over :data:`TEXT_PIECE` characters (a
-    system prompt of megabytes) is written a piece of it at a time, the same text, so that another thread gets in
-    between; any other value in one piece."""
+def json_pieces(value: Any, canonical: bool = False) -> Iterator[str]:
+    """``json.dumps(value, ensure_ascii=False)`` (``canonical``: :func:`canonical_json`'s, keys sorted, any other
+    type as its text) in pieces: a value holding a text over :data:`TEXT_PIECE` characters (a system prompt of
+    megabytes) is written a piece of that text at a time, the same text, so that another thread gets in between;
+    any other value in one piece."""
     if not _holds_long_text(value):
-        yield json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+        yield json.dumps(value, ensure_ascii=False, sort_keys=canonical, default=str if canonical else None)
     elif isinstance(value, str):
         yield '"'
         for start in range(0, len(value), TEXT_PIECE):
@@ -2050,21 +2051,21 @@ def canonical_pieces(value: Any) -> Iterator[str]:
         yield '"'
     elif isinstance(value, dict):
         yield "{"
-        for k, key in enumerate(sorted(value)):
+        for k, key in enumerate(sorted(value) if canonical else value):
             yield (", " if k else "") + json.dumps(key, ensure_ascii=False) + ": "
-            yield from canonical_pieces(value[key])
+            yield from json_pieces(value[key], canonical)
         yield "}"
     else:
         yield "["
         for k, item in enumerate(value):
             yield ", " if k else ""
-            yield from canonical_pieces(item)
+            yield from json_pieces(item, canonical)
         yield "]"
 
 
 def _holds_long_text(value: Any, depth: int = 0) -> bool:
     """Whether ``value`` holds a text over :data:`TEXT_PIECE` characters (in a message's few levels, under string
-    keys: what :func:`canonical_pieces` writes a piece at a time)."""
+    keys: what :func:`json_pieces` writes a piece at a time)."""
     if isinstance(value, str):
         return len(value) > TEXT_PIECE
     if depth > 3:
@@ -2077,7 +2078,7 @@ def _holds_long_text(value: Any, depth: int = 0) -> bool:
 def fingerprint(value: Any) -> str:
     """The SHA-256 hex digest of :func:`canonical_json` (message ids, span and archive hashes, cache keys)."""
     digest = hashlib.sha256()
-    for piece in canonical_pieces(value):
+    for piece in json_pieces(value, canonical=True):
         digest.update(piece.encode())
     return digest.hexdigest()
 
@@ -6081,7 +6082,7 @@ def _json_member(text: str, at: int, out: dict[str, Any]) -> int:
 
 def json_bytes(value: Any) -> bytes:
     """``json.dumps(value, ensure_ascii=False)`` in UTF-8 (the same bytes); a large object's arrays written an
-    element at a time, a text of megabytes a piece at a time (:func:`_json_pieces`)."""
+    element at a time, a text of megabytes a piece at a time (:func:`json_pieces`)."""
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         return json.dumps(value, ensure_ascii=False).encode()
     parts = [b"{"]
@@ -6091,32 +6092,11 @@ def json_bytes(value: Any) -> bytes:
             parts.append(b"[")
             for j, element in enumerate(item):
                 parts += [b", "] if j else []
-                parts += [piece.encode() for piece in _json_pieces(element)]
+                parts += [piece.encode() for piece in json_pieces(element)]
             parts.append(b"]")
         else:
-            parts += [piece.encode() for piece in _json_pieces(item)]
+            parts += [piece.encode() for piece in json_pieces(item)]
     return b"".join([*parts, b"}"])
-
-
-def _json_pieces(value: Any) -> Iterator[str]:
-    """``json.dumps(value, ensure_ascii=False)`` in pieces: a text of megabytes in a message's few levels a piece
-    at a time (as :func:`canonical_pieces`, keys in their order)."""
-    if not _holds_long_text(value):
-        yield json.dumps(value, ensure_ascii=False)
-    elif isinstance(value, str):
-        yield from canonical_pieces(value)
-    elif isinstance(value, dict):
-        yield "{"
-        for k, (key, item) in enumerate(value.items()):
-            yield (", " if k else "") + json.dumps(key, ensure_ascii=False) + ": "
-            yield from _json_pieces(item)
-        yield "}"
-    else:
-        yield "["
-        for k, item in enumerate(value):
-            yield ", " if k else ""
-            yield from _json_pieces(item)
-        yield "]"
 
 
 async def parsed(raw: bytes) -> Any:

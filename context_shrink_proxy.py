@@ -120,13 +120,13 @@ from context_shrink import (
     build_server,
     calibrated,
     caller_print,
-    canonical_pieces,
     count_messages,
     field_at,
     fit_request,
     fixed_tokens,
     json_bytes,
     json_or,
+    json_pieces,
     leading_system,
     lean_tools,
     log,
@@ -263,7 +263,7 @@ def prefix_prints(messages: Sequence[Mapping[str, Any]], most: int = PRINTS_MOST
     chain, size, prints = b"context-shrink prefix", 0, []
     for k, m in enumerate(messages, 1):
         digest = hashlib.sha256(chain)
-        for piece in canonical_pieces(m):  # a message of megabytes a piece at a time
+        for piece in json_pieces(m, canonical=True):  # a message of megabytes a piece at a time
             digest.update(piece.encode())
             size += len(piece)
         chain = digest.digest()
