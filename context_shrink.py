@@ -15,7 +15,8 @@ tools over streamable HTTP (and, with ``--upstream``, the proxy) in one process.
 
 This file is the core and the MCP server; copied alone, it serves the MCP tools. What grew beside it lives in
 companion modules next to it, each importing this one: ``context_shrink_proxy`` (the proxy, ``serve``,
-``doctor``, the live page), ``context_shrink_sessions`` (the coding agents' session stores),
+``doctor``, the live page), ``context_shrink_fit`` (one chat request fitted to its server: the proxy's request
+path), ``context_shrink_sessions`` (the coding agents' session stores),
 ``context_shrink_state`` (the proxy's SQLite, Redis and memory stores, the archive),
 ``context_shrink_wire`` (the Responses and Anthropic Messages APIs seen as chat) and ``context_shrink_models``
 (the models' own tokenizers: ``hf:`` and ``qwen:``, with their chat templates). This module imports none of them
@@ -27,13 +28,13 @@ The module reads top to bottom, each section using only the ones above it:
  2. the error types             7. estimating and trimming (pure)    12. the MCP tools
  3. constants, configuration    8. compaction, summarise_span (pure) 13. the command line
  4. token counting (pure)       9. the shrinking pipeline (pure)
- 5. message helpers (pure)     10. the backend client (httpx2), fit_request
+ 5. message helpers (pure)     10. the backend client (httpx2)
 Sections 5-9 do no I/O, and neither does counting in section 4 (resolving a tokenizer reads its files and may
 fetch tiktoken's encodings): the backend reaches them only as an injected summariser. The MCP tools call the
 core's entry points one by one (:func:`trim_messages`, :func:`compact_messages`, :func:`summarise_span`); the
-proxy hands each request to :func:`fit_request` (section 10), which counts it against the upstream and runs them
-as one ladder, :func:`shrink`, whose trim and compact rungs are those same functions. Both read their settings
-through :class:`Settings`.
+proxy hands each request to ``context_shrink_fit.fit_request``, which counts it against the upstream with this
+module's :class:`Backend` and runs them as one ladder, :func:`shrink`, whose trim and compact rungs are those same
+functions. Both read their settings through :class:`Settings`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ __version__ = "0.1.0"
 __all__ = [
     # the public API: what the tests, the benchmarks and the examples use
     "ANCHOR_HEADING",
-    "CALIBRATION_LIMITS",
     "COMPANIONS",
     "CORE_TOOLS",
     "COUNT_METHODS",
@@ -61,18 +61,14 @@ __all__ = [
     "HEURISTIC_SCRIPTS",
     "HEURISTIC_SCRIPT_WEIGHTS",
     "IMAGE_TOKENS_DEFAULT",
-    "LEAN_MOST",
-    "LEAN_SHARE",
     "LEDGER_MARKER",
     "MAX_CONTEXT_TOKENS_LIMIT",
     "MAX_RETRIES",
     "MAX_RETRY_AFTER",
     "MERGE_PROMPT",
     "MODEL_LIMIT_FIELDS",
-    "OUTLINE_NOTE",
     "PATCHED_FOR",
     "PROTECTED_MESSAGES",
-    "PROXY_MAX_RESERVE",
     "REASONING_KEYS",
     "RECALL_TOOL",
     "REDUCTION_KINDS",
@@ -96,16 +92,13 @@ __all__ = [
     "Backend",
     "BackendCaches",
     "BackendError",
-    "ChatRequest",
     "CompactOptions",
     "Config",
     "ConfigError",
     "ContextShrinkError",
     "EstimateOptions",
-    "FitReport",
     "Folder",
     "InvalidText",
-    "Measured",
     "MemoryTables",
     "Opening",
     "Overflow",
@@ -114,7 +107,6 @@ __all__ = [
     "ReplayMemo",
     "Reply",
     "Rungs",
-    "ServerMemory",
     "Settings",
     "SpanSummary",
     "Store",
@@ -125,7 +117,6 @@ __all__ = [
     "SummaryOptions",
     "Tokenizer",
     "TrimOptions",
-    "agent_opening",
     "analyze_messages",
     "anchor_summary",
     "anchored_in",
@@ -134,9 +125,6 @@ __all__ = [
     "backend_summariser",
     "build_server",
     "cached_count",
-    "calibrate",
-    "calibrated",
-    "caller_print",
     "canonical_json",
     "check_opened",
     "check_text",
@@ -161,9 +149,6 @@ __all__ = [
     "fact_ledger",
     "field_at",
     "fingerprint",
-    "first_sentence",
-    "fit_request",
-    "fixed_tokens",
     "forget",
     "group_units",
     "guard_summary",
@@ -178,18 +163,14 @@ __all__ = [
     "json_pieces",
     "jsonrpc_id",
     "leading_system",
-    "lean_tools",
     "least_form",
     "load_messages_file",
     "load_sdk",
     "lowlevel_server",
     "main",
-    "measure",
     "message_ids",
     "message_kind",
-    "model_of",
     "options_of",
-    "outlined",
     "parse_overflow",
     "parse_tokenizer_spec",
     "plain_content",
@@ -202,16 +183,13 @@ __all__ = [
     "read_json",
     "read_jsonl_lines",
     "redact",
-    "remembered",
     "render_jsonl",
     "render_message",
-    "request_budget",
     "resolve_path",
     "resolve_tokenizer",
     "secret_forms",
     "shown_url",
     "shrink",
-    "shrink_counted",
     "shrink_text",
     "standing_context",
     "summarise_messages",
@@ -242,14 +220,12 @@ import binascii
 import bisect
 import collections
 import contextlib
-import copy
 import dataclasses
 import difflib
 import dis  # loaded with inspect already
 import errno
 import functools
 import hashlib
-import heapq
 import importlib.metadata
 import importlib.util
 import inspect
@@ -858,6 +834,7 @@ class Config:
 
 
 COMPANIONS = {  # what grew beside the MCP tools, each in a module of its own beside this one
+    "fit": "one chat request fitted to its server (the proxy's request path)",
     "proxy": "the proxy, serve and doctor",
     "models": "the models' own tokenizers (hf:, qwen:)",
     "sessions": "the coding agents' session stores",
@@ -4461,133 +4438,6 @@ def fact_ledger(
     return ledger or None
 
 
-# --- the fixed part, leaner when it leaves the turn no room -------------------------------------------------
-# An agent's system prompt and tools are sent with every request. When they take more than LEAN_SHARE of the
-# budget (the window less the reply's reserve), the tools' descriptions are cut to their first sentence (the
-# tool's own to it and a marker naming RECALL_TOOL, which returns the whole of it): the only strings changed are
-# those under a ``description`` key of a tool or of a schema in it, so names, parameters, types, enums, required
-# lists and defaults are the agent's, byte for byte, by construction. The same tools give the same bytes on every
-# request (the prefix stays cached).
-LEAN_SHARE = 0.5  # of the budget: a fixed part above it has its tools' descriptions cut
-LEAN_LEAST = 80  # characters a cut must save, else a description is kept whole
-LEAN_MOST = 1 << 20  # characters of a system prompt the diet and the outline read, at most (a larger one, ~250k
-# tokens, is over half of any window it could be made to fit: it goes as it is, and no request waits on seconds of it)
-_VALUES_IN_SCHEMA = frozenset({"enum", "const", "default", "examples", "example"})  # data, never walked into
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s(?!\s*[a-z])|\n")  # a stop and a space, not before a small letter (i.e. so)
-
-
-def first_sentence(text: str) -> str:
-    """The first sentence of ``text`` (to its first stop and a space, or its first line break)."""
-    text = text.strip()
-    end = _SENTENCE_END.search(text)
-    return text[: end.start()].rstrip() if end else text
-
-
-def lean_tools(tools: Sequence[Any], recall: bool = True) -> tuple[list[Any], dict[str, str]]:
-    """``tools`` (of any wire API: Chat Completions', Responses', Anthropic's) with every long description cut
-    to its first sentence, and each changed tool's whole descriptions by its name (what :data:`RECALL_TOOL`
-    returns); the tool's own description says where the rest is (``recall``: the recall tool is offered).
-    Cached: an agent sends the same tools every request."""
-    key = canonical_json([tools, recall])
-    if (found := LEANED.get(key)) is None:
-        found = LEANED[key] = _lean_tools(tools, recall)
-        while len(LEANED) > LEANED_MOST:
-            LEANED.pop(next(iter(LEANED)))
-    return copy.deepcopy(found[0]), dict(found[1])
-
-
-def fixed_tokens(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any], count: Callable[[str], int]) -> int:
-    """An agent's fixed part as ``count`` (a local estimate: the same every request) sees it: the text of its
-    leading system messages and its tools' JSON, in whatever wire format they came."""
-    lead = leading_system(messages)
-    texts = [plain_content(m.get("content")) for m in messages[:lead]]
-    return sum(map(count, texts)) + (count(json.dumps(tools, ensure_ascii=False)) if tools else 0)
-
-
-# When the tools cut and the system prompt's repeated lines removed still leave the fixed part over LEAN_SHARE of
-# the budget (an 8k window beside an agent's 4k instructions), the system prompt is sent as its outline: each
-# paragraph keeps its headings, its tag lines and its first sentence, as written; the rest is marked, and the
-# whole is one recall away (the proxy's recall tool searches it). A paragraph holding a code fence stays whole.
-_LINE_END = re.compile(r"\r\n|\r|\n")  # LF, CRLF, or CR alone (an old Mac's, a pasted text's)
-_EOL = r"(?:\r\n|\r(?!\n)|\n)"  # one line end: a CRLF is one, never a CR and then an LF
-_PARAGRAPHS = re.compile(rf"({_EOL}[ \t]*{_EOL}(?:[ \t]*{_EOL})*)")  # blank lines between paragraphs
-_OUTLINE_KEPT = re.compile(r"[ \t]*(?:#{1,6}\s|</?[A-Za-z][\w-]*>\s*$)")  # a heading, a tag alone on its line
-OUTLINE_NOTE = "[This system prompt is outlined to fit the window: each paragraph keeps its first sentence.{}]"
-
-
-@functools.lru_cache(maxsize=16)  # an agent sends the same system prompt every request
-def outlined(text: str, recall: bool = True) -> str | None:
-    """``text`` (a system prompt) as its outline, with a note that says so (and, with ``recall``, that
-    :data:`RECALL_TOOL` returns the rest); None when no paragraph is long enough to save :data:`LEAN_LEAST`
-    characters. Every line it keeps is the text's own, or its start to the end of a sentence and ``[…]``."""
-    parts = _PARAGRAPHS.split(text)  # paragraphs, and the blank lines between them (any line ends)
-    short = [part if k % 2 else _outlined_paragraph(part) for k, part in enumerate(parts)]
-    if short == parts:
-        return None
-    words = f" {RECALL_TOOL} with words from it returns the lines it leaves out." if recall else ""
-    return "".join(short).rstrip("\n") + "\n\n" + OUTLINE_NOTE.format(words)
-
-
-def _outlined_paragraph(paragraph: str) -> str:
-    if "```" in paragraph or "~~~" in paragraph:
-        return paragraph
-    out, first, end = [], True, (found.group() if (found := _LINE_END.search(paragraph)) else "\n")
-    for line in _LINE_END.split(paragraph):
-        if _OUTLINE_KEPT.match(line):
-            out.append(line)
-        elif first and line.strip():
-            sentence = first_sentence(line)
-            out.append(line if sentence == line.strip() else line[: len(line) - len(line.lstrip())] + sentence + " […]")
-            first = False
-        elif line.strip() and out[-1:] != ["[…]"] and not out[-1].endswith("[…]"):
-            out.append("[…]")
-    short = end.join(out)  # its own line ends
-    return short if len(paragraph) - len(short) >= LEAN_LEAST else paragraph
-
-
-LEANED: dict[str, tuple[list[Any], dict[str, str]]] = {}
-LEANED_MOST = 16  # tool lists kept leaned (agents, their versions)
-
-
-def _lean_tools(tools: Sequence[Any], recall: bool) -> tuple[list[Any], dict[str, str]]:
-    out, whole = [], {}
-    for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        name = str((function if isinstance(function, dict) else tool).get("name") or "") if isinstance(
-            tool, dict) else ""  # fmt: skip
-        cut: list[tuple[str, str]] = []
-        rest = f' [… the rest: {RECALL_TOOL} "{name}"]' if recall and name else " […]"
-        out.append(_leaner(tool, None, cut, rest))
-        if cut:
-            whole[name] = "\n".join([f"The tool {name}, described in full:"] + [
-                text if where is None else f"Parameter {where}: {text}" for where, text in cut])  # fmt: skip
-    return out, whole
-
-
-def _leaner(node: Any, where: str | None, cut: list[tuple[str, str]], rest: str) -> Any:
-    """``node`` with its long descriptions cut (``where``: the parameter it describes, None for the tool)."""
-    if isinstance(node, list):
-        return [_leaner(item, where, cut, rest) for item in node]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for key, value in node.items():
-        if key == "description" and isinstance(value, str):
-            short = first_sentence(value)
-            if len(value) - len(short) >= LEAN_LEAST:
-                cut.append((where, value))
-                value = short + (rest if where is None else " […]")
-            out[key] = value
-        elif key in _VALUES_IN_SCHEMA:
-            out[key] = value
-        elif key == "properties" and isinstance(value, dict):
-            out[key] = {name: _leaner(schema, name if where is None else f"{where}.{name}", cut, rest)
-                        for name, schema in value.items()}  # fmt: skip
-        else:
-            out[key] = _leaner(value, where, cut, rest)
-    return out
-
-
 def request_key(prompt: Sequence[Mapping[str, Any]], max_tokens: int) -> str:
     """A key that identifies a summariser request by its content (the same request, the same key)."""
     return fingerprint([prompt, max_tokens])[:24]
@@ -5541,8 +5391,8 @@ class Policy:
     ``protect_turn`` keeps the turn in progress out of summaries and reduces its results last; ``ledger`` adds a
     :func:`fact_ledger` of what a cut or a summary took out; ``recall``: the proxy offers the model a tool
     over what it folded away (its ledger says so); ``lean_tools``: the proxy cuts the tools' descriptions to their
-    first sentence when the agent's fixed part takes over :data:`LEAN_SHARE` of the budget (:func:`lean_tools`), and
-    then, if still over it, sends the system prompt as its outline (:func:`outlined`)."""
+    first sentence when the agent's fixed part takes over half of the budget, and then, if still over it, sends the
+    system prompt as its outline (``context_shrink_fit.lean_request``)."""
 
     rungs: tuple[str, ...] = RUNGS
     trigger: float = 0.9  # shrink above this share of the budget (window minus the reply's reserve)
@@ -5553,7 +5403,7 @@ class Policy:
     protect_turn: bool = True
     ledger: bool = True
     recall: bool = True  # the proxy offers the model RECALL_TOOL over what it folded away
-    lean_tools: bool = True  # the proxy cuts the tools' descriptions when the fixed part is over LEAN_SHARE
+    lean_tools: bool = True  # the proxy cuts the tools' descriptions when the fixed part is over half the budget
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.rungs if r not in RUNGS]
@@ -5697,61 +5547,16 @@ def standing_context(messages: Sequence[Mapping[str, Any]], budget: int, size: C
     return sorted(chosen)
 
 
-OPENING_MOST = 24  # messages: a longer run before the task is history first seen mid-way, not an opening
-OPENING_RUNS = 16  # the different openings remembered per agent (its system prompt)
-
-
-def task_key(message: Mapping[str, Any]) -> str:
-    """How a conversation's task (a user message) is remembered: a digest of it."""
-    return fingerprint(message)[:24]
-
-
 class Opening(NamedTuple):
-    """What precedes a conversation's task (:func:`agent_opening`): ``before`` messages after the leading system
-    ones, never the user's own words; the first ``standing`` of them are the agent's opening, kept as context."""
+    """What precedes a conversation's task (``context_shrink_fit.agent_opening``): ``before`` messages after the
+    leading system ones, never the user's own words; the first ``standing`` of them are the agent's opening, kept
+    as context."""
 
     standing: int = 0
     before: int = 0
 
 
 NO_OPENING = Opening()
-
-
-def agent_opening(messages: Sequence[Mapping[str, Any]], tasks: MutableMapping[Any, Any], scope: str = "") -> Opening:
-    """What precedes the conversation's task in ``messages``: the task is the last user message of the
-    conversation's first request (nothing the model said through the proxy can precede it), which every later
-    request keeps; found among the first user messages, else this is a first request and its task is remembered
-    in ``tasks`` (under ``scope``: who asks and which agent, :attr:`ChatRequest.scope`) with a print of what
-    precedes it. What precedes it (a run without tool calls or results, of at
-    most :data:`OPENING_MOST` messages; else history first seen mid-way, 0) is never the user's words (example
-    exchanges). It is the agent's opening, standing context, on evidence: the agent sent it changed while the
-    conversation after it stayed (context it re-sends updated: files the user added, a repository map), or the
-    same run opened another conversation of the same agent (few-shot examples, rules). Without evidence it is
-    history like the rest (a chat first seen mid-way is summarised, not kept whole)."""
-    lead, n = leading_system(messages), len(messages)
-    users = [i for i in range(lead, min(n, lead + OPENING_MOST + 1)) if messages[i]["role"] == "user"]
-    task = next((i for i in users if (scope, task_key(messages[i])) in tasks), None)
-    first = task is None
-    if first:
-        task = next((i for i in range(n - 1, lead - 1, -1) if messages[i]["role"] == "user"), None)
-    if task is None or not _an_opening(messages[lead:task]):
-        return Opening()
-    key, run = (scope, task_key(messages[task])), fingerprint(messages[lead:task])[:24]
-    if first:
-        agent = (scope, fingerprint([plain_content(m.get("content")) for m in messages[:lead]])[:24])  # its prompt
-        runs = list(tasks.get(agent) or [])
-        tasks[key] = {"run": run, "standing": run in runs and task > lead}
-        if task > lead and run not in runs:
-            tasks[agent] = [*runs, run][-OPENING_RUNS:]
-        return Opening(task - lead if tasks[key]["standing"] else 0, task - lead)
-    record = tasks[key] if isinstance(tasks[key], dict) else {"run": run, "standing": False}
-    if not record["standing"] and record["run"] != run:  # sent again, changed: the agent's own context
-        tasks[key] = record = {"run": run, "standing": True}
-    return Opening(task - lead if record["standing"] else 0, task - lead)
-
-
-def _an_opening(run: Sequence[Mapping[str, Any]]) -> bool:
-    return len(run) <= OPENING_MOST and not any(m.get("tool_calls") or m["role"] in RESULT_ROLES for m in run)
 
 
 def evenly_elided(run: Sequence[Mapping[str, Any]], room: int, size: Callable[[Any], int]) -> list[dict[str, Any]]:
@@ -5789,11 +5594,11 @@ async def shrink(
     turns dropped, the turn in progress reduced last). What a cut or a summary takes out is kept as a ledger
     (:func:`fact_ledger`); the agent's standing context (:func:`standing_context`) is kept as it is, after the
     leading system messages, and counted like them, and so is its ``opening`` (its ``standing`` messages after
-    the leading system ones: :func:`agent_opening`), never summarised, elided evenly only when it alone leaves
-    the turn in progress no room (:func:`evenly_elided`); the rest of what precedes the task (``before``) is
-    history but never quoted as the user's words. Nothing happens below ``trigger`` x the budget. A failed
-    summary falls through to trimming with the reason kept. ``counted`` is the messages' count when the caller
-    has it (it is not counted again). Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
+    the leading system ones: ``context_shrink_fit.agent_opening``), never summarised, elided evenly only when it
+    alone leaves the turn in progress no room (:func:`evenly_elided`); the rest of what precedes the task
+    (``before``) is history but never quoted as the user's words. Nothing happens below ``trigger`` x the budget. A
+    failed summary falls through to trimming with the reason kept. ``counted`` is the messages' count when the
+    caller has it (it is not counted again). Returns ``messages``, ``action`` (the rungs used, joined by ``+``),
     ``tokens_before``/``tokens_after``, ``fits``, ``reason`` and ``summary_cached``. Every step runs in a worker
     thread and only ``summarise`` on the caller's event loop (:func:`climbed`), so that one large request does
     not hold up the small ones served beside it."""
@@ -6530,561 +6335,6 @@ def backend_summariser(
         return (await backend.count_tokens(prompt, [], model))[0]
 
     return Summariser(f"model {model} @ {backend.base_url}", call, window, count)
-
-
-# --- one request fitted to its server: read, window, count once, calibrate, shrink, recount ----------------------
-# The proxy's request path (its shrink_request is fit_request); the state it learns lives in a ServerMemory.
-
-ReportT = TypeVar("ReportT", bound="FitReport")
-MESSAGE_BYTES = 4096  # about what a message of an agent's history takes, to size a request before reading it
-TEXT_CLASS_TEXTS = 4  # the longest texts of a request that decide its class
-PROXY_MAX_RESERVE = 1024  # reserved for the reply when the request names no max_tokens
-CALIBRATION_LIMITS = (0.25, 4.0)  # a per-model correction factor stays in this range (a safety net)
-EXACT_ZONE = (0.5, 4.0)  # estimates from half the trigger to 4x the budget are counted by the upstream, if it can
-EXACT_RECHECK = 0.85  # a shrunk request estimated above this share of the budget is counted too
-CALIBRATE_MOST = 8  # windows: a first request larger than this is not sent to the upstream to be counted
-
-
-def text_class(texts: Iterable[str]) -> str:
-    """The class of a request's text as the heuristic tells classes apart, by its longest texts: the script of
-    most of their characters when it has a good share of them (``Han``, ``Cyrillic (U+0400-U+043F)``...), else
-    their kind (``ascii``, ``code``, ``escaped``, ``json``, ``latin``, ``plain``). Calibrations are learnt per
-    class."""
-    shares: collections.Counter[str] = collections.Counter()
-    for text in heapq.nlargest(TEXT_CLASS_TEXTS, texts, key=len):
-        shares[TEXT_LABELS[text]] += len(text)
-    return shares.most_common(1)[0][0] if shares else "ascii"
-
-
-def calibrated(factor: float | None, estimate: int, actual: int) -> float:
-    """The next per-model correction factor: the server's prompt count over our estimate, smoothed."""
-    ratio = min(max(actual / max(1, estimate), CALIBRATION_LIMITS[0]), CALIBRATION_LIMITS[1])
-    return ratio if factor is None else round(0.5 * factor + 0.5 * ratio, 4)
-
-
-def model_of(body: Mapping[str, Any]) -> str | None:
-    """The model a request body names, if it names one."""
-    return body.get("model") if isinstance(body.get("model"), str) else None
-
-
-def caller_print(credentials: Iterable[str | None]) -> str:
-    """Who asks, as a print: a digest of the credentials a client sent (its key, in whichever header), never the
-    key itself; empty for a client that sent none."""
-    given = "\n".join(c for c in credentials if c)
-    return hashlib.sha256(given.encode("utf-8", "surrogatepass")).hexdigest()[:24] if given else ""
-
-
-_NUMBERS = re.compile(r"\d+")
-
-
-def _ends(text: str, most: int = 1 << 16) -> str:
-    """A text's head and tail when it is long (an identity need not read megabytes), with its length."""
-    return text if len(text) <= most else f"{text[: most // 2]}…{len(text)}…{text[-most // 2 :]}"
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatRequest:
-    """A chat-shaped request as the proxy reads it: its messages and tools checked, its model, and who asks
-    (``caller``: :func:`caller_print`)."""
-
-    body: dict[str, Any]
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    model: str | None
-    caller: str = ""
-    size: int = 0  # its bytes, as the door read them: what decides where its work runs (:func:`off_loop`)
-
-    @functools.cached_property
-    def scope(self) -> str:
-        """Whose conversations this request's can be: the caller and the agent's fixed part (its leading system
-        messages' text, with every number blanked: a date or a count in it changes from day to day, and its
-        tools' names). What a conversation held is remembered under it and its task, never under a message
-        alone: a client never meets another's words, nor an agent another agent's."""
-        lead = leading_system(self.messages)
-        texts = [_NUMBERS.sub("0", _ends(plain_content(m.get("content")))) for m in self.messages[:lead]]
-        names = sorted(str((t.get("function") or {}).get("name")) for t in self.tools)
-        return fingerprint([self.caller, texts, names])[:24]
-
-    @functools.cached_property
-    def calibration(self) -> tuple[str | None, str]:
-        """The key its count is calibrated by: the model, and the class of its text (:func:`text_class`)."""
-        return self.model, text_class(plain_content(m.get("content")) for m in self.messages)
-
-    @classmethod
-    def read(cls, body: dict[str, Any], caller: str = "", size: int = 0) -> ChatRequest:
-        """Raises :class:`ContextShrinkError` for a body whose messages or tools do not read as chat."""
-        tools = body.get("tools") or []
-        if isinstance(tools, list):  # a tool of another kind (``custom``, a server's own) counted as its JSON
-            tools = [pseudo_tool(t) if isinstance(t, dict) and t.get("type", "function") != "function" else t
-                     for t in tools]  # fmt: skip
-        messages = validate_messages(body.get("messages"))
-        size = max(size, len(messages) * MESSAGE_BYTES)
-        return cls(body, messages, validate_tools(tools), model_of(body), caller, size)
-
-
-@dataclasses.dataclass(frozen=True)
-class Measured:
-    """A request counted once: per message in the local tokenizer (``counts``), and the whole in the upstream's
-    tokens (``tokens``: its own count when ``exact``, else the local one calibrated). ``tools_cost`` is what the
-    tools add in the upstream's tokens once it counted them (None: they are counted as the messages are, in
-    ``local_tools`` local tokens)."""
-
-    counts: list[int]
-    raw: int
-    tokens: int
-    tools_cost: int | None
-    exact: bool
-    local_tools: int = 0
-    source: str = ""  # what counted: the upstream's endpoint, or the local tokenizer, the text's class, the calibration
-    key: tuple[str | None, str] = (None, "ascii")  # the calibration it was counted at: the model and the text's class
-
-
-@dataclasses.dataclass
-class FitReport:
-    """What :func:`fit_request` did with one request: measured (``tokens_before``, the ``window``, the capped
-    ``reserve``, ``count`` exact or estimated, ``tools_tokens``) and shrunk (``action``, ``tokens_after``,
-    ``reason``, the summary's cost, ``ms``). The proxy's report adds what forwarding did."""
-
-    tokens_before: int | None = None
-    tokens_after: int | None = None
-    action: str = "none"
-    window: int | None = None
-    reserve: int | None = None  # the reply's reserve, when the one asked was capped
-    count: str = "estimated"  # exact: the upstream counted the request
-    counted_by: str | None = None  # the upstream's endpoint that counted, or the local tokenizer [class] x factor
-    estimated_as: str = "ascii"  # the class of the request's text, whose calibration a reply's usage teaches
-    tools_tokens: int | None = None  # in the upstream's tokens, once it counted them (None: as the messages are)
-    reason: str | None = None
-    ms: int | None = None
-    summary_cached: bool | None = None
-    summary_calls: int = 0
-    fixed_tokens: int | None = None  # the agent's fixed part, when it alone cannot fit the budget
-    typed: list[int] = dataclasses.field(default_factory=list)  # the user's messages first seen (their indices)
-    carried: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # what a ledger drew from (remembered)
-
-
-class UpstreamSettings(Protocol):
-    """What fitting a request reads of its door's settings (the proxy's ``ProxyConfig``)."""
-
-    @property
-    def base(self) -> str: ...  # the upstream's base URL, ending in /v1
-    @property
-    def window(self) -> int | None: ...  # None: discovered from the upstream
-    @property
-    def summary_url(self) -> str | None: ...
-    @property
-    def summary_model(self) -> str | None: ...
-    @property
-    def api_key(self) -> str | None: ...
-    @property
-    def summary_options(self) -> SummaryOptions: ...
-
-
-class ServerMemory:
-    """What a door knows of its upstream and learns from its requests, for :func:`fit_request`: its settings,
-    one HTTP client, the tokenizer and policy, and tables (any mapping; the proxy's live in its store): the
-    learnt ``windows``, the calibration ``factors`` by model and text class, the upstream's ``counts`` by message
-    prefix and what its ``tool_costs`` are, the ``tasks`` conversations began with and what each ``said`` (the
-    user's words and the values seen). The proxy's ``ProxyState`` is one."""
-
-    config: UpstreamSettings
-    http: httpx2.AsyncClient
-    tokenizer: Tokenizer
-    policy: Policy
-    caches: BackendCaches
-    summaries: SummaryCache
-    windows: MutableMapping[Any, Any]  # model -> learnt window
-    factors: MutableMapping[Any, Any]  # (model, text class) and model -> calibration
-    counts: StoredTable  # (model, tools, prefix hash) -> upstream count
-    tool_costs: MutableMapping[Any, Any]  # (model, tools) -> upstream tokens
-    tasks: MutableMapping[Any, Any]  # the tasks conversations began with (:func:`agent_opening`)
-    said: MutableMapping[Any, Any]  # a conversation's user words and values, by its task (:func:`remembered`)
-
-    def remember(self, table: MutableMapping[Any, Any], model: Any, value: Any) -> None:
-        table[model] = value  # the newest last; the store bounds the table (STATE_TABLES)
-
-    def factor(self, key: tuple[str | None, str]) -> float:
-        """The calibration of a model's count on text of one class (:attr:`ChatRequest.calibration`); until that
-        class has one, the model's last from any class."""
-        return self.factors.get(key, self.factors.get(key[0], 1.0))
-
-    def learn_factor(self, key: tuple[str | None, str], factor: float) -> None:
-        self.remember(self.factors, key, factor)
-        self.remember(self.factors, key[0], factor)
-
-    def backend(self, url: str, authorization: str | None) -> Backend:
-        """The upstream (or the summariser at ``url``) with the door's key, else the client's, redacted from
-        every error like ours."""
-        key, headers = self.config.api_key, {}
-        if authorization and not key:
-            scheme, _, token = authorization.partition(" ")
-            key, headers = (
-                (token, {}) if scheme.lower() == "bearer" and token else (None, {"Authorization": authorization})
-            )
-        secrets = secret_forms(authorization) + secret_forms(self.config.api_key)
-        settings = ("--upstream" if url == self.config.base else "--summary-url", "--timeout")
-        return Backend(self.http, url, key, headers, caches=self.caches, secrets=secrets, settings=settings)
-
-
-async def server_window(state: ServerMemory, model: str | None, authorization: str | None) -> int | None:
-    """The window for ``model``: learnt from a refusal, else configured, else discovered; None if unknown."""
-    if model in state.windows:
-        return state.windows[model]
-    if state.config.window:
-        return state.config.window
-    try:
-        return (await state.backend(state.config.base, authorization).context_window(model))[0]
-    except ContextShrinkError as exc:
-        log.info("proxy: window unknown for %s (%s); forwarding unshrunk until the upstream refuses", model, exc)
-        return None
-
-
-async def server_summariser(
-    state: ServerMemory, model: str | None, window: int, authorization: str | None, tokenizer: Tokenizer,
-    spent: collections.Counter[str],
-) -> SpanSummary:  # fmt: skip
-    """The door's summariser, bound for :func:`shrink`: the configured one (its window discovered once, else
-    the upstream's) or the upstream's model; it counts with its own server when that server can count. Each
-    call it makes is counted in ``spent["calls"]``, whether it succeeds or not."""
-    config = state.config
-    model = config.summary_model or model
-    if not model:
-        raise ContextShrinkError("no model to summarise with: the request names none and no summary model is set")
-    backend = state.backend(config.summary_url or config.base, authorization)
-    url = backend.base_url  # the summariser's name: its failures are filed under it
-    if config.summary_url:
-        key = f"summariser {url} {model}"
-        if key not in state.windows:  # probed once, whatever the answer
-            found = 0  # none found
-            try:
-                found = (await backend.context_window(model))[0]
-            except BackendError as exc:  # no server answers: backed off at once, no request waits on retries
-                if exc.down:
-                    state.summaries.failed(f"model {model} @ {url}", str(exc))
-            except ContextShrinkError:
-                pass
-            state.remember(state.windows, key, found)
-        window = state.windows[key] or window
-
-    summariser = backend_summariser(backend, model, window, spent)
-
-    async def summarise(messages: list[dict[str, Any]], plan: dict[str, Any], limit: int, grown: int) -> dict[str, Any]:
-        options = dataclasses.replace(config.summary_options, max_summary_tokens=limit, min_new_tokens=grown)
-        return await summarise_span(messages, plan, tokenizer, summariser, state.summaries, options)
-
-    return summarise
-
-
-async def calibrate(
-    state: ServerMemory, request: ChatRequest, raw: int, window: int, authorization: str | None
-) -> bool:
-    """Learn the model's calibration from the upstream's own count of a request over a quarter of the window
-    (``raw``: its local count, messages and tools) and under :data:`CALIBRATE_MOST` windows, when the upstream can
-    count (llama.cpp, vLLM, TGI), so the first shrunk request is sized right. True when the upstream counted it. (A
-    request of many windows is not sent to be counted: the server would tokenise megabytes to tell a ratio a
-    smaller request tells as well.)"""
-    if not window // 4 < raw <= CALIBRATE_MOST * window:
-        return False
-    try:
-        backend = state.backend(state.config.base, authorization)
-        exact = (await backend.count_tokens(request.messages, request.tools, request.model))[0]
-    except ContextShrinkError:
-        return False
-    state.learn_factor(request.calibration, calibrated(None, raw, exact))
-    return True
-
-
-async def upstream_count(
-    state: ServerMemory,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
-    model: str | None,
-    authorization: str | None,
-    counts: Sequence[int],
-) -> tuple[int, int, str] | None:
-    """The upstream's own count of this request as ``(messages, what the tools add, how it was counted)`` —
-    the tools' part is 0 when its chat template drops them — or None when it cannot count. Counts are
-    remembered by message prefix: a request that extends one counted before costs no call while what it adds
-    (``counts``: the messages' local counts, scaled) is under a quarter of the counted part."""
-    chain, tools_print = await off_loop(
-        len(messages) * MESSAGE_BYTES, lambda: (span_hashes(messages), fingerprint(tools))
-    )
-    k, found = state.counts.first([(model, tools_print, chain[k]) for k in range(len(messages), 0, -1)])
-    if found is not None:
-        (bare, cost, method), known = found, len(messages) - k
-        added = sum(counts[known:])
-        if added <= bare // 4:
-            return bare + added, cost, method if not added else f"{method}, {added} added tokens estimated"
-    backend = state.backend(state.config.base, authorization)
-    try:
-        total, method = await backend.count_tokens(messages, tools, model)
-        bare = (await backend.count_tokens(messages, [], model))[0] if tools else total
-    except ContextShrinkError:
-        return None
-    state.remember(state.counts, (model, tools_print, chain[-1]), (bare, max(0, total - bare), method))
-    return bare, max(0, total - bare), method
-
-
-def request_budget(body: Mapping[str, Any], window: int) -> tuple[int, int | None]:
-    """The prompt's budget in ``window``: what the reply's ``max_tokens`` (else a reserve) leaves, and the
-    reserve when the asked one was capped. An agent may ask for more than a local window can give (Claude
-    Code asks 128,000): over half the window, an eighth is reserved (at least 1,024 tokens; llama.cpp ends such
-    a reply at the window's end; a server that refuses prompt + max_tokens refuses it whatever the proxy
-    cuts). A quarter left a 16k window less room than Claude Code's own prompt and tools need beside a turn."""
-    asked = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
-    reserve = max(0, asked) if asked is not None else min(PROXY_MAX_RESERVE, window // 8)
-    if reserve <= window // 2:
-        return window - reserve, None
-    capped = min(window // 2, max(1024, window // 8))
-    return window - capped, capped
-
-
-def _scaled(counts: Sequence[int], factor: float, priming: int) -> tuple[list[int], int]:
-    """Local per-message counts in the upstream's tokens (``factor`` of them per local token), and the total."""
-    scaled = [math.ceil(c * factor) for c in counts] if factor != 1.0 else list(counts)
-    return scaled, sum(scaled) + priming
-
-
-async def measure(
-    state: ServerMemory, request: ChatRequest, budget: int, window: int, authorization: str | None
-) -> Measured:
-    """Count the request once: locally per message; near the limit the upstream counts it itself (the messages
-    and the tools apart: a template may drop the tools), and that count decides and calibrates; a first long
-    request of a model and text class calibrates it. ``source`` says what counted: the upstream's endpoint, or the
-    local tokenizer with the text's class and the calibration it was scaled by."""
-    tok, model = state.tokenizer, request.model
-
-    def counted() -> tuple[list[int], tuple[str | None, str], str, int]:  # in proportion to the request's size
-        tools = fingerprint(request.tools)
-        tools_cost = state.tool_costs.get((model, tools)) if request.tools else 0  # the upstream's, once it said
-        local = count_tools(request.tools, tok) if tools_cost is None else 0
-        return [count_message(m, tok.count, tok.format) for m in request.messages], request.calibration, tools, local
-
-    counts, key, tools_print, local_tools = await off_loop(request.size, counted)
-    raw = sum(counts) + tok.format.priming
-    tools_key = (model, tools_print)
-    tools_cost = state.tool_costs.get(tools_key) if request.tools else 0
-    factor = state.factor(key)
-    scaled, total = _scaled(counts, factor, tok.format.priming)
-    tools = math.ceil(local_tools * factor) if tools_cost is None else tools_cost
-    trigger = state.policy.trigger * budget
-    if EXACT_ZONE[0] * trigger <= total + tools <= EXACT_ZONE[1] * budget:
-        if found := await upstream_count(state, request.messages, request.tools, model, authorization, scaled):
-            state.learn_factor(key, calibrated(None, raw, found[0]))
-            state.remember(state.tool_costs, tools_key, found[1])
-            return Measured(counts, raw, found[0] + found[1], found[1], True, source=found[2], key=key)
-    elif key not in state.factors:  # first sight of a long request of this class: the upstream counts it, if it can
-        await calibrate(state, request, raw + local_tools, window, authorization)
-    source = f"{tok.name} [{key[1]}]" + ("" if factor == 1.0 else f" x{factor:.3g} (calibrated on the upstream)")
-    return Measured(counts, raw, total + tools, tools_cost, False, local_tools, source, key)
-
-
-async def fit_request(
-    state: ServerMemory, body: dict[str, Any], authorization: str | None, report: ReportT, window: int | None = None,
-    caller: str = "", size: int = 0,
-) -> tuple[dict[str, Any], ReportT]:  # fmt: skip
-    """The request body to forward and its ``report``, filled in, in one direction: read, measure once
-    (:func:`measure`), then, over the trigger, :func:`shrink` with the door's policy and the summariser bound to
-    this request's model (:func:`shrink_counted`); and what earlier requests of the conversation held that the
-    agent no longer sends kept in a ledger (:func:`remembered`, within what ``caller`` — :func:`caller_print` —
-    and the agent's fixed part share: :attr:`ChatRequest.scope`; the report names what it drew from,
-    ``carried``, and the user's messages first seen, ``typed``: the proxy archives them). ``size`` is the request's
-    bytes as the door read them (what is in proportion to it runs in a worker thread when it is large: 0, estimated
-    from its messages). Raises :class:`ContextShrinkError` for a body it does not understand (the caller forwards it
-    as is)."""
-    started = time.perf_counter()
-    listed = body.get("messages")
-    size = max(size, len(listed) * MESSAGE_BYTES if isinstance(listed, list) else 0)
-    request = await off_loop(size, lambda: ChatRequest.read(body, caller, size))
-    opening = await off_loop(size, lambda: agent_opening(request.messages, state.tasks, request.scope))
-    report.carried, report.typed = await off_loop(size, lambda: remembered(state, request, opening))
-    report.window = window or await server_window(state, request.model, authorization)
-    if report.window is None:
-        report.reason = "window unknown"
-        return body, report
-    budget, report.reserve = request_budget(body, report.window)
-    sent, report = await _fitted(state, request, budget, authorization, report, opening, started)
-    factor = state.factor(request.calibration)
-    return await off_loop(size, lambda: with_carried(state, sent, report, report.carried, budget, factor)), report
-
-
-async def _fitted(
-    state: ServerMemory, request: ChatRequest, budget: int, authorization: str | None, report: ReportT,
-    opening: Opening,
-    started: float,
-) -> tuple[dict[str, Any], ReportT]:  # fmt: skip
-    """:func:`fit_request` once the budget is known: measured, and shrunk over the trigger."""
-    body, window = request.body, cast(int, report.window)
-    measured = await measure(state, request, budget, window, authorization)
-    report.tokens_before = report.tokens_after = measured.tokens
-    report.count, report.counted_by = "exact" if measured.exact else "estimated", measured.source
-    report.estimated_as = measured.key[1]
-    report.tools_tokens = measured.tools_cost
-    log.debug("proxy: %s: %s messages, %s tokens (%s by %s); budget %s of the window %s, shrunk over %s",
-              request.model, len(request.messages), measured.tokens, report.count, measured.source, budget,
-              window, int(state.policy.trigger * budget))  # fmt: skip
-    if measured.tokens <= state.policy.trigger * budget:
-        return body, report
-    if (fixed := fixed_part(state, request, measured)) >= budget:
-        report.action, report.reason = "forwarded unchanged", fixed_part_problem(fixed, window, budget)
-        report.fixed_tokens = fixed
-        log.warning("proxy: %s", report.reason)
-        return body, report
-    result = await shrink_counted(state, request, measured, budget, window, authorization, opening)
-    if result["action"] == "none":
-        return body, report
-    if result["action"].startswith("unchanged"):  # nothing could be cut: the original goes out, and says why
-        report.action, report.reason = "forwarded unchanged", result["reason"]
-        return body, report
-    if not measured.exact:  # the estimate at the calibration the plan used
-        report.tokens_before = result["tokens_before"]
-    report.tokens_after, report.action, report.reason = result["tokens_after"], result["action"], result["reason"]
-    report.summary_cached, report.summary_calls = result["summary_cached"], result["summary_calls"]
-    report.ms = round(1000 * (time.perf_counter() - started))
-    log.debug("proxy: %s: %s -> %s tokens, %s -> %s messages by %s in %s ms (%s summary calls)%s", request.model,
-              report.tokens_before, report.tokens_after, len(request.messages), len(result["messages"]),
-              report.action, report.ms, report.summary_calls,
-              f"; {report.reason}" if report.reason else "")  # fmt: skip
-    return {**body, "messages": result["messages"]}, report
-
-
-# --- what a conversation held: the user's words and the values, carried when the agent no longer sends them ------
-REWRITE_SECONDS = 600.0  # a conversation rewritten by its agent goes on within this long of its last request
-SAID_MOST = (32, 96)  # the user's messages (the newest) and the values (the rarest shapes) a conversation keeps
-
-
-def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> tuple[list[dict[str, Any]], list[int]]:
-    """What earlier requests of this conversation held that this one no longer does (the agent left it out: it
-    compacted its own history, or sends an updated block of context), as messages for :func:`fact_ledger`: the
-    user's words (:func:`user_words`, after the agent's opening: examples are not the user's) and the values
-    (:func:`text_values`) of tool results and of the opening; and the indices of the user's messages the
-    conversation had not held before (first seen: the proxy archives them). The conversation's memory
-    (``state.said``, by who asks and which agent, :attr:`ChatRequest.scope`, and its task: :func:`agent_opening`)
-    is updated with what this one holds; nothing is ever read across scopes. A conversation first seen whose
-    request already carries history (an assistant message before the newest user message) that is not the
-    agent's fixed opening, in fewer messages than the newest conversation of the same scope sent within
-    :data:`REWRITE_SECONDS`, is that conversation rewritten by the agent itself (its own summary in place of its
-    turns): it goes on with that one's memory. (A client that replays unrelated histories with the same key,
-    system prompt and tools can be taken for such a rewrite: the ledger then names the other one's facts.)"""
-    messages, lead = request.messages, leading_system(request.messages)
-    start = lead + opening.before
-    if start >= len(messages) or messages[start]["role"] != "user":
-        return [], []
-    scope, task = request.scope, task_key(messages[start])
-    run = fingerprint(messages[lead:start])[:24]
-    memory, now = state.said.get((scope, task)), time.time()
-    known = memory is not None  # what it held is in its memory: the newest of the user's words
-    if memory is None:
-        latest = state.said.get(scope)  # the task of the scope's newest conversation
-        history = any(m["role"] == "assistant" for m in messages[lead:-1])
-        inherited = state.said.get((scope, latest)) if latest and history else None
-        rewrite = inherited and inherited.get("opening") != run and now - inherited.get("at", 0) < REWRITE_SECONDS
-        memory = (
-            dict(inherited) if rewrite and len(messages) < inherited.get("messages", 0) else {"user": [], "values": []}
-        )
-    said = [(i, w) for i, m in enumerate(messages[start:], start) if m["role"] == "user" and (w := user_words(m))]
-    new = said[-SAID_MOST[0] :] if known else said  # older ones than its memory keeps were seen before
-    users, typed = [w for _, w in said], [i for i, w in new if w not in memory["user"]]
-    values = [v for i, m in enumerate(messages) if (m["role"] in RESULT_ROLES or lead <= i < start)
-              for v in text_values(plain_content(m.get("content")))]  # fmt: skip
-    present = "\n".join(plain_content(m.get("content")) for m in messages)
-    carried = [{"role": "user", "content": u} for u in memory["user"] if u not in present]
-    gone = [v for v in memory["values"] if v not in present]
-    carried += [{"role": "tool", "content": "\n".join(gone)}] if gone else []
-    updated = {
-        "user": list(dict.fromkeys([*memory["user"], *users]))[-SAID_MOST[0] :],
-        "values": ranked_values(list(dict.fromkeys([*memory["values"], *values])))[: SAID_MOST[1]],
-        "opening": run,
-        "messages": len(messages),
-    }
-    if {**updated, "at": memory.get("at")} != memory or now - memory.get("at", 0) > REWRITE_SECONDS / 4:
-        state.said[scope, task] = {**updated, "at": now}
-    if state.said.get(scope) != task:
-        state.said[scope] = task
-    return carried, typed
-
-
-def with_carried(
-    state: ServerMemory, body: dict[str, Any], report: FitReport, carried: list[dict[str, Any]], budget: int,
-    factor: float = 1.0,
-) -> dict[str, Any]:  # fmt: skip
-    """``body`` with a ledger of ``carried`` (:func:`remembered`) after its leading system messages, within a
-    ledger's room and what the budget leaves (nothing when less than 64 tokens), counted at the model's
-    calibration ``factor`` (the budget is in the upstream's tokens)."""
-    if not carried or not state.policy.ledger:
-        return body
-    count = dataclasses.replace(state.tokenizer, scale=factor).scaled
-    users = sum(count(m["content"]) + 2 for m in carried if m["role"] == "user")
-    room = min(state.policy.ledger_tokens(budget, users) or 64, budget - (report.tokens_after or budget))
-    messages = body["messages"]
-    text = fact_ledger(carried, messages, count, room, state.policy.recall) if room >= 64 else None
-    if text is None:
-        return body
-    lead = leading_system(messages)
-    report.tokens_after = (report.tokens_after or 0) + count(text) + 8
-    report.action = "ledger" if report.action == "none" else f"{report.action}+ledger"
-    return {**body, "messages": [*messages[:lead], {"role": "system", "content": text}, *messages[lead:]]}
-
-
-def fixed_part(state: ServerMemory, request: ChatRequest, measured: Measured) -> int:
-    """What no rung can shrink, in the upstream's tokens: the agent's leading system messages and its tools."""
-    factor = state.factor(measured.key)
-    local = sum(measured.counts[: leading_system(request.messages)]) + state.tokenizer.format.priming
-    return math.ceil((local + measured.local_tools) * factor) + (measured.tools_cost or 0)
-
-
-def fixed_part_problem(fixed: int, window: int, budget: int) -> str:
-    """The plain words for an agent whose fixed part alone does not fit the window."""
-    return (f"the agent's system prompt and tools need {fixed:,} tokens; the window is {window:,} tokens "
-            f"({budget:,} after the reply's reserve): start the server with a larger window (llama.cpp: -c), or "
-            "give the agent fewer tools (MCP servers, plugins)")  # fmt: skip
-
-
-async def shrink_counted(
-    state: ServerMemory, request: ChatRequest, measured: Measured, budget: int, window: int,
-    authorization: str | None, opening: Opening = NO_OPENING,
-) -> dict[str, Any]:  # fmt: skip
-    """:func:`shrink` at the model's calibration, corrected at most once: when the shrunk request, counted by
-    the upstream, is over the budget (after a deep cut the calibration from the whole request can be off for
-    what is left), or when summarising taught the model's tokens per local token (its summariser is the
-    upstream's model) and the model had no calibration yet; summaries are cached, so the second plan costs no
-    model call. ``summary_calls`` is every call made to the summariser, those that failed included."""
-    model, tools, key = request.model, request.tools, measured.key
-    uncalibrated, spent = key not in state.factors, collections.Counter[str]()
-
-    async def planned(factor: float) -> dict[str, Any]:
-        tokenizer = dataclasses.replace(state.tokenizer, scale=factor)
-        summarise = None
-        with contextlib.suppress(ContextShrinkError):  # no model to summarise with: the trim rung does it
-            summarise = await server_summariser(state, model, window, authorization, tokenizer, spent)
-        counted = _scaled(measured.counts, factor, tokenizer.format.priming)[1]
-        if measured.tools_cost is None:  # the tools counted as the messages are
-            return await shrink(request.messages, tools, tokenizer, budget, state.policy, summarise, counted, opening)
-        cost = measured.tools_cost
-        result = await shrink(request.messages, [], tokenizer, budget - cost, state.policy, summarise, counted,
-                              opening)  # fmt: skip
-        return {
-            **result,
-            "tokens_before": result["tokens_before"] + cost,
-            "tokens_after": result["tokens_after"] + cost,
-        }
-
-    result = await planned(state.factor(key))
-    factor = None
-    if result["tokens_after"] >= EXACT_RECHECK * budget and result["messages"] != request.messages:
-        kept, raw = await off_loop(request.size, lambda: count_messages(result["messages"], state.tokenizer))
-        scaled = _scaled(kept, state.factor(key), 0)[0]
-        found = await upstream_count(state, result["messages"], tools, model, authorization, scaled)
-        if found and found[0] + found[1] > budget:
-            factor = calibrated(None, raw, found[0])
-    same = not (state.config.summary_url or state.config.summary_model)  # the upstream's model summarised
-    learnt = state.summaries.ratios.get(ratio_key(f"model {model} @ {state.config.base}", state.tokenizer))
-    if factor is None and same and uncalibrated and learnt and abs(learnt - 1) > 0.1:
-        factor = learnt  # the summariser's tokens are the model's
-    if factor is not None:
-        state.learn_factor(key, factor)
-        result = await planned(factor)
-    return {**result, "summary_calls": spent["calls"]}
 
 
 # =============================================================================

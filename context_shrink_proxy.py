@@ -1,11 +1,11 @@
 """context_shrink_proxy: the OpenAI-compatible proxy, ``serve`` (both doors on one HTTP server) and ``doctor``.
 
-A companion of :mod:`context_shrink` (it imports the core, :mod:`context_shrink_wire` and
-:mod:`context_shrink_state`; the core's command line reaches it through :func:`context_shrink.companion`).
+A companion of :mod:`context_shrink` (it imports the core, :mod:`context_shrink_fit`, :mod:`context_shrink_wire`
+and :mod:`context_shrink_state`; the core's command line reaches it through :func:`context_shrink.companion`).
 Every chat request (Chat Completions, Responses, Anthropic Messages) is shrunk to fit the upstream's window
-before it is forwarded: :func:`shrink_request` hands it to the core's :func:`context_shrink.fit_request`
-(read, measure, the ladder :func:`context_shrink.shrink`, recount) with the proxy's state, :class:`ProxyState`,
-and report; the live page, the stats and the metrics say what was done. The HTTP stack (starlette, uvicorn) is
+before it is forwarded: :func:`shrink_request` hands it to :func:`context_shrink_fit.fit_request` (read, measure,
+the core's ladder :func:`context_shrink.shrink`, recount) with the proxy's state, :class:`ProxyState`, and
+report; the live page, the stats and the metrics say what was done. The HTTP stack (starlette, uvicorn) is
 imported with this module.
 """
 
@@ -86,13 +86,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import context_shrink as cs
 from context_shrink import (
-    CALIBRATION_LIMITS,
     DEFAULT_KEEP_LAST,
     DEFAULT_MAX_SUMMARY_TOKENS,
     DEFAULT_SUMMARY_CONCURRENCY,
-    DIETED,
-    LEAN_MOST,
-    LEAN_SHARE,
     MAX_CONTEXT_TOKENS_LIMIT,
     MAX_FILE_BYTES,
     MODEL_LIMIT_FIELDS,
@@ -103,12 +99,10 @@ from context_shrink import (
     Config,
     ConfigError,
     ContextShrinkError,
-    FitReport,
     InvalidText,
     MemoryTables,
     Overflow,
     Policy,
-    ServerMemory,
     Settings,
     Store,
     StoredTable,
@@ -118,30 +112,20 @@ from context_shrink import (
     Tokenizer,
     __version__,
     build_server,
-    calibrated,
-    caller_print,
     count_messages,
     field_at,
-    fit_request,
-    fixed_tokens,
     json_bytes,
     json_or,
     json_pieces,
-    leading_system,
-    lean_tools,
     log,
     log_level_flag,
-    model_of,
     off_loop,
     one_line,
-    outlined,
     parse_overflow,
     parsed,
     redact,
-    request_budget,
     resolve_tokenizer,
     secret_forms,
-    server_window,
     shown_url,
     start_logging,
     state_key,
@@ -149,6 +133,19 @@ from context_shrink import (
     upstream_namespace,
     url_secrets,
     validate_messages,
+)
+from context_shrink_fit import (
+    CALIBRATION_LIMITS,
+    UNLEANED,
+    FitReport,
+    Lean,
+    ServerMemory,
+    calibrated,
+    caller_print,
+    fit_request,
+    lean_request,
+    model_of,
+    request_budget,
 )
 from context_shrink_state import (
     ARCHIVE_MAX_BYTES,
@@ -395,13 +392,13 @@ def usage_in_stream(tail: bytes) -> int | None:
     return next((t for e in reversed(sse_events(tail)) if (t := prompt_tokens_in(e)) is not None), None)
 
 
-# --- one chat request: fitted by the core (fit_request), then forwarded, reported, and learnt from ---------------
+# --- one chat request: fitted (context_shrink_fit.fit_request), then forwarded, reported, and learnt from ---------
 
 
 @dataclasses.dataclass
 class ProxyReport(FitReport):
-    """What the proxy did with one chat request: what :func:`context_shrink.fit_request` measured and shrunk
-    (:class:`context_shrink.FitReport`), then forwarded (``refusals``, ``retried``, ``recalled``) and archived
+    """What the proxy did with one chat request: what :func:`context_shrink_fit.fit_request` measured and shrunk
+    (:class:`context_shrink_fit.FitReport`), then forwarded (``refusals``, ``retried``, ``recalled``) and archived
     (``conversation``). The ``x-context-shrink`` header, the log line and the stats read it."""
 
     refusals: int = 0
@@ -749,7 +746,7 @@ class ProxyStats:
 @dataclasses.dataclass
 class ProxyState(ServerMemory):
     """What lives as long as the proxy: settings, one HTTP client, and what the upstream taught us, in its store
-    (the core's :class:`context_shrink.ServerMemory`, with what refusals and replies teach)."""
+    (a :class:`context_shrink_fit.ServerMemory`, with what refusals and replies teach)."""
 
     config: ProxyConfig
     http: httpx2.AsyncClient
@@ -880,105 +877,11 @@ async def shrink_request(
     state: ProxyState, body: dict[str, Any], authorization: str | None, window: int | None = None, caller: str = "",
     size: int = 0,
 ) -> tuple[dict[str, Any], ProxyReport]:  # fmt: skip
-    """The request body to forward and its report: the core's :func:`context_shrink.fit_request` (read, measure
+    """The request body to forward and its report: :func:`context_shrink_fit.fit_request` (read, measure
     once, over the trigger :func:`context_shrink.shrink`, recount) with a fresh :class:`ProxyReport` to fill;
     ``caller`` is who asks (:func:`caller_of`), ``size`` the body's bytes. Raises :class:`ContextShrinkError` for a
     body it does not understand (the caller forwards it as is)."""
     return await fit_request(state, body, authorization, ProxyReport(), window, caller, size)
-
-
-@dataclasses.dataclass(frozen=True)
-class Lean:
-    """A request body with its tools' descriptions cut (:func:`lean_request`), or as it came: ``whole`` the cut
-    tools' whole descriptions by name (what :data:`RECALL_TOOL` returns), ``said`` what the door says of it."""
-
-    body: dict[str, Any]
-    whole: dict[str, str] = dataclasses.field(default_factory=dict)
-    said: str | None = None
-    system: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # as it came, when sent outlined
-
-    @property
-    def recallable(self) -> bool:
-        """Whether it cut anything the recall tool can return."""
-        return bool(self.whole or self.system)
-
-
-UNLEANED = Lean({})  # nothing cut
-
-
-_DIET_MARKERS = re.compile(r"^\[… \d+ lines? cut …\]$", re.MULTILINE)  # :func:`diet_marker`'s lines
-SystemEditor = Callable[[dict[str, Any], Callable[[str], str]], dict[str, Any]]  # a wire's ``with_system``
-
-
-async def lean_request(
-    state: ServerMemory, body: dict[str, Any], chat: Mapping[str, Any], authorization: str | None,
-    with_system: SystemEditor | None = None, size: int = 0,
-) -> Lean:  # fmt: skip
-    """``body`` (in its wire's format; ``chat`` its chat view) with a leaner fixed part when the agent's system
-    prompt and tools (:func:`fixed_tokens`, the local estimate: the same every request) take over
-    :data:`LEAN_SHARE` of the budget (the window less the reply's reserve): its tools' descriptions cut to their
-    first sentence (:func:`lean_tools`) and its system prompt's repeated lines removed by the verbatim diet
-    (:func:`dieted_text`: every kept line as it was, each gap marked), written by the wire's ``with_system``; when
-    that still leaves it over the share, the system prompt sent as its outline (:func:`outlined`; its whole text
-    what the recall tool searches). As it is otherwise, with the policy's ``lean_tools`` off, when the window is
-    unknown, or for a body it cannot read (the request path says why). The work runs in a worker thread for a
-    request of ``size`` bytes or more (a system prompt of megabytes takes seconds: :func:`context_shrink.off_loop`)."""
-    if not state.policy.lean_tools:
-        return Lean(body)
-    window = await server_window(state, model_of(chat), authorization)
-    if window is None:
-        return Lean(body)
-    return await off_loop(size, lambda: leaner_request(state, body, chat, window, with_system))
-
-
-def leaner_request(
-    state: ServerMemory, body: dict[str, Any], chat: Mapping[str, Any], window: int,
-    with_system: SystemEditor | None = None,
-) -> Lean:  # fmt: skip
-    """:func:`lean_request` once the ``window`` is known."""
-    policy, tools = state.policy, body.get("tools") if isinstance(body.get("tools"), list) else []
-    count = state.tokenizer.count
-    try:
-        messages = validate_messages(chat.get("messages"))
-        tools_cost = fixed_tokens([], tools, count)  # counted once: for the decision and for what was saved
-        system_cost = fixed_tokens(messages, [], count)
-        budget = request_budget(chat, window)[0]  # what the reply's reserve leaves
-        if system_cost + tools_cost <= LEAN_SHARE * budget:
-            return Lean(body)
-        short, whole = lean_tools(tools, policy.recall) if tools else ([], {})
-    except (ContextShrinkError, TypeError, AttributeError, ValueError, RecursionError):
-        return Lean(body)
-    lines, saved, outline = [0], [0], [0]  # the system prompt's lines and tokens the diet takes out; the outline's
-
-    def diet(text: str) -> str:
-        if len(text) > LEAN_MOST or (lighter := DIETED[text]) is None:
-            return text
-        markers = len(_DIET_MARKERS.findall(lighter)) - len(_DIET_MARKERS.findall(text))
-        lines[0] += text.count("\n") - lighter.count("\n") + markers  # the lines it took out
-        saved[0] += count(text) - count(lighter)
-        return lighter
-
-    def outlined_text(text: str) -> str:
-        if len(text) > LEAN_MOST or (lighter := outlined(text, policy.recall)) is None:
-            return text
-        outline[0] += count(text) - count(lighter)
-        return lighter
-
-    leaner = {**body, "tools": short} if whole else body
-    dieted = with_system(leaner, diet) if with_system is not None else None
-    leaner = dieted if dieted is not None and saved[0] > 0 else leaner
-    tools_saved = tools_cost - fixed_tokens([], short, count) if whole else 0
-    left = system_cost + tools_cost - saved[0] - tools_saved
-    shorter = with_system(leaner, outlined_text) if with_system and left > LEAN_SHARE * budget else None
-    leaner = shorter if shorter is not None and outline[0] > 0 else leaner
-    if leaner is body:
-        return Lean(body)
-    said = [f"{len(whole)} tools described by their first sentence" if whole else "",
-            f"the system prompt {lines[0]} lines shorter" if saved[0] else "",
-            "the system prompt outlined" if leaner is shorter else ""]  # fmt: skip
-    system = messages[: leading_system(messages)] if leaner is shorter else []
-    cut = saved[0] + tools_saved + (outline[0] if leaner is shorter else 0)
-    return Lean(leaner, whole, f"{', '.join(filter(None, said))} (-{cut} tokens)", system)
 
 
 # --- the HTTP front ----------------------------------------------------------------------------------------

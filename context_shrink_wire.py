@@ -534,7 +534,7 @@ def recall_lines(
     line's sentences: :func:`recall_pieces`) holding all the query's words (its first :data:`RECALL_WORDS`; or, when
     none does, any of them) with :data:`RECALL_CONTEXT` lines around it. A sentence says so when
     nothing matches. A query that names a tool in ``described`` (tools whose descriptions the request carries
-    cut: :func:`context_shrink.lean_tools`) gets that tool's whole descriptions."""
+    cut: :func:`context_shrink_fit.lean_tools`) gets that tool's whole descriptions."""
     words = list(dict.fromkeys(w for w in re.findall(r"[\w.:/@-]+", query.lower()) if len(w) > 1))[:RECALL_WORDS]
     if not words:
         return "The query holds no word to search for."

@@ -56,6 +56,7 @@ from tiny_llama import free_port, llama_server, write_tiny_gguf  # noqa: E402
 from workloads import generated, load, transcript_paths  # noqa: E402
 
 import context_shrink as cs  # noqa: E402
+import context_shrink_fit as csf  # noqa: E402
 import context_shrink_proxy as csp  # noqa: E402
 
 TOK = cs.resolve_tokenizer("tiktoken:cl100k_base")
@@ -198,7 +199,7 @@ def replay(direct: str, front: str, fake: FakeOpenAI, messages: Messages, name: 
     first = messages[: turns[0]]
     reply, _ = post(direct, {"messages": first, "max_tokens": 1})
     ratio = reply.json()["usage"]["prompt_tokens"] / cs.count_messages(first, TOK)[1]  # its tokens per cl100k
-    budget = int(cs.Policy().trigger * (N_CTX - min(cs.PROXY_MAX_RESERVE, N_CTX // 8)) / ratio)
+    budget = int(cs.Policy().trigger * (N_CTX - min(csf.PROXY_MAX_RESERVE, N_CTX // 8)) / ratio)
     totals = {"proxy": 0, "sliding window": 0}
     actions: dict[str, int] = {}
     uses: list[float] = []  # the window share llama.cpp counted, on the requests the proxy shrank

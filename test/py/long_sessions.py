@@ -21,6 +21,7 @@ from fake_openai import serve
 from proxy_helpers import proxy
 
 import context_shrink as cs
+import context_shrink_fit as csf
 import context_shrink_sessions as css
 import context_shrink_wire as csw
 
@@ -170,14 +171,14 @@ class LongRun:
         """The agent's system prompt and tools as the model last got them (the recall tool left out), cl100k."""
         view = request_view(*self.last_request())
         tools = [t for t in view.tools if (t.get("function") or t).get("name") != cs.RECALL_TOOL]
-        return cs.fixed_tokens(view.messages, tools, COUNT)
+        return csf.fixed_tokens(view.messages, tools, COUNT)
 
     def text_ceiling(self) -> float:
         """The most of the turns' file text any proxy could send: per answer, what the budget (the window less
         the reply's reserve) leaves beside the fixed part as sent, over the tokens of the files the turn read."""
         body = self.last_request()[1]
         asked = body.get("max_tokens", body.get("max_output_tokens"))
-        budget = cs.request_budget({"max_tokens": asked} if isinstance(asked, int) else {}, self.upstream.window)[0]
+        budget = csf.request_budget({"max_tokens": asked} if isinstance(asked, int) else {}, self.upstream.window)[0]
         room, shares = max(0, budget - self.fixed_sent()), []
         for answer in self.upstream.answers[-self.turns :]:
             files = sum(COUNT((self.upstream.project / name).read_text()) for name in answer["files"])

@@ -28,6 +28,7 @@ from proxy_helpers import proxy
 from recalling import RecallingModel
 
 import context_shrink as cs
+import context_shrink_fit as csf
 import context_shrink_state as cst
 import context_shrink_wire as csw
 
@@ -118,25 +119,25 @@ def tool_lists(draw: Any) -> list[Any]:
 @given(tool_lists(), st.booleans())
 def test_cutting_descriptions_never_changes_what_a_tool_is(tools: list[Any], recall: bool) -> None:
     before = json.dumps(tools, sort_keys=True)
-    short, whole = cs.lean_tools(tools, recall)
+    short, whole = csf.lean_tools(tools, recall)
     assert json.dumps(tools, sort_keys=True) == before  # the agent's list is not touched
     assert without_descriptions(short) == without_descriptions(tools)  # names, types, enums, required, defaults
-    assert cs.lean_tools(tools, recall) == (short, whole)  # the same every request
+    assert csf.lean_tools(tools, recall) == (short, whole)  # the same every request
     for old, new in zip(descriptions(tools), descriptions(short), strict=True):
         if new != old:  # cut to the first sentence, marked, and kept whole for the recall tool
-            assert new.startswith(cs.first_sentence(old)) and new.endswith("]") and len(new) < len(old)
+            assert new.startswith(csf.first_sentence(old)) and new.endswith("]") and len(new) < len(old)
             assert any(old in text for text in whole.values())
 
 
 def test_a_long_description_keeps_its_first_sentence_and_says_where_the_rest_is() -> None:
     tool = wide_tool("messages", 0, random.Random(1))
-    short, whole = cs.lean_tools([tool])
+    short, whole = csf.lean_tools([tool])
     first = tool["description"].split(". ")[0] + "."
     assert short[0]["description"] == f'{first} [… the rest: {cs.RECALL_TOOL} "tool_0"]'
     assert short[0]["input_schema"]["properties"]["description"] == tool["input_schema"]["properties"]["description"]
     assert whole["tool_0"].startswith("The tool tool_0, described in full:\n" + tool["description"])
     assert "Parameter ranges.start: " in whole["tool_0"]
-    assert cs.lean_tools([tool], recall=False)[0][0]["description"] == f"{first} […]"
+    assert csf.lean_tools([tool], recall=False)[0][0]["description"] == f"{first} […]"
 
 
 # ------------------------------------------------------------------------------------------ through the proxy
@@ -161,8 +162,8 @@ def test_a_fixed_part_over_half_the_window_is_sent_with_short_descriptions(api: 
     path = BUILDERS[api][0]
     model = RecallingModel(8192, "tool_3")  # it asks for one tool's whole description
     first, grown = wide_request(api), wide_request(api, turns=6)
-    fixed = cs.fixed_tokens(request_view(api, first).messages[:1], first["tools"], cs.HEURISTIC.count)
-    assert fixed > cs.LEAN_SHARE * 8192  # the case: the agent's own part takes over half the window
+    fixed = csf.fixed_tokens(request_view(api, first).messages[:1], first["tools"], cs.HEURISTIC.count)
+    assert fixed > csf.LEAN_SHARE * 8192  # the case: the agent's own part takes over half the window
     with serve(model) as upstream, proxy(upstream, "--window", "8192", "--no-archive", log=tmp_path / "log") as url:
         replies = [httpx2.post(url + path, json=body, timeout=60) for body in (first, first, grown)]
         stats = httpx2.get(url.removesuffix("/v1") + "/context-shrink/stats", timeout=30).json()
@@ -264,12 +265,12 @@ def test_an_outline_keeps_every_heading_and_each_paragraphs_start_as_written(pro
     """Each line of an outline is a line of the prompt, or a line's start to a sentence's end and ``[…]``, or
     ``[…]`` alone, and the note that says so; headings, tag lines and code fences are kept whole; the first line
     of every paragraph begins as it did; the same prompt gives the same bytes."""
-    short = cs.outlined(prompt, recall)
+    short = csf.outlined(prompt, recall)
     if short is None:
         return
-    assert short == cs.outlined(prompt, recall) and len(short) < len(prompt) + len(cs.OUTLINE_NOTE) + 80
+    assert short == csf.outlined(prompt, recall) and len(short) < len(prompt) + len(csf.OUTLINE_NOTE) + 80
     body, note = short.rsplit("\n\n", 1)
-    assert note.startswith(cs.OUTLINE_NOTE.format("")[:-1]) and (cs.RECALL_TOOL in note) == recall
+    assert note.startswith(csf.OUTLINE_NOTE.format("")[:-1]) and (cs.RECALL_TOOL in note) == recall
     lines = prompt_lines(prompt)
     for line in prompt_lines(body):
         start = line.removesuffix(" […]")
@@ -285,9 +286,9 @@ def test_an_outline_keeps_every_heading_and_each_paragraphs_start_as_written(pro
 
 
 def test_a_short_or_fenced_prompt_is_not_outlined() -> None:
-    assert cs.outlined("You are an agent. Be brief.") is None
+    assert csf.outlined("You are an agent. Be brief.") is None
     rng = random.Random(5)
-    assert cs.outlined(f"Run it so:\n```sh\n{long_text(rng, 6)}\n```") is None
+    assert csf.outlined(f"Run it so:\n```sh\n{long_text(rng, 6)}\n```") is None
 
 
 @pytest.mark.parametrize("eol", ["\n", "\r"])
@@ -308,7 +309,7 @@ def test_a_fixed_part_still_over_half_the_budget_sends_the_system_prompt_outline
         replies = [httpx2.post(url + BUILDERS[api][0], json=body, timeout=60) for _ in range(2)]
     assert [r.status_code for r in replies] == [200, 200]
     sent = [system_text(api, b) for _, b in model.log]
-    assert len(set(sent)) == 1 and sent[0] == cs.outlined(prompt)  # the same bytes every request
+    assert len(set(sent)) == 1 and sent[0] == csf.outlined(prompt)  # the same bytes every request
     assert "zebra-lint" not in sent[0] and all(f"## Rule {k}" in sent[0] for k in range(30))
     assert len(sent[0]) < len(prompt) / 3
     header = replies[0].headers["x-context-shrink"]
@@ -351,7 +352,7 @@ def opening_agent(turn: int, pairs: int, updated: bool) -> list[dict[str, Any]]:
 
 
 def opening_of(history: list[dict[str, Any]], tasks: dict[str, Any]) -> tuple[int, int]:
-    return tuple(cs.agent_opening(history, tasks))  # type: ignore[return-value]
+    return tuple(csf.agent_opening(history, tasks))  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("pairs", [0, 1, 3])
@@ -479,8 +480,8 @@ def test_the_users_messages_first_seen_are_named_once_and_carried_after_the_agen
     state, tasks = types.SimpleNamespace(said={}), {}
 
     def remembered(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
-        request = cs.ChatRequest.read({"messages": messages})
-        return cs.remembered(state, request, cs.agent_opening(messages, tasks))  # type: ignore[arg-type]
+        request = csf.ChatRequest.read({"messages": messages})
+        return csf.remembered(state, request, csf.agent_opening(messages, tasks))  # type: ignore[arg-type]
 
     said = [{"role": "system", "content": "S"}, {"role": "user", "content": "Turn 1: remember OPS-90417."}]
     assert remembered(said) == ([], [1])

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import context_shrink as cs
+import context_shrink_fit as csf
 import context_shrink_wire as csw
 
 pytestmark = pytest.mark.core
@@ -383,7 +384,7 @@ def test_every_kind_of_tool_is_counted() -> None:
         }
     )
     assert anthropic.tools[0]["function"]["kind"] == "web_search_20250305"
-    chat = cs.ChatRequest.read({"messages": [{"role": "user", "content": "hi"}],
+    chat = csf.ChatRequest.read({"messages": [{"role": "user", "content": "hi"}],
                                 "tools": [{"type": "custom", "custom": {"name": "apply_patch"}}]})  # fmt: skip
     assert chat.tools[0]["function"]["name"] == "custom" and cs.count_tools(chat.tools, TOK) > 0
 

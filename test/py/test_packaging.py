@@ -38,6 +38,7 @@ def test_twine_passes_both_artefacts(dist: Path) -> None:
 
 
 COMPANIONS = [
+    "context_shrink_fit.py",
     "context_shrink_models.py",
     "context_shrink_proxy.py",
     "context_shrink_sessions.py",

@@ -16,6 +16,7 @@ from builders import assistant, conversation, tool, user
 from hypothesis import HealthCheck, given, settings
 
 import context_shrink as cs
+import context_shrink_fit as csf
 
 pytestmark = pytest.mark.core
 TOK = cs.HEURISTIC
@@ -126,7 +127,7 @@ def test_properties_over_agent_histories(case: Any) -> None:
     assert json.dumps(shrink(messages, case.budget, summarise=summariser([]))["messages"]) == json.dumps(out)
 
 
-class Door(cs.ServerMemory):
+class Door(csf.ServerMemory):
     """A door of its own, not the proxy's: settings, tables in memory, an upstream behind ``handler``."""
 
     def __init__(self, handler: Any, window: int | None) -> None:
@@ -140,17 +141,17 @@ class Door(cs.ServerMemory):
         )
 
 
-def fitted(window: int | None, body: dict[str, Any]) -> tuple[dict[str, Any], cs.FitReport, list[str]]:
+def fitted(window: int | None, body: dict[str, Any]) -> tuple[dict[str, Any], csf.FitReport, list[str]]:
     asked: list[str] = []
 
     def handler(request: httpx2.Request) -> httpx2.Response:
         asked.append(request.url.path)
         return httpx2.Response(404, json={"error": {"message": "not here"}})
 
-    async def run() -> tuple[dict[str, Any], cs.FitReport]:
+    async def run() -> tuple[dict[str, Any], csf.FitReport]:
         door = Door(handler, window)
         async with door.http:
-            return await cs.fit_request(door, body, None, cs.FitReport())
+            return await csf.fit_request(door, body, None, csf.FitReport())
 
     return (*anyio.run(run), asked)
 

@@ -32,6 +32,7 @@ from tiny_llama import free_port
 from upstreams import SUMMARY, Recorder, proxied
 
 import context_shrink as cs
+import context_shrink_fit as csf
 import context_shrink_proxy as csp
 import context_shrink_state as cst
 import context_shrink_wire as csw
@@ -43,10 +44,10 @@ SECRET = "sk-test-0123456789abcdef"
 
 
 def test_calibration_is_smoothed_and_bounded() -> None:
-    assert cs.calibrated(None, 1000, 1200) == 1.2
-    assert cs.calibrated(1.2, 1000, 1000) == 1.1
-    assert cs.calibrated(None, 1000, 100_000) == cs.CALIBRATION_LIMITS[1]
-    assert cs.calibrated(None, 0, 10) == cs.CALIBRATION_LIMITS[1]  # no division by zero
+    assert csf.calibrated(None, 1000, 1200) == 1.2
+    assert csf.calibrated(1.2, 1000, 1000) == 1.1
+    assert csf.calibrated(None, 1000, 100_000) == csf.CALIBRATION_LIMITS[1]
+    assert csf.calibrated(None, 0, 10) == csf.CALIBRATION_LIMITS[1]  # no division by zero
 
 
 def test_silent_truncation_is_flagged() -> None:
@@ -395,7 +396,7 @@ def test_an_opencode_shaped_request_is_shrunk_around_its_fixed_part(lean: str, t
         assert "action=none" not in reply.headers["x-context-shrink"] and sent["tools"] == body["tools"]
     else:
         assert "action=none" in reply.headers["x-context-shrink"] and sent["messages"][1:] == body["messages"][1:]
-        assert sent["messages"][0]["content"] == cs.outlined(body["messages"][0]["content"])
+        assert sent["messages"][0]["content"] == csf.outlined(body["messages"][0]["content"])
         said = "lean=10 tools described by their first sentence, the system prompt outlined (-"
         assert said in reply.headers["x-context-shrink"]
 
@@ -408,11 +409,11 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 def test_a_reply_reserve_over_half_the_window_is_capped() -> None:
     """Claude Code asks 32,000 reply tokens of any model: in a 20,000 window an eighth is reserved, not all."""
-    assert cs.request_budget({"max_tokens": 32_000}, 20_000) == (17_500, 2_500)
-    assert cs.request_budget({"max_tokens": 32_000}, 4_000) == (2_976, 1_024)  # at least 1,024
-    assert cs.request_budget({"max_tokens": 10_000}, 20_000) == (10_000, None)
-    assert cs.request_budget({"max_completion_tokens": 512, "max_tokens": 9}, 4096) == (3584, None)
-    assert cs.request_budget({}, 4096) == (4096 - 512, None) and cs.request_budget({}, 65_536) == (64_512, None)
+    assert csf.request_budget({"max_tokens": 32_000}, 20_000) == (17_500, 2_500)
+    assert csf.request_budget({"max_tokens": 32_000}, 4_000) == (2_976, 1_024)  # at least 1,024
+    assert csf.request_budget({"max_tokens": 10_000}, 20_000) == (10_000, None)
+    assert csf.request_budget({"max_completion_tokens": 512, "max_tokens": 9}, 4096) == (3584, None)
+    assert csf.request_budget({}, 4096) == (4096 - 512, None) and csf.request_budget({}, 65_536) == (64_512, None)
 
 
 def test_rough_edges_at_start_up() -> None:
