@@ -67,6 +67,7 @@ __all__ = [
     "MAX_RETRY_AFTER",
     "MERGE_PROMPT",
     "MODEL_LIMIT_FIELDS",
+    "MODEL_WINDOW_FIELDS",
     "PATCHED_FOR",
     "PROTECTED_MESSAGES",
     "REASONING_KEYS",
@@ -117,6 +118,7 @@ __all__ = [
     "SummaryOptions",
     "Tokenizer",
     "TrimOptions",
+    "WindowUnknown",
     "analyze_messages",
     "anchor_summary",
     "anchored_in",
@@ -237,6 +239,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import stat
 import struct
 import sys
@@ -333,6 +336,16 @@ class InvalidText(ContextShrinkError):
     def __init__(self, field: str) -> None:
         super().__init__(f"{field} holds a lone surrogate (half of a UTF-16 pair, not a character): send it as text")
         self.field = field
+
+
+class WindowUnknown(ContextShrinkError):
+    """A backend answered but said no context window (every probe asked: :meth:`Backend.context_window`).
+    ``known_since`` is when that was first found (:func:`time.monotonic`); the answer is kept
+    :data:`WINDOW_UNKNOWN_SECONDS`, so ``repeated`` says it was not asked again this time."""
+
+    def __init__(self, message: str, *, known_since: float, repeated: bool = False) -> None:
+        super().__init__(message)
+        self.known_since, self.repeated = known_since, repeated
 
 
 class BackendError(ContextShrinkError):
@@ -507,6 +520,7 @@ CHAT_FORMAT_NAMES = ("openai", "chatml", "llama3", "gemma", "mistral")
 SUMMARY_ROLES = ("system", "user")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR")  # TRACE: DEBUG with the libraries' own lines
 WINDOW_CACHE_SECONDS = 300.0  # how long a discovered context window is trusted
+WINDOW_UNKNOWN_SECONDS = 60.0  # how long a backend that reports no window is not asked again
 TOKENS_PER_TOOL_CALL = 3
 IMAGE_TOKENS_LOW = 85
 IMAGE_TOKENS_DEFAULT = 765  # an image whose size cannot be read counts as 1024x1024 at high detail
@@ -793,6 +807,11 @@ class Config:
     def __post_init__(self) -> None:
         if not self.namespace:  # the proxy in front of this backend archives under that name too
             object.__setattr__(self, "namespace", upstream_namespace(self.base_url))
+
+    @property
+    def namespace_named(self) -> bool:
+        """The namespace was named (``CONTEXT_SHRINK_NAMESPACE``), not derived from the backend's URL."""
+        return self.namespace != upstream_namespace(self.base_url)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -4996,6 +5015,7 @@ class Store(Tables, Protocol):
 
     def archive(self, entries: Sequence[Mapping[str, Any]], max_bytes: int, max_days: float) -> int: ...
     def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]: ...
+    def namespaces(self) -> dict[str, int]: ...  # every deployment's name whose archive holds messages, and how many
     def close(self) -> None: ...
 
 
@@ -6023,6 +6043,8 @@ class BackendCaches:
 
     counting: dict[str, tuple[str | None, float, str]] = dataclasses.field(default_factory=dict)
     windows: dict[tuple[str, str | None], tuple[int, str, float]] = dataclasses.field(default_factory=dict)
+    unknown: dict[tuple[str, str | None], WindowUnknown] = dataclasses.field(default_factory=dict)
+    announced: dict[str | None, int] = dataclasses.field(default_factory=dict)  # the window logged for each model
 
 
 class Backend:
@@ -6178,11 +6200,16 @@ class Backend:
         raise ContextShrinkError(reason)
 
     async def context_window(self, model: str | None = None) -> tuple[int, str]:
-        """The backend's context window for ``model`` and where it came from; cached for a few minutes."""
+        """The backend's context window for ``model`` and where it came from; cached for a few minutes. A backend
+        that answers but says none raises :class:`WindowUnknown`, and is not asked again for
+        :data:`WINDOW_UNKNOWN_SECONDS` (every request would otherwise cost a probe of each endpoint)."""
         now = time.monotonic()
         cached = self.caches.windows.get((self.base_url, model))
         if cached and cached[2] > now:
             return cached[0], cached[1]
+        unknown = self.caches.unknown.get((self.base_url, model))
+        if unknown and unknown.known_since + WINDOW_UNKNOWN_SECONDS > now:
+            raise WindowUnknown(str(unknown), known_since=unknown.known_since, repeated=True)
         reasons = []
         for probe, discover in WINDOW_PROBES.items():
             try:
@@ -6203,9 +6230,11 @@ class Backend:
                 self.caches.windows[(self.base_url, model)] = (window, probe, now + WINDOW_CACHE_SECONDS)
                 return window, probe
             reasons.append(f"{probe}: no window in the reply")
-        raise ContextShrinkError(
-            self._redact(f"no context window found at {self.base_url} ({'; '.join(reasons)})", 2000)
+        unknown = WindowUnknown(
+            self._redact(f"no context window found at {self.base_url} ({'; '.join(reasons)})", 2000), known_since=now
         )
+        self.caches.unknown[(self.base_url, model)] = unknown
+        raise unknown
 
 
 # --- the servers' own endpoints: one function per way of counting a prompt or finding a window ------------------
@@ -6887,6 +6916,7 @@ class ServerState:
     caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
     summaries: SummaryCache = dataclasses.field(default_factory=SummaryCache)
     opened: Store | None = None  # the proxy's store, opened when recall_context first searches it
+    local: bool = False  # started on stdio by this machine's user, who owns the store (:func:`recalled_elsewhere`)
 
     def store(self) -> Store:
         """The store the proxy keeps its archive in (``CONTEXT_SHRINK_STATE``), opened once, an earlier version's
@@ -6897,6 +6927,39 @@ class ServerState:
             directory = self.config.archive_dir or state.default_archive_dir()
             state.import_jsonl_archive(self.opened, directory, state.ARCHIVE_MAX_BYTES, state.ARCHIVE_MAX_DAYS)
         return self.opened
+
+
+def recalled_elsewhere(state: ServerState, query: str, conversation: str | None, limit: int) -> dict[str, Any]:
+    """``recall_context``'s answer when its own namespace holds nothing archived: the store's other namespaces
+    that do, searched (each entry says its ``namespace``) when the server was started on stdio (``state.local``:
+    its user owns the store file and could read it whole) and the namespace was derived, not named; else only
+    listed. A proxy archives under its upstream's namespace, which the MCP server can only guess
+    (``CONTEXT_SHRINK_BASE_URL``): this is how it finds the proxy's archive of the same machine unasked. ``{}``
+    when no other namespace holds anything. Runs in a worker thread."""
+    config = state.config
+    others = sorted(((n, ns) for ns, n in state.store().namespaces().items() if ns != config.namespace), reverse=True)
+    if not others:
+        return {}
+    listed = ", ".join(f"{ns} ({n} messages)" for n, ns in others)
+    if not state.local or config.namespace_named:
+        why = "named by CONTEXT_SHRINK_NAMESPACE" if config.namespace_named else "this server's over HTTP"
+        return {"note": f"nothing is archived under namespace {config.namespace} ({why}); the store holds {listed}: "
+                f"set CONTEXT_SHRINK_NAMESPACE to one of them to search it"}  # fmt: skip
+    searched, entries, names = 0, [], []
+    for _, ns in others:
+        store = companion("state").open_store(config.state, ns)
+        try:
+            counted, found = store.search(query, conversation, limit - len(entries))
+        finally:
+            store.close()
+        searched, names = searched + counted, [*names, ns]
+        entries += [{**entry, "namespace": ns} for entry in found]
+        if len(entries) >= limit:
+            break
+    note = (f"nothing is archived under this server's namespace {config.namespace} (derived from "
+            f"CONTEXT_SHRINK_BASE_URL); searched the store's others: {listed}. CONTEXT_SHRINK_NAMESPACE=<one> "
+            "searches that one alone")  # fmt: skip
+    return {"searched": searched, "found": len(entries), "entries": entries, "namespaces": names, "note": note}
 
 
 @dataclasses.dataclass
@@ -7522,7 +7585,11 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
         state = state_of(ctx)
         store = await anyio.to_thread.run_sync(state.store)
         searched, found = await anyio.to_thread.run_sync(store.search, query, conversation, limit)
-        return {"archive": store.name, "searched": searched, "found": len(found), "entries": found}
+        result = {"archive": store.name, "searched": searched, "found": len(found), "entries": found,
+                  "namespaces": [state.config.namespace], "note": None}  # fmt: skip
+        if searched == 0:  # nothing archived here: the store's other deployments (recalled_elsewhere)
+            result |= await anyio.to_thread.run_sync(recalled_elsewhere, state, query, conversation, limit)
+        return result
 
     @tool(read_only=False)
     async def compact_context(
@@ -7572,10 +7639,11 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
         )
 
 
-def build_server(config: Config | None = None, store: Store | None = None) -> MCPServer:
+def build_server(config: Config | None = None, store: Store | None = None, *, local: bool = False) -> MCPServer:
     """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`; ``store``, the proxy's
-    when both are served at once (else opened from the config when first needed). Each tool loads its
-    input, calls the core and delivers the result; the work is in the functions above."""
+    when both are served at once (else opened from the config when first needed); ``local``, started on stdio by
+    the user who owns the store (:func:`recalled_elsewhere`). Each tool loads its input, calls the core and
+    delivers the result; the work is in the functions above."""
     load_sdk()
     config = config or Config.from_env()
 
@@ -7583,7 +7651,7 @@ def build_server(config: Config | None = None, store: Store | None = None) -> MC
     async def lifespan(_: MCPServer) -> AsyncIterator[ServerState]:
         timeout = httpx2.Timeout(config.timeout, connect=min(10.0, config.timeout))
         async with httpx2.AsyncClient(timeout=timeout) as http:
-            state = ServerState(config, http, opened=store)
+            state = ServerState(config, http, opened=store, local=local)
             try:
                 yield state
             finally:
@@ -7826,6 +7894,11 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
     return parser, commands
 
 
+STDIO_AT_A_TERMINAL = (
+    "context-shrink: this is the MCP server, waiting for an MCP client on stdin (JSON-RPC, one message a line): an "
+    "MCP client starts it (README: Client configuration), nothing is typed here. Ctrl-C or Ctrl-D quits.\n"
+    "  The proxy: context-shrink proxy --upstream http://127.0.0.1:8080/v1    The commands: context-shrink --help"
+)
 LIBRARY_LOGGERS = ("httpx2", "httpcore2", "httpx", "httpcore", "mcp", "uvicorn", "sse_starlette", "asyncio")
 
 
@@ -7870,10 +7943,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ContextShrinkError, OSError) as exc:
             print(f"context-shrink {args.command}: {exc}", file=sys.stderr)
             return 2
-    log.info(
-        "context-shrink %s: root %s, backend %s, model %s", __version__, config.root, config.base_url, config.model
-    )
-    anyio.run(serve_stdio, build_server(config))
+    model = config.model or "the request's (CONTEXT_SHRINK_MODEL unset)"
+    log.info("context-shrink %s: root %s, backend %s, model %s", __version__, config.root, config.base_url, model)
+    if sys.stdin.isatty():  # a person, not an MCP client, started it: say what it is; Ctrl-C ends it at once (the
+        print(STDIO_AT_A_TERMINAL, file=sys.stderr)  # thread reading the terminal would otherwise hold the exit)
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    anyio.run(serve_stdio, build_server(config, local=True))
     return 0
 
 

@@ -97,6 +97,7 @@ from context_shrink import (
     SummaryCache,
     SummaryOptions,
     Tokenizer,
+    WindowUnknown,
     backend_summariser,
     canonical_json,
     count_message,
@@ -367,17 +368,34 @@ class ServerMemory:
         return Backend(self.http, url, key, headers, caches=self.caches, secrets=secrets, settings=settings)
 
 
+WINDOW_HINT = (
+    "requests are forwarded unshrunk until the upstream refuses one for its length: start the proxy with "
+    "--window N (the server's context size: llama.cpp's -c/--ctx-size)"
+)
+
+
 async def server_window(state: ServerMemory, model: str | None, authorization: str | None) -> int | None:
-    """The window for ``model``: learnt from a refusal, else configured, else discovered; None if unknown."""
+    """The window for ``model``: learnt from a refusal, else configured, else discovered (said in the log once,
+    and when it changes); None if unknown (said in the log once while the upstream's answer is kept,
+    :data:`context_shrink.WINDOW_UNKNOWN_SECONDS`)."""
     if model in state.windows:
         return state.windows[model]
     if state.config.window:
         return state.config.window
     try:
-        return (await state.backend(state.config.base, authorization).context_window(model))[0]
-    except ContextShrinkError as exc:
-        log.info("proxy: window unknown for %s (%s); forwarding unshrunk until the upstream refuses", model, exc)
+        window, source = await state.backend(state.config.base, authorization).context_window(model)
+    except WindowUnknown as exc:
+        if not exc.repeated:
+            log.warning("proxy: window unknown for %s (%s); %s", model, exc, WINDOW_HINT)
         return None
+    except ContextShrinkError as exc:
+        log.info("proxy: window unknown for %s (%s); %s", model, exc, WINDOW_HINT)
+        return None
+    if state.caches.announced.get(model) != window:  # said once, and again when it changes
+        state.caches.announced[model] = window
+        log.info("proxy: enforcing the window of %s, %d tokens (the upstream's %s; --window N sets another)", model,
+                 window, source)  # fmt: skip
+    return window
 
 
 async def server_summariser(

@@ -80,7 +80,14 @@ from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Mount, Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -92,6 +99,7 @@ from context_shrink import (
     MAX_CONTEXT_TOKENS_LIMIT,
     MAX_FILE_BYTES,
     MODEL_LIMIT_FIELDS,
+    MODEL_WINDOW_FIELDS,
     PROBE_TIMEOUT,
     RECALL_TOOL,
     Backend,
@@ -924,6 +932,23 @@ def scrub_secrets(data: bytes, secrets: Sequence[str]) -> bytes:
     return redact(data.decode("utf-8", "replace"), secrets).encode()
 
 
+ROOT_HINT = (
+    "This is the context-shrink proxy (the server behind it has nothing at /).\n"
+    "The live page: /context-shrink/ on this address\nThe API, for agents: /v1 (the base URL to give them)\n"
+    "Its stats: /context-shrink/stats\n"
+)
+
+
+def unread(exc: BaseException) -> str:
+    """Why a chat request's body could not be read, for the header and the log (``exc`` as :meth:`ProxyFront.chat`
+    and :meth:`ProxyFront.translated` caught it)."""
+    if isinstance(exc, RecursionError):
+        return "the body is nested too deeply"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"the body is not JSON ({exc.msg} at byte {exc.pos})"
+    return str(exc) or type(exc).__name__
+
+
 def _failure(status: int, message: str, kind: str) -> JSONResponse:
     """An error in the OpenAI shape, from the proxy itself."""
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -1102,13 +1127,17 @@ WINDOW_PATHS = frozenset({"/v1/models", "/props"})  # where an agent reads a mod
 
 def _reported(reply: dict[str, Any], enforced: Callable[[str | None], int | None]) -> int:
     """Lower, in place, each window ``reply`` names to what ``enforced`` says for its model (a model list's
-    entries by their id or name; ``/props`` for the one it serves); how many values changed."""
+    entries by their id or name; ``/props`` for the one it serves), and give a model list's entry that names
+    none the enforced one as ``context_length`` (what OpenRouter and Together list); how many values changed."""
     changed = 0
 
     def lower(entry: Any, paths: Sequence[Sequence[str]], model: str | None) -> None:
         nonlocal changed
         if not isinstance(entry, dict) or not (window := enforced(model)):
             return
+        if paths is MODEL_LIMIT_FIELDS and all(field_at(entry, path) is None for path in MODEL_WINDOW_FIELDS):
+            entry["context_length"] = window
+            changed += 1
         for path in paths:
             holder = field_at(entry, path[:-1])
             value = holder.get(path[-1]) if isinstance(holder, dict) else None
@@ -1252,6 +1281,11 @@ class ProxyFront:
         upstream = await self.open_upstream(request.method, url, headers, body)
         said = ProxyReport(action="forwarded unchanged", reason=why)
         extra = {"x-context-shrink": said.header()} if why else {}
+        if why:  # a chat request it could not read: the log says so, as the header does
+            log.info("proxy: %s %s forwarded unchanged, %s", request.method, request.url.path, why)
+        if request.method == "GET" and request.url.path == "/" and upstream.status_code == 404:
+            await upstream.aclose()  # someone opened the proxy's address in a browser: say where things are
+            return PlainTextResponse(ROOT_HINT, 404)
         if upstream.status_code >= 400 and self.secrets:
             return await self.error_reply(upstream, extra)
         if request.method == "GET" and upstream.status_code == 200 and request.url.path in WINDOW_PATHS:
@@ -1290,12 +1324,11 @@ class ProxyFront:
         try:
             body = await parsed(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-                raise ValueError
+                raise ContextShrinkError("the body holds no list of messages")
         except InvalidText as exc:  # no encoder can write it: refused at the door, never sent on
             return refused(request, 400, str(exc), "invalid_request_error")
         except (ValueError, RecursionError) as exc:  # not a body we understand: the upstream answers it
-            why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            return await self.passthrough(request, raw, f"not shrunk: {why}" if why else None)
+            return await self.passthrough(request, raw, f"not shrunk: {unread(exc)}")
         authorization, size = request.headers.get("authorization"), len(raw)
         lean = await lean_request(self.state, body, body, authorization, WIRES["chat"].with_system, size)
         if lean.body is not body:
@@ -1321,8 +1354,7 @@ class ProxyFront:
         except InvalidText as exc:  # no encoder can write it: refused at the door, never sent on
             return refused(request, 400, str(exc), "invalid_request_error")
         except (ValueError, RecursionError) as exc:
-            why = "the body is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            return await self.passthrough(request, raw, f"not shrunk: {why}")
+            return await self.passthrough(request, raw, f"not shrunk: {unread(exc)}")
 
         def chat_of(view: ChatView) -> dict[str, Any]:
             chat = {"model": body.get("model"), "messages": view.messages, "tools": view.tools,
@@ -1912,7 +1944,7 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         "window": None if auto else read.integer("WINDOW", 256, MAX_CONTEXT_TOKENS_LIMIT, "window", proxy),
         "summary_url": read.text("SUMMARY_URL", "summary_url", proxy),
         "summary_model": read.text("SUMMARY_MODEL", "summary_model", proxy),
-        "api_key": read.text("API_KEY", None, proxy),
+        "api_key": read.text("API_KEY", "api_key", proxy),
         "max_body_bytes": read.integer("MAX_BODY_BYTES", 1024, MAX_FILE_BYTES, "max_body_bytes", proxy),
         "policy": proxy_policy(read),
         "summary_concurrency": read.integer("SUMMARY_CONCURRENCY", 1, 16, "summary_concurrency", proxy),
@@ -1927,9 +1959,8 @@ def proxy_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
         "body_timeout": read.seconds("BODY_TIMEOUT", None, proxy),
         "idle_timeout": read.seconds("IDLE_TIMEOUT", None, proxy),
     }
-    archive = (
-        None if getattr(args, "no_archive", False) else read.archive_dir("archive_dir") or default_archive_dir(environ)
-    )
+    archived = read.choice("ARCHIVE", ("on", "off"), "archive", proxy) != "off" and not getattr(args, "no_archive", 0)
+    archive = read.archive_dir("archive_dir") or default_archive_dir(environ) if archived else None
     given = {name: value for name, value in values.items() if value is not None}
     origins = tuple(o.rstrip("/") for o in getattr(args, "allow_origin", None) or ())
     return ProxyConfig(upstream=found[1].rstrip("/"), archive_dir=archive, origins=origins, **given)
@@ -1985,7 +2016,7 @@ def doctor_fixes(report: Mapping[str, Any]) -> list[str]:
         fixes.append("the window is not discovered: give the proxy --window N (the server's context size)")
     if report["counting"] is None:
         fixes.append("the server cannot count tokens: counts are estimated and calibrated on its replies' usage "
-                     "(llama.cpp, vLLM and TGI count exactly); keep --reserve as a margin")  # fmt: skip
+                     "(llama.cpp, vLLM and TGI count exactly); a lower --trigger keeps more margin")  # fmt: skip
     ratio = report["tokens_per_local_token"]
     if ratio and not 0.8 <= ratio <= 1.25:
         fixes.append(f"the server's tokens are {ratio} per local token: the proxy calibrates on them, the MCP tools "
@@ -2070,7 +2101,11 @@ def run_proxy(config: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
             config.host,
         )
     archive = "on" if config.archive_dir is not None else "off"
-    announce = f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.shown} (archive: {archive})"
+    window = f"{config.window} tokens (--window)" if config.window else "the upstream's, asked per model"
+    announce = (
+        f"context-shrink proxy {__version__}: http://{{}}/v1 -> {config.shown} (window: {window}; archive: {archive});"
+        " live page http://{}/context-shrink/; Ctrl-C quits"
+    )
     timeouts = (config.header_timeout, config.idle_timeout)
     serve_http(build_proxy(config, tokenizer), config.host, config.port, timeouts, announce)
 
@@ -2082,7 +2117,7 @@ GC_THRESHOLDS = (10_000, 50, 100)  # the collector's (CPython's: 700, 10, 10): a
 
 def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], announce: str) -> None:
     """Run ``app`` with uvicorn (:func:`listening`; ``timeouts``: for a request's headers, for an idle kept-alive
-    connection) on ``host:port``, bound before ``announce`` (its ``{}`` is the address) is logged: a taken port
+    connection) on ``host:port``, bound before ``announce`` (each ``{}`` in it the address) is logged: a taken port
     raises :class:`OSError` before anything claims to serve. The event loop waits for the GIL at most
     :data:`SWITCH_INTERVAL` while a large request is shrunk in a worker thread (at the default 5 ms, a small
     request served beside it waited that long at every step: ~100 ms instead of ~5), and the collector walks every
@@ -2091,7 +2126,7 @@ def serve_http(app: Any, host: str, port: int, timeouts: tuple[float, float], an
     gc.set_threshold(*GC_THRESHOLDS)
     server = uvicorn.Server(listening(app, host, port, *timeouts))
     listener = bound_listener(host, port)
-    log.info(announce.replace("{}", f"{host}:{listener.getsockname()[1]}", 1))
+    log.info(announce.replace("{}", f"{host}:{listener.getsockname()[1]}"))
     server.run(sockets=[listener])
 
 
@@ -2219,7 +2254,9 @@ def run_serve(
 
 def _proxy_flags(sub: argparse.ArgumentParser) -> None:
     """The proxy's flags beside ``--upstream``, ``--host`` and ``--port`` (for ``proxy`` and ``serve``)."""
-    sub.add_argument("--window", help="the upstream's context window in tokens, or auto (default: discovered)")
+    sub.add_argument("--window", help="the upstream's context window in tokens: the server's context size "
+                     "(llama.cpp's -c/--ctx-size, vLLM's --max-model-len, Ollama's num_ctx), or auto (default: asked "
+                     "of the server; the start line says which)")  # fmt: skip
     sub.add_argument("--summary-url", help="base URL of the summariser (default: the upstream)")
     sub.add_argument("--summary-model", help="summariser model (default: the request's model)")
     sub.add_argument("--state", help="where what is learnt and archived is kept: memory, sqlite:PATH or "
@@ -2231,7 +2268,10 @@ def _proxy_flags(sub: argparse.ArgumentParser) -> None:
                      "CONTEXT_SHRINK_ARCHIVE_DIR)")  # fmt: skip
     sub.add_argument("--archive-max-bytes", type=int, help="the archive's size limit (default 256 MiB)")
     sub.add_argument("--archive-max-days", type=int, help="days an archived message is kept (default 30)")
-    sub.add_argument("--no-archive", action="store_true", help="keep no archive of folded-away messages")
+    sub.add_argument("--archive", help="on or off: archive what is folded away, for recall (default on)")
+    sub.add_argument("--no-archive", action="store_true", help="the same as --archive off")
+    sub.add_argument("--api-key", help="the key sent upstream in place of each client's (default "
+                     "CONTEXT_SHRINK_PROXY_API_KEY: other users can read a flag in ps, not it)")  # fmt: skip
     sub.add_argument("--max-body-bytes", help=f"request body cap (default {PROXY_MAX_BODY_BYTES})")
     sub.add_argument("--keep-last", help=f"newest messages always kept (default {DEFAULT_KEEP_LAST})")
     sub.add_argument(
@@ -2379,7 +2419,15 @@ def _serve(served: ServeConfig, config: Config) -> int:
 
 def command(args: argparse.Namespace, config: Config) -> int:
     """``context-shrink proxy``, ``serve`` and ``doctor`` (:func:`context_shrink.main` hands them here): their
-    settings read and checked at start-up, as the core's are, then run."""
+    settings read and checked at start-up, as the core's are, then run; Ctrl-C ends one with a line, exit 130."""
+    try:
+        return _command(args, config)
+    except KeyboardInterrupt:  # uvicorn has shut down and re-raised the signal: said in one line, no traceback
+        print(f"context-shrink {args.command}: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _command(args: argparse.Namespace, config: Config) -> int:
     try:
         settings = proxy_config(args) if args.command == "proxy" else None
         served = serve_config(args) if args.command == "serve" else None

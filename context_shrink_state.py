@@ -450,6 +450,10 @@ class SqliteStore:
         searched, entries = self.found(query, conversation, limit)
         return searched, [_entry_out(e) for e in entries]
 
+    def namespaces(self) -> dict[str, int]:
+        with self.reading:
+            return dict(self.reader.execute("SELECT ns, count(*) FROM archive GROUP BY ns").fetchall())
+
     def close(self) -> None:
         with self.held:
             self.db.close()
@@ -474,6 +478,9 @@ class MemoryStore(MemoryTables):
 
     def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
         return self.index.search(query, conversation, limit)
+
+    def namespaces(self) -> dict[str, int]:
+        return {}  # this process's alone: no other deployment's archive is here
 
     def changed(self, since: float, known: Mapping[tuple[str, str], float]) -> list[tuple[str, str, Any, float]]:
         """Every table row written after ``since`` but those ``known`` as written then, oldest first: ``(table, key,
@@ -651,6 +658,12 @@ class RedisStore:
             self.index.forget(gone)  # dropped by the server since they were read
             self.indexed -= len(gone)
 
+    def namespaces(self) -> dict[str, int]:
+        found = {}
+        for key in self.server.scan_iter(match="cs:*:z:archive", count=1000):
+            found[key[len("cs:") : -len(":z:archive")]] = int(self.server.zcard(key))
+        return {ns: n for ns, n in found.items() if n}
+
     def close(self) -> None:
         self.server.close()
         self.index.close()
@@ -737,6 +750,9 @@ class FallbackStore:
 
     def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
         return self._call("search", query, conversation, limit)
+
+    def namespaces(self) -> dict[str, int]:
+        return self._call("namespaces")
 
     def changed(self, since: float, known: Mapping[tuple[str, str], float]) -> list[tuple[str, str, Any, float]]:
         return self._call("changed", since, known)
@@ -897,6 +913,9 @@ class MirroredStore:
     def search(self, query: str, conversation: str | None, limit: int) -> tuple[int, list[dict[str, Any]]]:
         self.writer.mark(urgent=False).wait(STORE_WAIT)
         return self.inner.search(query, conversation, limit)
+
+    def namespaces(self) -> dict[str, int]:
+        return self.inner.namespaces()
 
     def refresh(self) -> bool:
         """What other processes wrote, read into the mirror before a request is fitted: one :meth:`sync` at a time,

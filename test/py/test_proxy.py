@@ -900,7 +900,8 @@ class ChangingModels(FakeOpenAI):
 
     async def models(self, request: Request) -> Response:
         answer = os.urandom(8).hex()
-        body = json.dumps({"object": "list", "data": [{"id": "m", "created": answer, "pad": "x" * 3000}]}).encode()
+        entry = {"id": "m", "created": answer, "context_length": 8000, "pad": "x" * 3000}  # no more than --window
+        body = json.dumps({"object": "list", "data": [entry]}).encode()
         self.given[answer] = body
         return Response(body, media_type="application/json", headers={"x-answer": answer})
 

@@ -58,6 +58,24 @@ def folded(history: list[dict[str, Any]], keep: int = 1, action: str = "trim") -
 # --------------------------------------------------------------------------- the contract, on every store
 
 
+def test_namespaces_name_every_deployment_that_archived(store: cs.Store, tmp_path: Path) -> None:
+    """``namespaces`` lists each namespace whose archive holds messages, with how many, on every store but memory
+    (which holds this process's alone)."""
+    assert store.namespaces() == {}
+    store.archive(folded(conversation(3, size=5)), 1 << 30, 30)
+    if isinstance(store, cst.MemoryStore):
+        assert store.namespaces() == {}
+        return
+    sqlite = isinstance(store, cst.SqliteStore)  # the same file or server, another deployment's name (no password)
+    other = cst.SqliteStore(Path(store.name.removeprefix("sqlite:")), "other:ns") if sqlite else cst.RedisStore(
+        store.name, "other:ns")  # fmt: skip
+    other.archive(folded(conversation(2, size=3)), 1 << 30, 30)
+    counts = store.namespaces()
+    assert set(counts) == {"test", "other:ns"} and counts == other.namespaces()
+    assert counts["test"] > counts["other:ns"] > 0
+    other.close()
+
+
 def test_tables_keep_keys_of_any_shape_and_find_the_first_present(store: cs.Store) -> None:
     table = cs.StoredTable(store, "factors")
     table[("m", "Han")], table["m"], table[None] = 1.5, 1.2, 0.9
