@@ -49,6 +49,7 @@ __all__ = [
     "DEFAULT_BASE_URL",
     "DOOR_OMISSIONS",
     "DOOR_OPTIONS",
+    "FAIL_MARKERS",
     "HAN_FIRST",
     "HAN_TOKENS",
     "HEURISTIC",
@@ -262,7 +263,7 @@ from collections.abc import (
     Sequence,
 )
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Protocol, TypeVar, cast
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, NoReturn, Protocol, TypeVar, cast
 
 try:  # POSIX: the session writers' lock
     import fcntl
@@ -722,13 +723,28 @@ class Settings:
 def _tokenizer_setting(read: Settings) -> str | None:
     if (found := read.find("TOKENIZER")) is None:
         return None
-    if spec := _normal_spec(found[1]):
-        return spec
-    raise ConfigError(
-        f"{found[0]}={found[1]!r}: expected auto, server, heuristic, tiktoken[:<encoding>], hf:<path or org/name> "
-        "or qwen:<model>",
-        variable=found[0],
-    )
+    if not (spec := _normal_spec(found[1])):
+        raise ConfigError(
+            f"{found[0]}={found[1]!r}: expected auto, server, heuristic, tiktoken[:<encoding>], hf:<path or "
+            "org/name> or qwen:<model>",
+            variable=found[0],
+        )
+    if problem := _unknown_tokenizer(spec):
+        raise ConfigError(f"{found[0]}={found[1]!r}: {problem}", variable=found[0])
+    return spec
+
+
+def _unknown_tokenizer(spec: str) -> str | None:
+    """What names nothing in a well-formed choice, where that can be known at start-up without a network: an
+    encoding tiktoken does not have (when tiktoken is installed), a tokenizer file that is not there (an ``hf:``
+    path, as opposed to a hub name). None when it may be used."""
+    kind, _, name = spec.partition(":")
+    if kind == "tiktoken" and name and tiktoken is not None and name not in (known := tiktoken.list_encoding_names()):
+        return f"tiktoken has no encoding {name!r} (it has {', '.join(sorted(known))})"
+    looks_like_a_path = name.startswith(("/", ".", "~")) or name.endswith(".json")
+    if kind == "hf" and looks_like_a_path and not Path(name).expanduser().exists():
+        return f"no tokenizer file at {name!r} (hf: takes a tokenizer.json, its folder, or a hub name org/model)"
+    return None
 
 
 def _headers_setting(read: Settings) -> dict[str, str] | None:
@@ -2120,6 +2136,20 @@ def one_line(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def argument_problems(errors: Sequence[Mapping[str, Any]]) -> str:
+    """A tool's arguments that have the wrong type (pydantic's ``errors()``), one clause each, as
+    :func:`unknown_names` says a misspelt one: where (``messages[2]``), what it should be (each alternative of a
+    union), and what it got, briefly (its type and up to 60 characters)."""
+    said: dict[str, tuple[list[str], Any]] = {}
+    for error in errors:
+        where = error["loc"]
+        name = str(where[0]) + "".join(f"[{part}]" for part in where[1:] if isinstance(part, int)) if where else "?"
+        wants, _ = said.setdefault(name, ([], error.get("input")))
+        wants.append(re.sub(r"^Input should", "should", str(error.get("msg", "is not valid"))))
+    return "; ".join(f"`{name}` {', or '.join(dict.fromkeys(wants))}; got {one_line(repr(got), 60)} "
+                     f"({type(got).__name__})" for name, (wants, got) in said.items())  # fmt: skip
+
+
 def message_gist(message: Mapping[str, Any], names: Mapping[str, str]) -> str:
     """The first ~80 characters on one line; a tool result starts with its tool's name."""
     kind = message_kind(message)
@@ -2700,12 +2730,15 @@ def shrink_text(
     }
 
 
+FAIL_MARKERS = ("FAIL", "FAILED", "ERROR")  # check_text's default: unittest's and pytest's words for a failure
+
+
 def check_text(
     text: str,
     plan: Sequence[str],
     *,
     markers: Sequence[str] = (),
-    fail_markers: Sequence[str] = ("FAIL",),
+    fail_markers: Sequence[str] = FAIL_MARKERS,
     skipped: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Check that every planned item survived in ``text``: ``found`` with its evidence line (case-sensitive),
@@ -6371,8 +6404,9 @@ def backend_summariser(
 # =============================================================================
 
 
-def resolve_path(root: Path, path: str) -> Path:
-    """``path`` resolved (symlinks included) inside ``root``; anything outside is refused."""
+def resolve_path(root: Path, path: str, allow: str = "set CONTEXT_SHRINK_ROOT to allow another folder") -> Path:
+    """``path`` resolved (symlinks included) inside ``root``; anything outside is refused (``allow`` says how to
+    allow another folder: the MCP server's variable, or the command line's ``--root``)."""
     if not isinstance(path, str) or not path.strip():
         raise ContextShrinkError("path must be a non-empty string")
     try:
@@ -6383,9 +6417,7 @@ def resolve_path(root: Path, path: str) -> Path:
         raise ContextShrinkError(f"path {path!r} could not be resolved ({why}): it changed while it was read, "
                                  "or its links loop") from None  # fmt: skip
     if target != base and base not in target.parents:
-        raise ContextShrinkError(
-            f"path {path!r} is outside the allowed root {base} (set CONTEXT_SHRINK_ROOT to allow another folder)"
-        )
+        raise ContextShrinkError(f"path {path!r} is outside the allowed root {base} ({allow})")
     return target
 
 
@@ -6847,13 +6879,19 @@ def load_sdk() -> None:
         """An MCP tool whose arguments are checked by name before anything runs: its input schema says
         ``additionalProperties: false``, and an argument it does not take is a tool error naming it and the
         closest valid name (the SDK's argument model would ignore it and compute a wrong answer that looks
-        right)."""
+        right); one of the wrong type is a line naming it (:func:`argument_problems`)."""
 
         async def run(self, arguments: dict[str, Any], context: Any, convert_result: bool = False) -> Any:
             problem = unknown_names(arguments, self.parameters.get("properties", {}))
             if problem is not None:
                 raise ToolError(f"Error executing tool {self.name}: {problem}")
-            return await super().run(arguments, context, convert_result)
+            try:
+                return await super().run(arguments, context, convert_result)
+            except ToolError as exc:  # a wrong type: said in a line, as a misspelt name is (not pydantic's dump)
+                if not isinstance(invalid := exc.__cause__, pydantic.ValidationError):
+                    raise
+                said = argument_problems(invalid.errors(include_url=False))
+                raise ToolError(f"Error executing tool {self.name}: {said}") from invalid
 
     Strict.__name__ = Strict.__qualname__ = "StrictTool"
     StrictTool = Strict
@@ -7563,7 +7601,7 @@ def text_tools(tool: Callable[..., Any], config: Config) -> None:
         skipped: Annotated[list[str] | None, Field()] = None,
     ) -> dict[str, Any]:
         """Check that planned items (e.g. tests) appear in a text, passed or failed."""
-        fails = ["FAIL"] if fail_markers is None else fail_markers
+        fails = list(FAIL_MARKERS) if fail_markers is None else fail_markers
         return check_text(read_text(config, text, path), plan, markers=markers or [], fail_markers=fails,
                           skipped=skipped or [])  # fmt: skip
 
@@ -7785,7 +7823,14 @@ def _cli(args: argparse.Namespace, config: Config) -> int:
     """The text subcommands: count, dedupe, extract, pack, check. Output on stdout, errors on stderr."""
     root = Path(args.root).expanduser() if args.root else config.root
     config = dataclasses.replace(config, root=root)
-    path = resolve_path(root, args.input) if args.input and args.input != "-" else None
+    if args.file and args.input and args.file != args.input:
+        raise ContextShrinkError(f"give the text file once: {args.file!r} or --input {args.input!r}")
+    named = args.file or args.input
+    path = None
+    if named and named != "-":
+        if not (root / Path(named).expanduser()).exists():  # said first: where it is does not matter then
+            raise ContextShrinkError(f"{named!r} does not exist")
+        path = resolve_path(root, named, "--root DIR or CONTEXT_SHRINK_ROOT allows another folder")
     text = load_text(None if path else sys.stdin.read(), path, config)
     tokenizer = resolve_tokenizer(config.tokenizer, config.model, config.chat_format)
     result: dict[str, Any]
@@ -7802,7 +7847,7 @@ def _cli(args: argparse.Namespace, config: Config) -> int:
     if args.command == "check":
         plan = [line.strip() for line in Path(args.plan).read_text(encoding="utf-8").splitlines() if line.strip()]
         result = check_text(
-            text, plan, markers=args.markers, fail_markers=args.fail_markers or ["FAIL"], skipped=args.skipped
+            text, plan, markers=args.markers, fail_markers=args.fail_markers or FAIL_MARKERS, skipped=args.skipped
         )
         if args.json:
             print(json.dumps(result, ensure_ascii=False, indent=1))
@@ -7875,7 +7920,8 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
         ("check", "check that every item of --plan appears; exit 1 when one is missing or failed"),
     ):
         sub = commands.add_parser(name, help=purpose, description=purpose, parents=[levels])
-        sub.add_argument("--input", default="-", help="a text file (default: standard input)")
+        sub.add_argument("file", nargs="?", help="a text file (the same as --input; default: standard input)")
+        sub.add_argument("--input", help="a text file (default: standard input)")
         sub.add_argument("--root", help="folder the input must be inside (default: CONTEXT_SHRINK_ROOT or .)")
         sub.add_argument("--json", action="store_true", help="print the result and manifest as JSON")
         if name in ("dedupe", "extract", "pack"):
@@ -7883,15 +7929,73 @@ def _parser() -> tuple[argparse.ArgumentParser, Any]:
             sub.add_argument("--query", help="words to keep (with context)")
             sub.add_argument("--budget", type=int, help="token budget (pack)")
             sub.add_argument("--protect-file", help="a file of lines: text lines containing one are kept first")
-            sub.add_argument("--on-overflow", choices=("fail", "partial"), default="fail")
+            sub.add_argument("--on-overflow", choices=("fail", "partial"), default="fail",
+                             help="when the protected lines alone are over --budget: fail (the default: an error "
+                             "naming them) or partial (keep them all and report the shortfall)")  # fmt: skip
         if name == "check":
             sub.add_argument("--plan", required=True, help="a file with one item per line")
             sub.add_argument("--markers", nargs="*", default=[], help="pass markers, e.g. PASSED ok")
-            sub.add_argument("--fail-markers", nargs="*", help="fail markers (default FAIL)")
+            sub.add_argument("--fail-markers", nargs="*", help=f"fail markers (default {' '.join(FAIL_MARKERS)})")
             sub.add_argument("--skipped", nargs="*", default=[], help="items declared skipped")
     for name, purpose in PROXY_COMMANDS.items():  # their flags are the proxy companion's (its command_parser)
         commands.add_parser(name, help=purpose, parents=[levels], add_help=False)
     return parser, commands
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the known word closest to a misspelt ``word`` (a flag's value after ``=`` aside),
+    or nothing."""
+    close = difflib.get_close_matches(word.split("=", 1)[0], list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def flags_of(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string ``parser`` takes (``--window``, ``-h``…)."""
+    return [flag for action in parser._actions for flag in action.option_strings]
+
+
+def unrecognized(parser: argparse.ArgumentParser, extra: Sequence[str]) -> NoReturn:
+    """Exit as argparse does (usage, status 2) for the arguments ``parser`` did not take, each misspelt flag with
+    the one it most resembles."""
+    known = flags_of(parser)
+    parser.error("unrecognized arguments: " + " ".join(w + (did_you_mean(w, known) if w.startswith("-") else "")
+                                                        for w in extra))  # fmt: skip
+
+
+def command_parsers(commands: Any) -> dict[str, argparse.ArgumentParser]:
+    """Each subcommand's parser: the text commands' own, and proxy, serve and doctor's from their companion (when
+    it is beside this file)."""
+    parsers = {name: sub for name, sub in commands.choices.items() if name not in PROXY_COMMANDS}
+    with contextlib.suppress(ContextShrinkError):
+        front = companion("proxy")
+        parsers |= {name: front.command_parser(name) for name in PROXY_COMMANDS}
+    return parsers
+
+
+def misread(argv: Sequence[str], parser: argparse.ArgumentParser, commands: Any) -> str | None:
+    """What is wrong with a command line whose first word argparse would blame wrongly: a subcommand's flag before
+    any subcommand (``context-shrink --port 9000`` blamed ``9000``) says which commands take it; a misspelt command
+    names the closest. None when the line is for argparse to read."""
+    words = list(argv)
+    while words[:1] == ["--log-level"] or (words[:1] and words[0].startswith("--log-level=")):
+        words = words[2:] if words[0] == "--log-level" else words[1:]
+    if not words or words[0] in flags_of(parser):
+        return None
+    first = words[0]
+    if first.startswith("-"):
+        flag = first.split("=", 1)[0]
+        owners = [name for name, sub in command_parsers(commands).items() if flag in flags_of(sub)]
+        if owners:
+            return (f"{flag} is not a flag of the MCP server (stdio, no subcommand), which is configured by "
+                    f"CONTEXT_SHRINK_* variables; it is one of: {', '.join(owners)} (e.g. context-shrink {owners[0]} "
+                    f"{' '.join(words)})")  # fmt: skip
+        everyone = {f for sub in command_parsers(commands).values() for f in flags_of(sub)}
+        return f"unrecognized argument {flag}{did_you_mean(flag, everyone)}; see context-shrink --help"
+    if first not in commands.choices:
+        return f"unknown command {first!r}{did_you_mean(first, commands.choices)}; the commands: " + ", ".join(
+            commands.choices
+        )
+    return None
 
 
 STDIO_AT_A_TERMINAL = (
@@ -7925,9 +8029,11 @@ def start_logging(args: argparse.Namespace, config: Config) -> Config:
 def main(argv: Sequence[str] | None = None) -> int:
     """``context-shrink``: serve the MCP tools over stdio, or run a text subcommand."""
     parser, commands = _parser()
+    if problem := misread(sys.argv[1:] if argv is None else argv, parser, commands):
+        parser.error(problem)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in PROXY_COMMANDS:  # told by the subcommand's own parser, with its usage
-        (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        unrecognized(commands.choices.get(args.command) or parser, extra)
     try:  # every setting is read and checked here, at start-up, for the server and the proxy alike
         config = Config.from_env()
         front = companion("proxy") if args.command in PROXY_COMMANDS else None
@@ -7935,7 +8041,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"context-shrink: {exc}", file=sys.stderr)
         return 2
     if front is not None:  # the companion reads the command's own flags
-        return front.command(front.command_parser(args.command).parse_args(extra, args), config)
+        sub = front.command_parser(args.command)
+        read, rest = sub.parse_known_args(extra, args)
+        if rest:
+            unrecognized(sub, rest)
+        return front.command(read, config)
     config = start_logging(args, config)
     if args.command:
         try:

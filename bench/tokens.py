@@ -3,8 +3,8 @@
     pip install -e '.[dev,llama]'
     python bench/tokens.py [--runs 3] [--no-server]
 
-Workloads: the largest transcript in ../shared/data/sessions and synthetic sessions of 2,000 and
-10,000 messages from ../shared/bench/gen_session.py. Every figure is a ratio or a time measured in
+Workloads: the largest transcript (bench/workloads.py) and synthetic sessions of 2,000 and 10,000 messages
+from bench/gen_session.py. Every figure is a ratio or a time measured in
 this run on this machine; nothing is asserted.
 
 - cold ÷ raw: a first estimate_messages (empty count cache) against tiktoken's encode of exactly the
@@ -39,9 +39,7 @@ def workloads() -> dict[str, list[dict[str, Any]]]:
     if largest is not None:
         out[f"{largest.stem[:34]}"] = load(largest)
     for n in (2000, 10000):
-        messages = generated(n, end="tool")
-        if messages is not None:
-            out[f"synthetic {n:,} messages"] = messages
+        out[f"synthetic {n:,} messages"] = generated(n, end="tool")
     return out
 
 

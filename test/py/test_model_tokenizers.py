@@ -224,6 +224,8 @@ def test_auto_uses_qwen_for_a_qwen_model(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert cs.resolve_tokenizer("qwen:llama-3").name == "tiktoken:cl100k_base"  # unsupported: falls back
 
 
-def test_the_environment_keeps_the_path_case() -> None:
-    config = cs.Config.from_env({"CONTEXT_SHRINK_TOKENIZER": "HF:/Models/Qwen3"})
-    assert config.tokenizer == "hf:/Models/Qwen3"
+def test_the_environment_keeps_the_path_case(tmp_path: Path) -> None:
+    folder = tmp_path / "Models" / "Qwen3"  # there: a path that is not is refused at start-up
+    folder.mkdir(parents=True)
+    config = cs.Config.from_env({"CONTEXT_SHRINK_TOKENIZER": f"HF:{folder}"})
+    assert config.tokenizer == f"hf:{folder}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pty
 import re
@@ -250,3 +251,89 @@ def test_recall_finds_the_proxys_archive_without_knowing_its_namespace(tmp_path:
 
         served = anyio.run(over_http).structured_content
     assert served["found"] == 0 and served["entries"] == [] and theirs in served["note"]  # listed, not searched
+
+
+def cli(*arguments: str, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, MODULE, *arguments], input=stdin, capture_output=True, text=True, cwd=cwd,
+                          env=ENV, timeout=60, check=False)  # fmt: skip
+
+
+def test_the_command_line_says_what_was_meant(tmp_path: Path) -> None:
+    """#60 item 9: a file as the text commands' argument; a missing file said to be missing, one outside the root
+    pointed at ``--root``; a subcommand's flag before any subcommand names the commands that take it; a misspelt
+    flag or command gets the closest; ``--on-overflow`` has help."""
+    (tmp_path / "log.txt").write_text("one line\nanother\n")
+    counted = cli("count", "log.txt", cwd=tmp_path)
+    assert (counted.returncode == 0 and "2 lines" in counted.stdout) or "3 lines" in counted.stdout, counted
+    assert cli("count", "--input", "log.txt", cwd=tmp_path).stdout == counted.stdout
+    assert "1 lines, 15 bytes" in cli("count", cwd=tmp_path, stdin="some words here").stdout  # no file: stdin
+    twice = cli("count", "log.txt", "--input", "other.txt", cwd=tmp_path)
+    assert twice.returncode == 2 and "give the text file once" in twice.stderr
+    missing = cli("count", "nope.txt", cwd=tmp_path)
+    assert missing.returncode == 2 and "'nope.txt' does not exist" in missing.stderr
+    elsewhere = cli("count", str(ROOT / "README.md"), cwd=tmp_path)
+    assert elsewhere.returncode == 2 and "outside the allowed root" in elsewhere.stderr
+    assert "--root DIR" in elsewhere.stderr
+    assert cli("count", str(ROOT / "README.md"), "--root", str(ROOT), cwd=tmp_path).returncode == 0
+
+    port = cli("--port", "9000", cwd=tmp_path)
+    assert port.returncode == 2 and "--port is not a flag of the MCP server" in port.stderr
+    assert "proxy, serve" in port.stderr and "'9000'" not in port.stderr
+    assert "did you mean --upstream?" in cli("proxy", "--upstrem", "http://x/v1", cwd=tmp_path).stderr
+    assert "did you mean --json?" in cli("count", "--jsn", cwd=tmp_path).stderr
+    assert "did you mean serve?" in cli("serv", cwd=tmp_path).stderr
+    assert "did you mean serve?" in cli("--log-level", "debug", "serv", cwd=tmp_path).stderr
+    assert "protected lines alone are over --budget" in cli("pack", "--help", cwd=tmp_path).stdout.replace("\n   ", "")
+
+
+def test_check_reads_pytests_failed_and_error_lines(tmp_path: Path) -> None:
+    """``check``'s default fail markers are unittest's and pytest's words (FAILED and ERROR were read as missing)."""
+    report = "test_a.py::test_one PASSED\nFAILED test_a.py::test_two - assert 1 == 2\nERROR test_a.py::test_three\n"
+    plan = tmp_path / "plan.txt"
+    plan.write_text("test_one\ntest_two\ntest_three\n")
+    (tmp_path / "report.txt").write_text(report)
+    run = cli("check", "report.txt", "--plan", "plan.txt", "--markers", "PASSED", "--json", cwd=tmp_path)
+    statuses = {i["item"]: i["status"] for i in json.loads(run.stdout)["items"]}
+    assert statuses == {"test_one": "passed", "test_two": "failed", "test_three": "failed"} and run.returncode == 1
+    assert cs.check_text(report, ["test_two"], markers=["PASSED"])["items"][0]["status"] == "failed"
+
+
+WRONG_TYPES = [  # (arguments, what the error must say): a wrong type named in one line, as a misspelt name is
+    ({"messages": "hello"}, "`messages` should be a valid list; got 'hello' (str)"),
+    ({"messages": [{"role": "user", "content": "x"}], "keep_last": "lots"}, "`keep_last` should be a valid integer"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_context_tokens": 1.5}, "or should be 'auto'; got 1.5"),
+]
+
+
+def test_a_wrong_type_is_one_line_naming_the_argument_over_stdio_and_http(tmp_path: Path) -> None:
+    """#60 item 9: the SDK's six-line pydantic dump with URLs, over stdio and over HTTP, is a line naming the
+    argument, what it should be and what it got."""
+
+    async def calls(client: Client) -> list[str]:
+        texts = []
+        async with client:
+            for arguments, _ in WRONG_TYPES:
+                result = await client.call_tool("trim_context", arguments)
+                assert result.is_error
+                texts.append(result.content[0].text)
+        return texts
+
+    stdio = anyio.run(calls, Client(StdioServerParameters(command=sys.executable, args=[MODULE], env=ENV)))
+    with started("serve", log=tmp_path / "serve.log") as base:
+        http = anyio.run(calls, Client(streamable_http_client(base + "/mcp")))
+    for texts in (stdio, http):
+        for text, (_, said) in zip(texts, WRONG_TYPES, strict=True):
+            assert said in text and "pydantic" not in text and "\n" not in text, text
+
+
+def test_a_tokenizer_that_names_nothing_stops_the_server_at_start(tmp_path: Path) -> None:
+    """README: an unknown name stops the server at start-up; ``tiktoken:bogus_base`` and a missing ``hf:`` file
+    started and fell back at the first call with a multi-line warning."""
+    for spec, said in (("tiktoken:bogus_base", "tiktoken has no encoding 'bogus_base'"),
+                       ("hf:/nope/tokenizer.json", "no tokenizer file at '/nope/tokenizer.json'")):  # fmt: skip
+        run = subprocess.run([sys.executable, MODULE], input="", capture_output=True, text=True, timeout=60,
+                             env={**ENV, "CONTEXT_SHRINK_TOKENIZER": spec}, check=False)  # fmt: skip
+        assert run.returncode == 2 and said in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    with pytest.raises(cs.ConfigError, match="CONTEXT_SHRINK_TOKENIZER"):
+        cs.Config.from_env({"CONTEXT_SHRINK_TOKENIZER": "tiktoken:o300k_base"})
+    assert cs.Config.from_env({"CONTEXT_SHRINK_TOKENIZER": "tiktoken:o200k_base"}).tokenizer == "tiktoken:o200k_base"

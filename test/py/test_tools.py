@@ -251,7 +251,7 @@ def test_compact_model_failure_returns_messages_untouched(tmp_path: Path, caplog
         ("estimate_context", {"messages": [user("a")], "max_context_tokns": 5}, "did you mean `max_context_tokens`?"),
         ("trim_context", {"messages": [user("a")], "target_raito": 0.6}, "did you mean `target_ratio`?"),
         ("compact_context", {"messages": [user("a")], "base_url": "http://attacker/v1"}, "unknown argument"),
-        ("compact_context", {"messages": [tool("x", "y"), 3]}, "messages.1"),
+        ("compact_context", {"messages": [tool("x", "y"), 3]}, "`messages[1]` should be a valid dictionary; got 3"),
     ],
 )
 def test_bad_input_is_a_readable_tool_error(server: Any, name: str, arguments: dict[str, Any], expected: str) -> None:
