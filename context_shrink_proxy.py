@@ -27,6 +27,7 @@ __all__ = [
     "build_proxy",
     "command",
     "command_parser",
+    "doctor_fixes",
     "events_end",
     "listening",
     "prefix_prints",
