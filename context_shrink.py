@@ -183,7 +183,6 @@ __all__ = [
     "ranked_values",
     "read_file_bytes",
     "read_file_text",
-    "read_json",
     "read_jsonl_lines",
     "redact",
     "render_jsonl",
@@ -199,7 +198,6 @@ __all__ = [
     "summarise_span",
     "summary_message",
     "summary_request",
-    "surrogate_field",
     "template_json",
     "text_values",
     "tool_call",
@@ -1757,35 +1755,6 @@ def nesting_problem(value: Any, what: str, limit: int = MAX_JSON_DEPTH) -> None:
             stack += [(v, depth + 1) for v in item.values() if isinstance(v, dict | list)]
         elif isinstance(item, list):
             stack += [(v, depth + 1) for v in item if isinstance(v, dict | list)]
-
-
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped in JSON, or as its 3 bytes
-
-
-def _surrogate_in(raw: bytes) -> bool:
-    """Whether JSON bytes may hold a surrogate (:data:`_SURROGATE_ESCAPE`, looked for only where a quick search of
-    its first bytes finds one: the pattern over megabytes holds the interpreter's lock for tens of ms)."""
-    return any(lead in raw for lead in (b"\\ud", b"\\uD", b"\xed")) and _SURROGATE_ESCAPE.search(raw) is not None
-
-
-def surrogate_field(value: Any, where: str = "") -> str | None:
-    """Where ``value`` (JSON: its keys too) first holds a string with a lone surrogate, as ``a.b[2].c``; None
-    when it holds none (walked without recursion)."""
-    stack = [(value, where)]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            if not item.isascii() and _SURROGATE.search(item):
-                return path or "the value"
-        elif isinstance(item, dict):
-            for key, v in reversed(item.items()):
-                if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
-                    return f"{path}.{key.encode('utf-8', 'backslashreplace').decode()}" if path else "a key"
-                stack.append((v, f"{path}.{key}" if path else str(key)))
-        elif isinstance(item, list):
-            stack += [(v, f"{path}[{k}]") for k, v in reversed(list(enumerate(item)))]
-    return None
 
 
 def validate_tools(tools: Any) -> list[dict[str, Any]]:
@@ -5865,7 +5834,7 @@ DOOR_OMISSIONS: dict[tuple[str, str], str] = {
 
 
 # =============================================================================
-# 10. The backend client (OpenAI-compatible /chat/completions over httpx2); one request fitted to its server
+# 10. The backend client (OpenAI-compatible /chat/completions over httpx2)
 # =============================================================================
 
 
@@ -5874,68 +5843,6 @@ async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
     not held up behind it; a small one is done at once (a thread would cost more than the work: on a small
     request the hops to a worker thread were most of the proxy's added latency)."""
     return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
-
-
-# A body of megabytes read or written as one JSON call holds the interpreter's lock for tens of milliseconds (a
-# C call never lets another thread in): a large body is read and written a value at a time instead, its arrays
-# (messages, input items, tools) an element at a time, so the event loop's thread gets in between.
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")
-_JSON_DECODER = json.JSONDecoder()
-
-
-def read_json(raw: bytes) -> Any:
-    """``json.loads(raw)``, the same value and the same errors; a large body's top-level object value by value and
-    its arrays element by element (:data:`OFF_LOOP_BYTES`)."""
-    if len(raw) < OFF_LOOP_BYTES:
-        return json.loads(raw)
-    text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-    start = _JSON_SPACE.match(text).end()
-    if not text.startswith("{", start):
-        return json.loads(text)
-    out: dict[str, Any] = {}
-    at = _json_container(text, start, "}", lambda at: _json_member(text, at, out))
-    if _JSON_SPACE.match(text, at).end() != len(text):
-        raise json.JSONDecodeError("Extra data", text, at)
-    return out
-
-
-def _json_container(text: str, at: int, closing: str, item: Callable[[int], int]) -> int:
-    """Read an object or an array from ``text[at]`` (its opening bracket) to its ``closing`` one, each member by
-    ``item`` (which keeps it and returns where it ends); where it ends."""
-    at = _JSON_SPACE.match(text, at + 1).end()
-    if text.startswith(closing, at):
-        return at + 1
-    while True:
-        at = _JSON_SPACE.match(text, item(at)).end()
-        if text.startswith(closing, at):
-            return at + 1
-        if not text.startswith(",", at):
-            raise json.JSONDecodeError(f"Expecting ',' delimiter or '{closing}'", text, at)
-        at = _JSON_SPACE.match(text, at + 1).end()
-
-
-def _json_member(text: str, at: int, out: dict[str, Any]) -> int:
-    """One ``"key": value`` of the top-level object into ``out``; an array value element by element."""
-    if not text.startswith('"', at):
-        raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
-    key, at = _JSON_DECODER.raw_decode(text, at)
-    at = _JSON_SPACE.match(text, at).end()
-    if not text.startswith(":", at):
-        raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
-    at = _JSON_SPACE.match(text, at + 1).end()
-    if text.startswith("[", at):
-        items: list[Any] = []
-
-        def element(at: int) -> int:
-            value, end = _JSON_DECODER.raw_decode(text, at)
-            items.append(value)
-            return end
-
-        at = _json_container(text, at, "]", element)
-        out[key] = items
-        return at
-    out[key], at = _JSON_DECODER.raw_decode(text, at)
-    return at
 
 
 def json_bytes(value: Any) -> bytes:
@@ -5955,21 +5862,6 @@ def json_bytes(value: Any) -> bytes:
         else:
             parts += [piece.encode() for piece in json_pieces(item)]
     return b"".join([*parts, b"}"])
-
-
-async def parsed(raw: bytes) -> Any:
-    """A request body's JSON (:func:`read_json`), checked for nesting (:func:`nesting_problem`) and for text that is
-    not text (:class:`InvalidText`: looked for only when the bytes hold a surrogate's escape), read
-    :func:`off_loop`."""
-
-    def read() -> Any:
-        body = read_json(raw)
-        nesting_problem(body, "the body's values")
-        if _surrogate_in(raw) and (field := surrogate_field(body)) is not None:
-            raise InvalidText(field)
-        return body
-
-    return await off_loop(len(raw), read)
 
 
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -6954,7 +6846,7 @@ class ServerState:
     caches: BackendCaches = dataclasses.field(default_factory=BackendCaches)
     summaries: SummaryCache = dataclasses.field(default_factory=SummaryCache)
     opened: Store | None = None  # the proxy's store, opened when recall_context first searches it
-    local: bool = False  # started on stdio by this machine's user, who owns the store (:func:`recalled_elsewhere`)
+    local: bool = False  # started on stdio by the store's owner (context_shrink_state.recalled_elsewhere)
 
     def store(self) -> Store:
         """The store the proxy keeps its archive in (``CONTEXT_SHRINK_STATE``), opened once, an earlier version's
@@ -6965,39 +6857,6 @@ class ServerState:
             directory = self.config.archive_dir or state.default_archive_dir()
             state.import_jsonl_archive(self.opened, directory, state.ARCHIVE_MAX_BYTES, state.ARCHIVE_MAX_DAYS)
         return self.opened
-
-
-def recalled_elsewhere(state: ServerState, query: str, conversation: str | None, limit: int) -> dict[str, Any]:
-    """``recall_context``'s answer when its own namespace holds nothing archived: the store's other namespaces
-    that do, searched (each entry says its ``namespace``) when the server was started on stdio (``state.local``:
-    its user owns the store file and could read it whole) and the namespace was derived, not named; else only
-    listed. A proxy archives under its upstream's namespace, which the MCP server can only guess
-    (``CONTEXT_SHRINK_BASE_URL``): this is how it finds the proxy's archive of the same machine unasked. ``{}``
-    when no other namespace holds anything. Runs in a worker thread."""
-    config = state.config
-    others = sorted(((n, ns) for ns, n in state.store().namespaces().items() if ns != config.namespace), reverse=True)
-    if not others:
-        return {}
-    listed = ", ".join(f"{ns} ({n} messages)" for n, ns in others)
-    if not state.local or config.namespace_named:
-        why = "named by CONTEXT_SHRINK_NAMESPACE" if config.namespace_named else "this server's over HTTP"
-        return {"note": f"nothing is archived under namespace {config.namespace} ({why}); the store holds {listed}: "
-                f"set CONTEXT_SHRINK_NAMESPACE to one of them to search it"}  # fmt: skip
-    searched, entries, names = 0, [], []
-    for _, ns in others:
-        store = companion("state").open_store(config.state, ns)
-        try:
-            counted, found = store.search(query, conversation, limit - len(entries))
-        finally:
-            store.close()
-        searched, names = searched + counted, [*names, ns]
-        entries += [{**entry, "namespace": ns} for entry in found]
-        if len(entries) >= limit:
-            break
-    note = (f"nothing is archived under this server's namespace {config.namespace} (derived from "
-            f"CONTEXT_SHRINK_BASE_URL); searched the store's others: {listed}. CONTEXT_SHRINK_NAMESPACE=<one> "
-            "searches that one alone")  # fmt: skip
-    return {"searched": searched, "found": len(entries), "entries": entries, "namespaces": names, "note": note}
 
 
 @dataclasses.dataclass
@@ -7626,7 +7485,9 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
         result = {"archive": store.name, "searched": searched, "found": len(found), "entries": found,
                   "namespaces": [state.config.namespace], "note": None}  # fmt: skip
         if searched == 0:  # nothing archived here: the store's other deployments (recalled_elsewhere)
-            result |= await anyio.to_thread.run_sync(recalled_elsewhere, state, query, conversation, limit)
+            result |= await anyio.to_thread.run_sync(
+                companion("state").recalled_elsewhere, state, query, conversation, limit
+            )
         return result
 
     @tool(read_only=False)
@@ -7680,8 +7541,8 @@ def compaction_tools(tool: Callable[..., Any], config: Config) -> None:
 def build_server(config: Config | None = None, store: Store | None = None, *, local: bool = False) -> MCPServer:
     """The MCP server with its tools; ``config`` defaults to :meth:`Config.from_env`; ``store``, the proxy's
     when both are served at once (else opened from the config when first needed); ``local``, started on stdio by
-    the user who owns the store (:func:`recalled_elsewhere`). Each tool loads its input, calls the core and
-    delivers the result; the work is in the functions above."""
+    the user who owns the store (:func:`context_shrink_state.recalled_elsewhere`). Each tool loads its input,
+    calls the core and delivers the result; the work is in the functions above."""
     load_sdk()
     config = config or Config.from_env()
 

@@ -32,6 +32,7 @@ __all__ = [
     "listening",
     "prefix_prints",
     "proxy_config",
+    "read_json",
     "repeated_share",
     "serve_config",
     "serve_http",
@@ -101,6 +102,7 @@ from context_shrink import (
     MAX_FILE_BYTES,
     MODEL_LIMIT_FIELDS,
     MODEL_WINDOW_FIELDS,
+    OFF_LOOP_BYTES,
     PROBE_TIMEOUT,
     RECALL_TOOL,
     Backend,
@@ -128,10 +130,10 @@ from context_shrink import (
     json_pieces,
     log,
     log_level_flag,
+    nesting_problem,
     off_loop,
     one_line,
     parse_overflow,
-    parsed,
     redact,
     resolve_tokenizer,
     secret_forms,
@@ -193,7 +195,7 @@ BODY_MIN_RATE = 64 * 1024  # bytes a second a slow body must keep up beyond BODY
 
 
 # =============================================================================
-# 3. The HTTP server: uvicorn with a deadline for each request's headers
+# 3. The HTTP server: uvicorn with a deadline for each request's headers; a request's body read
 # =============================================================================
 
 
@@ -246,6 +248,112 @@ def listening(app: Any, host: str, port: int, header_timeout: float, idle_timeou
         server_header=False,
         timeout_keep_alive=math.ceil(idle_timeout),
     )  # fmt: skip (the upstream's server header is relayed)
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped in JSON, or as its 3 bytes
+
+
+def _surrogate_in(raw: bytes) -> bool:
+    """Whether JSON bytes may hold a surrogate (:data:`_SURROGATE_ESCAPE`, looked for only where a quick search of
+    its first bytes finds one: the pattern over megabytes holds the interpreter's lock for tens of ms)."""
+    return any(lead in raw for lead in (b"\\ud", b"\\uD", b"\xed")) and _SURROGATE_ESCAPE.search(raw) is not None
+
+
+def surrogate_field(value: Any, where: str = "") -> str | None:
+    """Where ``value`` (JSON: its keys too) first holds a string with a lone surrogate, as ``a.b[2].c``; None
+    when it holds none (walked without recursion)."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item):
+                return path or "the value"
+        elif isinstance(item, dict):
+            for key, v in reversed(item.items()):
+                if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                    return f"{path}.{key.encode('utf-8', 'backslashreplace').decode()}" if path else "a key"
+                stack.append((v, f"{path}.{key}" if path else str(key)))
+        elif isinstance(item, list):
+            stack += [(v, f"{path}[{k}]") for k, v in reversed(list(enumerate(item)))]
+    return None
+
+
+# A body of megabytes read or written as one JSON call holds the interpreter's lock for tens of milliseconds (a
+# C call never lets another thread in): a large body is read and written a value at a time instead, its arrays
+# (messages, input items, tools) an element at a time, so the event loop's thread gets in between.
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_JSON_DECODER = json.JSONDecoder()
+
+
+def read_json(raw: bytes) -> Any:
+    """``json.loads(raw)``, the same value and the same errors; a large body's top-level object value by value and
+    its arrays element by element (:data:`OFF_LOOP_BYTES`)."""
+    if len(raw) < OFF_LOOP_BYTES:
+        return json.loads(raw)
+    text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    start = _JSON_SPACE.match(text).end()
+    if not text.startswith("{", start):
+        return json.loads(text)
+    out: dict[str, Any] = {}
+    at = _json_container(text, start, "}", lambda at: _json_member(text, at, out))
+    if _JSON_SPACE.match(text, at).end() != len(text):
+        raise json.JSONDecodeError("Extra data", text, at)
+    return out
+
+
+def _json_container(text: str, at: int, closing: str, item: Callable[[int], int]) -> int:
+    """Read an object or an array from ``text[at]`` (its opening bracket) to its ``closing`` one, each member by
+    ``item`` (which keeps it and returns where it ends); where it ends."""
+    at = _JSON_SPACE.match(text, at + 1).end()
+    if text.startswith(closing, at):
+        return at + 1
+    while True:
+        at = _JSON_SPACE.match(text, item(at)).end()
+        if text.startswith(closing, at):
+            return at + 1
+        if not text.startswith(",", at):
+            raise json.JSONDecodeError(f"Expecting ',' delimiter or '{closing}'", text, at)
+        at = _JSON_SPACE.match(text, at + 1).end()
+
+
+def _json_member(text: str, at: int, out: dict[str, Any]) -> int:
+    """One ``"key": value`` of the top-level object into ``out``; an array value element by element."""
+    if not text.startswith('"', at):
+        raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
+    key, at = _JSON_DECODER.raw_decode(text, at)
+    at = _JSON_SPACE.match(text, at).end()
+    if not text.startswith(":", at):
+        raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
+    at = _JSON_SPACE.match(text, at + 1).end()
+    if text.startswith("[", at):
+        items: list[Any] = []
+
+        def element(at: int) -> int:
+            value, end = _JSON_DECODER.raw_decode(text, at)
+            items.append(value)
+            return end
+
+        at = _json_container(text, at, "]", element)
+        out[key] = items
+        return at
+    out[key], at = _JSON_DECODER.raw_decode(text, at)
+    return at
+
+
+async def parsed(raw: bytes) -> Any:
+    """A request body's JSON (:func:`read_json`), checked for nesting (:func:`nesting_problem`) and for text that is
+    not text (:class:`InvalidText`: looked for only when the bytes hold a surrogate's escape), read
+    :func:`off_loop`."""
+
+    def read() -> Any:
+        body = read_json(raw)
+        nesting_problem(body, "the body's values")
+        if _surrogate_in(raw) and (field := surrogate_field(body)) is not None:
+            raise InvalidText(field)
+        return body
+
+    return await off_loop(len(raw), read)
 
 
 # =============================================================================

@@ -25,6 +25,7 @@ __all__ = [
     "message_hash",
     "open_store",
     "read_archive",
+    "recalled_elsewhere",
 ]
 
 
@@ -57,6 +58,7 @@ from context_shrink import (
     STATE_TABLES,
     ContextShrinkError,
     MemoryTables,
+    ServerState,
     Store,
     fingerprint,
     json_or,
@@ -1071,3 +1073,36 @@ def import_jsonl_archive(store: Store, directory: Path, max_bytes: int, max_days
     store.put("meta", key, {"at": time.time(), "messages": added})
     log.info("archive: imported %d message(s) from the JSONL archive in %s", added, directory)
     return added
+
+
+def recalled_elsewhere(state: ServerState, query: str, conversation: str | None, limit: int) -> dict[str, Any]:
+    """``recall_context``'s answer when its own namespace holds nothing archived: the store's other namespaces
+    that do, searched (each entry says its ``namespace``) when the server was started on stdio (``state.local``:
+    its user owns the store file and could read it whole) and the namespace was derived, not named; else only
+    listed. A proxy archives under its upstream's namespace, which the MCP server can only guess
+    (``CONTEXT_SHRINK_BASE_URL``): this is how it finds the proxy's archive of the same machine unasked. ``{}``
+    when no other namespace holds anything. Runs in a worker thread."""
+    config = state.config
+    others = sorted(((n, ns) for ns, n in state.store().namespaces().items() if ns != config.namespace), reverse=True)
+    if not others:
+        return {}
+    listed = ", ".join(f"{ns} ({n} messages)" for n, ns in others)
+    if not state.local or config.namespace_named:
+        why = "named by CONTEXT_SHRINK_NAMESPACE" if config.namespace_named else "this server's over HTTP"
+        return {"note": f"nothing is archived under namespace {config.namespace} ({why}); the store holds {listed}: "
+                f"set CONTEXT_SHRINK_NAMESPACE to one of them to search it"}  # fmt: skip
+    searched, entries, names = 0, [], []
+    for _, ns in others:
+        store = open_store(config.state, ns)
+        try:
+            counted, found = store.search(query, conversation, limit - len(entries))
+        finally:
+            store.close()
+        searched, names = searched + counted, [*names, ns]
+        entries += [{**entry, "namespace": ns} for entry in found]
+        if len(entries) >= limit:
+            break
+    note = (f"nothing is archived under this server's namespace {config.namespace} (derived from "
+            f"CONTEXT_SHRINK_BASE_URL); searched the store's others: {listed}. CONTEXT_SHRINK_NAMESPACE=<one> "
+            "searches that one alone")  # fmt: skip
+    return {"searched": searched, "found": len(entries), "entries": entries, "namespaces": names, "note": note}

@@ -193,7 +193,7 @@ def test_a_deeply_nested_messages_file_is_a_clear_error(depth: int, tmp_path: Pa
 
 JSON_WE_WROTE = {  # (module, function): the only places json.loads reads text directly
     ("context_shrink", "json_or"),  # the one reader of JSON someone else wrote: no exception escapes it
-    ("context_shrink", "read_json"),  # a request body: its callers relay it, saying it is nested too deeply
+    ("context_shrink_proxy", "read_json"),  # a request body: its callers relay it, saying it is nested too deeply
     ("context_shrink", "load_messages_file"),  # a messages file: a named error for each way it cannot be read
     ("context_shrink", "read_jsonl_lines"),
     ("context_shrink", "StoredTable.__iter__"),  # a store's keys and values, as the store wrote them

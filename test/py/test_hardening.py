@@ -700,10 +700,10 @@ def test_a_large_body_is_read_and_written_as_json_reads_and_writes_it(body: dict
         assert cs.canonical_json(body) == json.dumps(body, sort_keys=True, ensure_ascii=False, default=str)
         spaced = written.replace(b", ", f",{space}".encode()).replace(b": ", f":{space}".encode())
         if json.loads(spaced) == body:  # (a text holding ", " is changed too: then the values differ)
-            assert cs.read_json(f"{space}{spaced.decode()}{space}".encode()) == body
+            assert csp.read_json(f"{space}{spaced.decode()}{space}".encode()) == body
         for broken in (written[:-1], written + b"x", written.replace(b"{", b"{,", 1)):
             with pytest.raises(ValueError):
-                cs.read_json(broken)
+                csp.read_json(broken)
 
 
 def test_tiktoken_counts_a_long_text_in_pieces_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
