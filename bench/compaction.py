@@ -50,14 +50,16 @@ def main() -> int:
     for concurrency in args.concurrency:
         fake = FakeOpenAI(window=args.window, latency=args.latency, fill=args.fill)
         with serve(fake) as url, tempfile.TemporaryDirectory() as root:
-            server = cs.build_server(cs.Config(root=Path(root), tokenizer="tiktoken", model="bench", base_url=url))
+            config = cs.Config(
+                root=Path(root), tokenizer="tiktoken", model="bench", base_url=url, summary_concurrency=concurrency
+            )  # how hard the summariser is loaded is the server's setting (CONTEXT_SHRINK_SUMMARY_CONCURRENCY)
+            server = cs.build_server(config)
             arguments = {
                 "messages": messages,
                 "force": True,
                 "keep_last": 4,
                 "summary_context_tokens": args.window,
                 "max_summary_tokens": args.summary_tokens,
-                "summary_concurrency": concurrency,
             }
 
             async def go(server: object = server, arguments: dict = arguments) -> dict:

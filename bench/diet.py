@@ -1,6 +1,6 @@
-"""The verbatim diet on real text: tool results of the shared transcripts and a verbose pytest run.
+"""The verbatim diet on real text: tool results of the real transcripts and a verbose pytest run.
 
-    python bench/diet.py
+    python bench/diet.py [--tests test/py/test_diet.py]   # default: the whole suite's log (about 30 minutes)
 
 For each source: lines and cl100k tokens before and after the dedupe stages (exact lines and blocks,
 then 0x-address near-duplicates), the reduction, and the time taken. Then the pytest log is packed
@@ -10,6 +10,7 @@ assertion: the numbers are measured in this run.
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -24,19 +25,11 @@ from workloads import generated, load, transcript_paths  # noqa: E402
 import context_shrink as cs  # noqa: E402
 
 
-def pytest_log() -> str:
-    """A real CI-style log: this project's suite in verbose mode, with llama.cpp's own server log."""
+def pytest_log(tests: str) -> str:
+    """A real CI-style log: this project's suite (``tests``: all of ``test/py``, or one module) in verbose mode,
+    with llama.cpp's own server log."""
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-v",
-            "-s",
-            "-p",
-            "no:cacheprovider",
-            "test/py",
-        ],
+        [sys.executable, "-m", "pytest", "-v", "-s", "-p", "no:cacheprovider", tests],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -60,6 +53,10 @@ def row(name: str, texts: list[str], tok: cs.Tokenizer) -> str:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests", default="test/py", help="the pytest run whose log is packed (default test/py, "
+                        "the whole suite: about 30 minutes; test/py/test_diet.py for a quick one)")  # fmt: skip
+    args = parser.parse_args()
     tok = cs.resolve_tokenizer("tiktoken:cl100k_base")
     print("## Dedupe (exact lines and blocks, then 0x near-duplicates)\n")
     print("| source | texts | lines | lines kept | tokens | tokens after | reduction | ms |")
@@ -75,8 +72,8 @@ def main() -> int:
     print(row("tool results: all transcripts", everything, tok))
     texts = [m["content"] for m in generated(2000) if m["role"] == "tool" and len(m["content"]) >= 2000]
     print(row("tool results: synthetic 2,000-message session (build/test logs)", texts, tok))
-    log = pytest_log()
-    print(row("pytest -v -s of this project's suite (llama.cpp's log included)", [log], tok))
+    log = pytest_log(args.tests)
+    print(row(f"pytest -v -s {args.tests} (this project's; llama.cpp's log included)", [log], tok))
 
     verdicts = re.findall(r"^(test/py/\S+::\S+) (PASSED|FAILED|SKIPPED)", log, re.MULTILINE)
     plan = [name.split("::", 1)[1] for name, _ in verdicts]

