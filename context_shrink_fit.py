@@ -71,6 +71,7 @@ import dataclasses
 import functools
 import hashlib
 import heapq
+import itertools
 import json
 import math
 import re
@@ -160,14 +161,29 @@ def agent_opening(messages: Sequence[Mapping[str, Any]], tasks: MutableMapping[A
     if first:
         agent = (scope, fingerprint([plain_content(m.get("content")) for m in messages[:lead]])[:24])  # its prompt
         runs = list(tasks.get(agent) or [])
-        tasks[key] = {"run": run, "standing": run in runs and task > lead}
+        tasks[key] = {"run": run, "standing": run in runs and task > lead, "task": key[1]}
+        for alias in _task_prefixes(messages[task]):  # the task as later requests send it, without a reminder
+            tasks.setdefault((scope, alias), tasks[key])
         if task > lead and run not in runs:
             tasks[agent] = [*runs, run][-OPENING_RUNS:]
         return Opening(task - lead if tasks[key]["standing"] else 0, task - lead)
     record = tasks[key] if isinstance(tasks[key], dict) else {"run": run, "standing": False}
     if not record["standing"] and record["run"] != run:  # sent again, changed: the agent's own context
-        tasks[key] = record = {"run": run, "standing": True}
+        tasks[key] = record = {**record, "run": run, "standing": True}
     return Opening(task - lead if record["standing"] else 0, task - lead)
+
+
+_PARAGRAPH_BREAK = re.compile(r"\r?\n[ \t]*\r?\n")  # a blank line
+TASK_PREFIXES = 8  # paragraphs of a task whose text up to them is remembered as the task too
+
+
+def _task_prefixes(message: Mapping[str, Any]) -> list[str]:
+    """:func:`task_key` of the task's text up to each of its first :data:`TASK_PREFIXES` blank lines: an agent
+    that appends a reminder (its rules, a date) to the newest user message alone sends the same message without it
+    in every later request."""
+    text = plain_content(message.get("content"))
+    ends = [m.start() for m in itertools.islice(_PARAGRAPH_BREAK.finditer(text), TASK_PREFIXES)]
+    return [task_key({"role": "user", "content": text[:end]}) for end in ends if text[:end].strip()]
 
 
 def _an_opening(run: Sequence[Mapping[str, Any]]) -> bool:
@@ -610,6 +626,7 @@ async def _fitted(
 # --- what a conversation held: the user's words and the values, carried when the agent no longer sends them ------
 REWRITE_SECONDS = 600.0  # a conversation rewritten by its agent goes on within this long of its last request
 SAID_MOST = (32, 96)  # the user's messages (the newest) and the values (the rarest shapes) a conversation keeps
+PRINTED = 48  # its newest messages whose digests it keeps, to know it again when its agent rewrote what precedes
 
 
 def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> tuple[list[dict[str, Any]], list[int]]:
@@ -621,15 +638,19 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> t
     (``state.said``, by who asks and which agent, :attr:`ChatRequest.scope`, and its task: :func:`agent_opening`)
     is updated with what this one holds; nothing is ever read across scopes. A conversation first seen whose
     request already carries history (an assistant message before the newest user message) that is not the
-    agent's fixed opening, in fewer messages than the newest conversation of the same scope sent within
-    :data:`REWRITE_SECONDS`, is that conversation rewritten by the agent itself (its own summary in place of its
-    turns): it goes on with that one's memory. (A client that replays unrelated histories with the same key,
-    system prompt and tools can be taken for such a rewrite: the ledger then names the other one's facts.)"""
+    agent's fixed opening, and comes within :data:`REWRITE_SECONDS` of the newest conversation of the same scope,
+    is that conversation rewritten by the agent itself (its own summary in place of its turns) when it opens
+    differently in fewer messages, or holds a message that one held (the newest turns the agent kept after its
+    summary: :func:`_shared`): it goes on with that one's memory. (A client that replays unrelated histories
+    with the same key, system prompt and tools can be taken for such a rewrite: the ledger then names the other
+    one's facts.)"""
     messages, lead = request.messages, leading_system(request.messages)
     start = lead + opening.before
     if start >= len(messages) or messages[start]["role"] != "user":
         return [], []
     scope, task = request.scope, task_key(messages[start])
+    if isinstance(record := state.tasks.get((scope, task)), dict) and isinstance(record.get("task"), str):
+        task = record["task"]  # found as the agent sends it later (:func:`_task_prefixes`): one memory
     run = fingerprint(messages[lead:start])[:24]
     memory, now = state.said.get((scope, task)), time.time()
     known = memory is not None  # what it held is in its memory: the newest of the user's words
@@ -637,10 +658,10 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> t
         latest = state.said.get(scope)  # the task of the scope's newest conversation
         history = any(m["role"] == "assistant" for m in messages[lead:-1])
         inherited = state.said.get((scope, latest)) if latest and history else None
-        rewrite = inherited and inherited.get("opening") != run and now - inherited.get("at", 0) < REWRITE_SECONDS
-        memory = (
-            dict(inherited) if rewrite and len(messages) < inherited.get("messages", 0) else {"user": [], "values": []}
-        )
+        recent = inherited and now - inherited.get("at", 0) < REWRITE_SECONDS
+        reopened = recent and inherited.get("opening") != run and len(messages) < inherited.get("messages", 0)
+        rewrite = reopened or (recent and _shared(messages[lead + opening.standing :][-PRINTED:], inherited))
+        memory = dict(inherited) if rewrite else {"user": [], "values": []}
     said = [(i, w) for i, m in enumerate(messages[start:], start) if m["role"] == "user" and (w := user_words(m))]
     new = said[-SAID_MOST[0] :] if known else said  # older ones than its memory keeps were seen before
     users, typed = [w for _, w in said], [i for i, w in new if w not in memory["user"]]
@@ -650,17 +671,48 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> t
     carried = [{"role": "user", "content": u} for u in memory["user"] if u not in present]
     gone = [v for v in memory["values"] if v not in present]
     carried += [{"role": "tool", "content": "\n".join(gone)}] if gone else []
+    typed_words, reminders = _typed(list(dict.fromkeys([*memory["user"], *users])), memory.get("reminders") or ())
     updated = {
-        "user": list(dict.fromkeys([*memory["user"], *users]))[-SAID_MOST[0] :],
+        "user": typed_words[-SAID_MOST[0] :],
+        "reminders": reminders,
         "values": ranked_values(list(dict.fromkeys([*memory["values"], *values])))[: SAID_MOST[1]],
         "opening": run,
         "messages": len(messages),
+        "prints": _prints(messages[start:][-PRINTED:]),
     }
     if {**updated, "at": memory.get("at")} != memory or now - memory.get("at", 0) > REWRITE_SECONDS / 4:
         state.said[scope, task] = {**updated, "at": now}
     if state.said.get(scope) != task:
         state.said[scope] = task
     return carried, typed
+
+
+REMINDERS_KEPT = 4  # the reminders an agent appended to the newest message that a conversation remembers
+
+
+def _typed(words: list[str], known: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The user's messages as typed, and the reminders known: where the agent sent one later as a paragraph's start
+    of another (the reminder it appends to the newest message alone left off: :func:`_task_prefixes`), that
+    reminder is cut from every message that ends with it, then and later (``known``)."""
+    found = [w[len(u) :] for w in words for u in words
+             if len(u) < len(w) and w.startswith(u) and _PARAGRAPH_BREAK.match(w, len(u))]  # fmt: skip
+    tails = list(dict.fromkeys([*known, *found]))[-REMINDERS_KEPT:]
+    cut = (next((w[: -len(t)] for t in tails if len(t) < len(w) and w.endswith(t)), w) for w in words)
+    return list(dict.fromkeys(cut)), tails
+
+
+def _prints(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Digests of a conversation's messages that say something (a tool call, or 32 characters of text: an "ok"
+    is in every conversation), to know a rewrite of it by the turns it kept."""
+    return [fingerprint(m)[:16] for m in messages
+            if m.get("tool_calls") or len(plain_content(m.get("content"))) >= 32]  # fmt: skip
+
+
+def _shared(messages: Sequence[Mapping[str, Any]], memory: Mapping[str, Any]) -> bool:
+    """Whether ``messages`` hold one the conversation of ``memory`` held (:func:`_prints`): its agent kept its
+    newest turns after its own summary."""
+    prints = set(memory.get("prints") or ())
+    return any(p in prints for p in _prints(messages))
 
 
 def with_carried(

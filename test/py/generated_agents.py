@@ -39,6 +39,9 @@ class Shape:
     few_shot: int = 0  # example exchanges before the conversation
     parallel: bool = True  # the turn's reads in one assistant message (else one after the other)
     compacts_at: int | None = None  # the turn at which the agent replaces its history with a lossy summary of its own
+    compacts_keeping: int = 0  # its newest turns kept after the summary, which is then the first user message and
+    # nothing precedes it but the system prompt (Cline's way; 0: a summary and an acknowledgement, nothing kept)
+    reminder: bool = False  # the agent's rules appended to the newest user message alone (aider's, Claude Code's)
     files: int = 2  # read per turn
     file_share: float = 0.1  # of the window: each file
 
@@ -137,6 +140,7 @@ def drive(
     system, tools = fixed_part(shape, rng)
     model = FakeOpenAI(window=shape.window)
     history: list[dict[str, Any]] = []
+    finished: list[list[dict[str, Any]]] = []  # the turns since the agent last compacted, each whole
     done: list[Turn] = []
     examples = [m for k in range(shape.few_shot) for m in (
         {"role": "user", "content": f"Example {k}: what does parser_{k} return?"},
@@ -174,8 +178,16 @@ def drive(
                         turn_messages += [{"role": "assistant", "content": None, "tool_calls": [c]}, r]
             if shape.compacts_at == t:  # the agent's own lossy summary replaces its history
                 summary = "Summary of the session so far: files were read and questions answered. Continue."
-                history = [{"role": "user", "content": summary}, {"role": "assistant", "content": "Continuing."}]
-            messages = [{"role": "system", "content": system}, *opening, *history, *turn_messages]
+                kept = [m for turn in finished[len(finished) - shape.compacts_keeping :] for m in turn]
+                ack = [] if kept else [{"role": "assistant", "content": "Continuing."}]
+                history = [{"role": "user", "content": summary}, *ack, *kept]
+                finished = []
+            newest = turn_messages
+            if shape.reminder:  # sent on this request only: the history holds the prompt as the user typed it
+                rules = "\n".join(f"- Rule {k}: answer in the repository's style, rule {k}." for k in range(12))
+                newest = [{**turn_messages[0], "content": f"{turn_messages[0]['content']}\n\n{rules}"},
+                          *turn_messages[1:]]  # fmt: skip
+            messages = [{"role": "system", "content": system}, *opening, *history, *newest]
             body = {"model": "m", "max_tokens": 1024, "tools": tools, "messages": messages}
             before = len(model.requests)
             reply = httpx2.post(url + "/chat/completions", json=body, timeout=120)
@@ -185,6 +197,7 @@ def drive(
             answer = {"role": "assistant", "content": f"Done with turn {t}.\n{words(rng, shape.window // 50, 'a')}"}
             new_history += sum(COUNT(cs.plain_content(m.get("content"))) for m in [*turn_messages, answer])
             history += [*turn_messages, answer]
+            finished.append([*turn_messages, answer])
     sent_tools = done[-1].sent.get("tools") or [] if done[-1].sent else []
     sent_system = done[-1].sent["messages"][0]["content"] if done[-1].sent else ""
     calls = sum(summary_call(r["body"]) for r in model.requests)

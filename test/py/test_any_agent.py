@@ -421,6 +421,8 @@ NAMED_SHAPES = {  # the agents of #49's report, at 16k, and two at 8k
     "context re-sent before the conversation, the same": Shape(resend="same"),
     "few-shot example exchanges": Shape(few_shot=3),
     "compacts its own history at turn 15": Shape(compacts_at=15),
+    "compacts into its first message at turn 15, keeping its newest turns": Shape(compacts_at=15, compacts_keeping=2),
+    "files re-sent in a user message, rules on the newest prompt, no tools": Shape(resend="updated", reminder=True),
     "all of them, reads one after the other": Shape(
         fixed_share=0.7, resend="same", few_shot=2, compacts_at=15, parallel=False
     ),
@@ -477,7 +479,8 @@ def test_what_the_user_typed_is_archived_when_first_seen_and_recalled_after_the_
 
 
 def test_the_users_messages_first_seen_are_named_once_and_carried_after_the_agents_compaction() -> None:
-    state, tasks = types.SimpleNamespace(said={}), {}
+    tasks: dict[Any, Any] = {}
+    state = types.SimpleNamespace(said={}, tasks=tasks)
 
     def remembered(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
         request = csf.ChatRequest.read({"messages": messages})
@@ -495,6 +498,75 @@ def test_the_users_messages_first_seen_are_named_once_and_carried_after_the_agen
     carried, typed = remembered(rewritten)  # the agent's own summary in place of its turns
     assert [m["content"] for m in carried] == [m["content"] for m in said[1::2]] and typed == [3]
     assert "OPS-90417" in csw.recall_lines(carried, "OPS-90417", 400, cs.resolve_tokenizer("tiktoken").count)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 3), st.booleans(), st.booleans())
+def test_a_conversation_is_known_again_by_the_turns_its_agent_kept_after_its_own_summary(
+    turns: int, keeping: int, reminder: bool, calls: bool
+) -> None:
+    """#59 2d, 2e: an agent that puts its own summary in place of its history as the first user message, nothing
+    before it but the system prompt (no opening run changed: Cline), and keeps its newest turns: the conversation
+    goes on with its memory, and the user's words the summary dropped are carried; a new conversation that shares
+    no message with it is not taken for it."""
+    tasks: dict[Any, Any] = {}
+    state = types.SimpleNamespace(said={}, tasks=tasks)
+
+    def remembered(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        request = csf.ChatRequest.read({"messages": messages})
+        return csf.remembered(state, request, csf.agent_opening(messages, tasks))[0]  # type: ignore[arg-type]
+
+    system, done, said = {"role": "system", "content": "S"}, [], []
+    for t in range(turns):
+        said.append(f"Turn {t}: keep OPS-{9000 + t} in mind.")
+        turn = [{"role": "user", "content": said[-1]}]
+        if calls:
+            call = {"id": f"c{t}", "type": "function", "function": {"name": "read", "arguments": f'{{"p": {t}}}'}}
+            turn += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"c{t}", "content": f"file {t} " * 20}]  # fmt: skip
+        turn.append({"role": "assistant", "content": f"Done with turn {t}: the file was read and is fine."})
+        done.append(turn)
+        assert remembered([system, *(m for d in done for m in d)]) == []
+    kept = [m for d in done[-keeping:] for m in d]
+    newest = {"role": "user", "content": "Turn next: go on." + (" <reminder>rules</reminder>" if reminder else "")}
+    summary = {"role": "user", "content": "Summary: the session read files; nothing else to note."}
+    carried = [m["content"] for m in remembered([system, summary, *kept, newest]) if m["role"] == "user"]
+    gone = said[: max(0, turns - keeping)]
+    assert set(gone) <= set(carried) and not set(said[len(gone) :]) & set(carried), (gone, carried)
+    other = [system, *({"role": "user", "content": f"A new task, step {k}: list the files of folder {k}."}
+                       if k % 2 == 0 else {"role": "assistant", "content": f"Here are the files of folder {k - 1}."}
+                       for k in range(4 * turns + 12)), {"role": "user", "content": "And their sizes?"}]  # fmt: skip
+    assert remembered(other) == []  # history within minutes, but it shares no message (and is not shorter)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(3, 8), st.integers(0, 3), st.integers(1, 3), st.sampled_from(["\n\n", "\r\n\r\n", "\n \n"]))
+def test_a_conversation_is_known_again_when_its_agent_appends_a_reminder_to_the_newest_prompt(
+    turns: int, examples: int, paragraphs: int, gap: str
+) -> None:
+    """#59 2d: an agent that appends its rules to the newest user message alone (aider) sends the task without
+    them in every later request; the task is still found there, what precedes it is the opening, and the
+    conversation has one memory from its first request on (after the agent's own summary, every fact is carried)."""
+    tasks: dict[Any, Any] = {}
+    state = types.SimpleNamespace(said={}, tasks=tasks)
+    system = {"role": "system", "content": "S"}
+    shots = [m for k in range(examples) for m in ({"role": "user", "content": f"Example {k}: rename a{k}."},
+                                                 {"role": "assistant", "content": f"Renamed a{k}."})]  # fmt: skip
+    rules = gap.join(f"Rule {k}: keep the style of the repository." for k in range(4))
+    history: list[dict[str, Any]] = []
+    for t in range(turns):
+        prompt = gap.join(f"Turn {t}, part {p}: keep OPS-{9000 + t} in mind." for p in range(paragraphs))
+        messages = [system, *shots, *history, {"role": "user", "content": f"{prompt}{gap}{rules}"}]
+        opening = csf.agent_opening(messages, tasks)
+        assert opening.before == len(shots), t
+        csf.remembered(state, csf.ChatRequest.read({"messages": messages}), opening)  # type: ignore[arg-type]
+        history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"Done {t}."}]
+    summary = [{"role": "user", "content": "Summary: files were read."}, {"role": "assistant", "content": "Going on."}]
+    rewritten = [system, *shots, *summary, {"role": "user", "content": f"Turn next.{gap}{rules}"}]  # fewer messages
+    request = csf.ChatRequest.read({"messages": rewritten})
+    carried = csf.remembered(state, request, csf.agent_opening(rewritten, tasks))[0]  # type: ignore[arg-type]
+    assert all(any(f"OPS-{9000 + t}" in m["content"] for m in carried) for t in range(turns)), carried  # one memory
+    assert not any("Rule 0" in m["content"] for m in carried)  # the agent's reminder is not what the user said
 
 
 def test_the_proxys_recall_tool_answers_from_what_the_ledger_carries(tmp_path: Path) -> None:
@@ -527,6 +599,8 @@ SHAPES = st.builds(
     few_shot=st.integers(0, 3),
     parallel=st.booleans(),
     compacts_at=st.sampled_from([None, 8, 15]),
+    compacts_keeping=st.integers(0, 2),
+    reminder=st.booleans(),
     files=st.integers(2, 3),
 )
 
