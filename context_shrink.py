@@ -167,6 +167,7 @@ __all__ = [
     "jsonrpc_id",
     "leading_system",
     "least_form",
+    "line_print",
     "load_messages_file",
     "load_sdk",
     "lowlevel_server",
@@ -5576,24 +5577,79 @@ class Opening(NamedTuple):
 
     standing: int = 0
     before: int = 0
+    seen: frozenset[str] = frozenset()  # :func:`line_print` of its lines the conversation sent before this turn
 
 
 NO_OPENING = Opening()
 
 
-def evenly_elided(run: Sequence[Mapping[str, Any]], room: int, size: Callable[[Any], int]) -> list[dict[str, Any]]:
-    """``run`` within ``room`` tokens, each message cut to the same share of its size (its text's head and tail,
-    :func:`elided_to`; a marker alone when not even those fit): the agent's opening when it alone is over its
-    room. As it is when it fits."""
+def line_print(line: str) -> str:
+    """A short digest of one line of text: which lines of a re-sent message were sent before (12 bits of collision
+    in 16 million: a new line taken for an old one is elided first, never lost from the archive)."""
+    return fingerprint(line)[:6]
+
+
+def evenly_elided(
+    run: Sequence[Mapping[str, Any]], room: int, size: Callable[[Any], int], seen: frozenset[str] = frozenset()
+) -> list[dict[str, Any]]:
+    """``run`` within ``room`` tokens: the agent's opening when it alone is over its room. The lines it sent before
+    this turn (``seen``: :func:`line_print`) are elided first, each run of them to the same share (what the turn
+    added to a block the agent re-sends grown is the turn's: kept whole); else each message is cut to the same
+    share of its size (its text's head and tail, :func:`elided_to`; a marker alone when not even those fit). As it
+    is when it fits."""
     sizes = [size(m) for m in run]
     if sum(sizes) <= room:
         return [dict(m) for m in run]
+    if seen and (older := _older_lines_elided(run, room, size, seen)) is not None:
+        return older
     share = room / max(1, sum(sizes))
     out = []
     for m, tokens in zip(run, sizes, strict=True):
         reduced = elided_to(m, max(16, int(tokens * share)), size) if tokens * share < tokens else None
         out.append(reduced[0] if reduced else with_text(m, f"[… ~{tokens:,} tokens elided …]", ""))
     return out
+
+
+def _older_lines_elided(
+    run: Sequence[Mapping[str, Any]], room: int, size: Callable[[Any], int], seen: frozenset[str]
+) -> list[dict[str, Any]] | None:
+    """``run`` within ``room`` with the largest share of each stretch of ``seen`` lines kept (head and tail, a
+    marker between), the other lines whole; None when the other lines alone are over ``room`` (or a message's
+    content is not text)."""
+    if not all(isinstance(m.get("content"), str) for m in run):
+        return None
+    lines = [m["content"].split("\n") for m in run]
+    old = [[line_print(line) in seen for line in text] for text in lines]
+
+    def at(share: float) -> list[dict[str, Any]]:
+        pieces = zip(run, lines, old, strict=True)
+        return [{**m, "content": _stretches_kept(text, flags, share)} for m, text, flags in pieces]
+
+    if sum(map(size, at(0.0))) > room:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(10):  # the largest share that fits, to a thousandth
+        middle = (low + high) / 2
+        low, high = (middle, high) if sum(map(size, at(middle))) <= room else (low, middle)
+    return at(low)
+
+
+def _stretches_kept(lines: list[str], old: list[bool], share: float) -> str:
+    """``lines`` with each stretch of ``old`` ones cut to ``share`` of its lines (head and tail, a marker saying how
+    many were left out between and the values they held, as a cleared result's does: :func:`held_note`); the others
+    as they are."""
+    out: list[str] = []
+    for is_old, group in itertools.groupby(zip(lines, old, strict=True), key=lambda pair: pair[1]):
+        stretch = [line for line, _ in group]
+        keep = int(len(stretch) * share)
+        if not is_old or keep >= len(stretch):
+            out += stretch
+            continue
+        head, tail = (keep + 1) // 2, keep // 2
+        gone = "\n".join(stretch[head : len(stretch) - tail])
+        out += [*stretch[:head], f"[… {len(stretch) - keep} lines sent before, elided{held_note(gone)} …]"]
+        out += stretch[len(stretch) - tail :] if tail else []
+    return "\n".join(out)
 
 
 SummaryAsk = tuple[list[dict[str, Any]], dict[str, Any], int, int]  # a SpanSummary's arguments
@@ -5673,13 +5729,17 @@ def _shrink_steps(
     lead = leading_system(messages)
     examples = frozenset(fingerprint(m) for m in messages[lead + opening.standing : lead + opening.before])
     kept = {i: dict(messages[i]) for i in standing}
-    opening = opening.standing
+    opening, opening_seen = opening.standing, opening.seen
+    ledger = None  # the ledger's room when an opening is kept: what the user said before the turn, whole
     if opening and policy.protect_turn:  # the agent's opening, whole unless it alone leaves the turn no room
-        turn = sum(size(m) for m in messages[max(turn_in_progress(messages), lead + opening) :])
+        start = max(turn_in_progress(messages), lead + opening)
+        turn = sum(size(m) for m in messages[start:])
+        users = sum(tokenizer.count(user_words(m)) + 2 for m in messages[lead + opening : start] if m["role"] == "user")
+        ledger = policy.ledger_tokens(budget, users)
         fixed = sum(size(m) for m in messages[:lead]) + tools_tokens + sum(map(size, kept.values()))
-        room = budget - fixed - turn - policy.ledger_tokens(budget)  # what the rest leaves it (markers at least)
-        kept.update(zip(range(lead, lead + opening), evenly_elided(messages[lead : lead + opening], room, size),
-                        strict=True))  # fmt: skip
+        room = budget - fixed - turn - ledger  # what the rest leaves it (markers at least)
+        elided = evenly_elided(messages[lead : lead + opening], room, size, opening_seen)
+        kept.update(zip(range(lead, lead + opening), elided, strict=True))
     if not kept:
         return (yield from _climb(messages, tools, tokenizer, budget, policy, summarises, result, examples))
     core = [m for i, m in enumerate(messages) if i not in kept]
@@ -5694,6 +5754,7 @@ def _shrink_steps(
         {**result, "messages": core},
         examples,
         budget - policy.ledger_tokens(budget),
+        ledger,
     )  # a summary call per 0.3 of the whole budget
     elided = any(kept[i] != messages[i] for i in range(lead, lead + opening) if i in kept)
     if (got["messages"] is core or got["action"] == "none") and not elided:
@@ -5716,8 +5777,10 @@ def _climb(
     result: dict[str, Any],
     examples: frozenset[str] = frozenset(),
     whole: int = 0,
+    ledger_room: int | None = None,
 ) -> Ladder:
-    """:func:`shrink`'s rungs, climbed on ``messages`` (``result``: what is said when nothing is done)."""
+    """:func:`shrink`'s rungs, climbed on ``messages`` (``result``: what is said when nothing is done); the ledger
+    gets ``ledger_room`` when the caller set it aside (beside a kept opening), else its room of ``budget``."""
     tools_tokens = count_tools(tools, tokenizer)
     trigger = int(policy.trigger * budget)
 
@@ -5727,7 +5790,7 @@ def _climb(
 
     protect = turn_in_progress(messages) if policy.protect_turn else len(messages)
     users = sum(tokenizer.count(user_words(m)) + 2 for m in messages[:protect] if m["role"] == "user")
-    ledger = policy.ledger_tokens(budget, users)  # the user's words before the turn's material (up to a sixth)
+    ledger = policy.ledger_tokens(budget, users) if ledger_room is None else min(ledger_room, budget)
     rungs = Rungs(tokenizer, budget, tools, policy, protect, ledger, examples, whole)
     lighter, used = list(messages), []
     if "diet" in policy.rungs:

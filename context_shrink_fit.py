@@ -107,6 +107,7 @@ from context_shrink import (
     fact_ledger,
     fingerprint,
     leading_system,
+    line_print,
     log,
     off_loop,
     plain_content,
@@ -151,26 +152,43 @@ def agent_opening(messages: Sequence[Mapping[str, Any]], tasks: MutableMapping[A
     history like the rest (a chat first seen mid-way is summarised, not kept whole)."""
     lead, n = leading_system(messages), len(messages)
     users = [i for i in range(lead, min(n, lead + OPENING_MOST + 1)) if messages[i]["role"] == "user"]
-    task = next((i for i in users if (scope, task_key(messages[i])) in tasks), None)
+    task, key = next(((i, k) for i in users if (k := task_found(tasks, scope, messages[i]))), (None, None))
     first = task is None
     if first:
         task = next((i for i in range(n - 1, lead - 1, -1) if messages[i]["role"] == "user"), None)
+    standing = tasks.get((scope, "standing"))  # how long this agent's standing opening was last
+    rewritten = False
+    if first and task is not None and not _an_opening(messages[lead:task]) and isinstance(standing, int):
+        after = lead + standing  # its opening then a history it rewrote itself (its own summary first)
+        rewritten = standing > 0 and after < n and messages[after]["role"] == "user"
+        rewritten = rewritten and _an_opening(messages[lead:after])
+        task = after if rewritten else task
     if task is None or not _an_opening(messages[lead:task]):
         return Opening()
-    key, run = (scope, task_key(messages[task])), fingerprint(messages[lead:task])[:24]
+    key, run = key or (scope, task_key(messages[task])), fingerprint(messages[lead:task])[:24]
     if first:
         agent = (scope, fingerprint([plain_content(m.get("content")) for m in messages[:lead]])[:24])  # its prompt
         runs = list(tasks.get(agent) or [])
-        tasks[key] = {"run": run, "standing": run in runs and task > lead, "task": key[1]}
+        tasks[key] = {"run": run, "standing": rewritten or (run in runs and task > lead), "task": key[1]}
         for alias in _task_prefixes(messages[task]):  # the task as later requests send it, without a reminder
             tasks.setdefault((scope, alias), tasks[key])
         if task > lead and run not in runs:
             tasks[agent] = [*runs, run][-OPENING_RUNS:]
-        return Opening(task - lead if tasks[key]["standing"] else 0, task - lead)
+        return _standing(tasks, scope, Opening(task - lead if tasks[key]["standing"] else 0, task - lead))
     record = tasks[key] if isinstance(tasks[key], dict) else {"run": run, "standing": False}
     if not record["standing"] and record["run"] != run:  # sent again, changed: the agent's own context
         tasks[key] = record = {**record, "run": run, "standing": True}
-    return Opening(task - lead if record["standing"] else 0, task - lead)
+    return _standing(tasks, scope, Opening(task - lead if record["standing"] else 0, task - lead))
+
+
+def _standing(tasks: MutableMapping[Any, Any], scope: str, opening: Opening) -> Opening:
+    """``opening``, its standing length remembered for ``scope``: a request of that agent first seen whose run
+    before its newest prompt is no opening (longer, or with tool calls) but starts with one that long, followed by
+    a user message, is its conversation after the agent summarised its own history (aider: its opening re-sent,
+    then its summary and the turns since): that message is its task and the opening stands."""
+    if opening.standing and tasks.get((scope, "standing")) != opening.standing:
+        tasks[scope, "standing"] = opening.standing
+    return opening
 
 
 _PARAGRAPH_BREAK = re.compile(r"\r?\n[ \t]*\r?\n")  # a blank line
@@ -178,12 +196,27 @@ TASK_PREFIXES = 8  # paragraphs of a task whose text up to them is remembered as
 
 
 def _task_prefixes(message: Mapping[str, Any]) -> list[str]:
-    """:func:`task_key` of the task's text up to each of its first :data:`TASK_PREFIXES` blank lines: an agent
+    """:func:`_text_key` of the task's text up to each of its first :data:`TASK_PREFIXES` blank lines: an agent
     that appends a reminder (its rules, a date) to the newest user message alone sends the same message without it
     in every later request."""
     text = plain_content(message.get("content"))
     ends = [m.start() for m in itertools.islice(_PARAGRAPH_BREAK.finditer(text), TASK_PREFIXES)]
-    return [task_key({"role": "user", "content": text[:end]}) for end in ends if text[:end].strip()]
+    return [_text_key(text[:end]) for end in ends if text[:end].strip()]
+
+
+def _text_key(text: str) -> str:
+    """A task's text as an agent may send it again: spaces and line ends around it left off (aider restores its
+    history with two spaces and a line end after each message)."""
+    return "text:" + task_key({"role": "user", "content": text.strip()})
+
+
+def task_found(tasks: Mapping[Any, Any], scope: str, message: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The key ``tasks`` holds ``message`` under as a conversation's task: as it was sent, else as its text
+    (:func:`_task_prefixes`); None when it is no task of ``scope``."""
+    for key in ((scope, task_key(message)), (scope, _text_key(plain_content(message.get("content"))))):
+        if key in tasks:
+            return key
+    return None
 
 
 def _an_opening(run: Sequence[Mapping[str, Any]]) -> bool:
@@ -573,12 +606,14 @@ async def fit_request(
     request = await off_loop(size, lambda: ChatRequest.read(body, caller, size))
     opening = await off_loop(size, lambda: agent_opening(request.messages, state.tasks, request.scope))
     report.carried, report.typed = await off_loop(size, lambda: remembered(state, request, opening))
+    opening = await off_loop(size, lambda: opening_seen(state, request, opening))
     report.window = window or await server_window(state, request.model, authorization)
     if report.window is None:
         report.reason = "window unknown"
         return body, report
     budget, report.reserve = request_budget(body, report.window)
-    sent, report = await _fitted(state, request, budget, authorization, report, opening, started)
+    carried_room = _carried_room(state, report.carried, budget)  # set aside, so that shrinking leaves it
+    sent, report = await _fitted(state, request, budget - carried_room, authorization, report, opening, started)
     factor = state.factor(request.calibration)
     return await off_loop(size, lambda: with_carried(state, sent, report, report.carried, budget, factor)), report
 
@@ -649,7 +684,8 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> t
     if start >= len(messages) or messages[start]["role"] != "user":
         return [], []
     scope, task = request.scope, task_key(messages[start])
-    if isinstance(record := state.tasks.get((scope, task)), dict) and isinstance(record.get("task"), str):
+    found = task_found(state.tasks, scope, messages[start])
+    if found and isinstance(record := state.tasks[found], dict) and isinstance(record.get("task"), str):
         task = record["task"]  # found as the agent sends it later (:func:`_task_prefixes`): one memory
     run = fingerprint(messages[lead:start])[:24]
     memory, now = state.said.get((scope, task)), time.time()
@@ -679,6 +715,7 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> t
         "opening": run,
         "messages": len(messages),
         "prints": _prints(messages[start:][-PRINTED:]),
+        **{k: memory[k] for k in ("lines", "standing") if k in memory},  # :func:`opening_seen`'s
     }
     if {**updated, "at": memory.get("at")} != memory or now - memory.get("at", 0) > REWRITE_SECONDS / 4:
         state.said[scope, task] = {**updated, "at": now}
@@ -713,6 +750,52 @@ def _shared(messages: Sequence[Mapping[str, Any]], memory: Mapping[str, Any]) ->
     newest turns after its own summary."""
     prints = set(memory.get("prints") or ())
     return any(p in prints for p in _prints(messages))
+
+
+OPENING_LINES = 16_384  # lines of an agent's opening whose prints a conversation keeps (6 characters each)
+
+
+def opening_seen(state: ServerMemory, request: ChatRequest, opening: Opening) -> Opening:
+    """``opening`` with the lines of it the conversation sent before this turn (``seen``: their
+    :func:`~context_shrink.line_print`), so that what the turn added to a block the agent re-sends grown (aider's
+    files) is kept whole and the older lines are elided first. Per conversation (its memory: :func:`remembered`)
+    the prints of the opening as its previous turn last sent it are kept, and those of this request; a turn is
+    its newest user message. The opening's length is kept too: a conversation the agent rewrote after its
+    opening (its own summary of the history in place of the turns: the task is gone, so no opening is found) keeps
+    that many messages standing."""
+    messages, lead = request.messages, leading_system(request.messages)
+    if lead + opening.before >= len(messages):
+        return opening
+    scope, start = request.scope, messages[lead + opening.before]
+    found = task_found(state.tasks, scope, start)
+    record = state.tasks.get(found) if found else None
+    task = record["task"] if isinstance(record, dict) and isinstance(record.get("task"), str) else task_key(start)
+    if not isinstance(memory := state.said.get((scope, task)), dict):
+        return opening
+    known = memory.get("standing") if isinstance(memory.get("standing"), int) else 0
+    if not opening.standing and 0 < known <= opening.before:  # the agent rewrote what follows its opening
+        opening = opening._replace(standing=known)  # (its own summary of the history): the opening stands
+    if not opening.standing:
+        return opening
+    run = messages[lead : lead + opening.standing]
+    now = "".join(dict.fromkeys(line_print(line) for m in run for line in plain_content(m.get("content")).split("\n")))
+    now = now[-6 * OPENING_LINES :]
+    turn = task_key(next(m for m in reversed(messages) if m["role"] == "user"))
+    lines = memory.get("lines") if isinstance(memory.get("lines"), dict) else {}
+    lines = {"turn": turn, "before": lines.get("now", "") if lines.get("turn") != turn else lines["before"], "now": now}
+    if lines != memory.get("lines") or known != opening.standing:
+        state.said[scope, task] = {**memory, "lines": lines, "standing": opening.standing}
+    before = lines["before"]
+    return opening._replace(seen=frozenset(before[k : k + 6] for k in range(0, len(before), 6)))
+
+
+def _carried_room(state: ServerMemory, carried: list[dict[str, Any]], budget: int) -> int:
+    """The room :func:`with_carried` gives a ledger of ``carried`` (0 without one): what the request is shrunk to
+    leave."""
+    if not carried or not state.policy.ledger:
+        return 0
+    users = sum(state.tokenizer.count(m["content"]) + 2 for m in carried if m["role"] == "user")
+    return state.policy.ledger_tokens(budget, users)
 
 
 def with_carried(

@@ -71,6 +71,15 @@ if [ "$install" = 1 ]; then
   else
     echo "test.sh: the agents could not be installed from npm here; the real-agent tests will be skipped" >&2
   fi
+  say "installing the real aider the long sessions drive (PyPI, its own venv: test/agents/python)"
+  if "${PYTHON:-python3}" -m venv test/agents/python \
+      && test/agents/python/bin/pip install --quiet --disable-pip-version-check -r test/agents/requirements.txt; then :
+  elif [ "${CI:-}" = "true" ]; then
+    echo "test.sh: aider could not be installed from PyPI; CI must run its long session" >&2
+    exit 1
+  else
+    echo "test.sh: aider could not be installed here; its long session will be skipped" >&2
+  fi
   missing=()  # Debian packages the suite runs for real: a browser for the live page, Redis for the replicas
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)

@@ -60,6 +60,11 @@ class AgentUpstream(FakeOpenAI):
         self.calls += 1
         return read_call(tools, path)
 
+    def untooled_reply(self, view: csw.ChatView) -> str:
+        """The answer to a request with no tools: the proxy's summary request (a summary without the facts, as a
+        mediocre local model writes it)."""
+        return SUMMARY
+
     def check(self, path: str, view: csw.ChatView) -> tuple[int, Response | None]:
         """The prompt's size, and llama.cpp's refusal when it is over the window."""
         tokens, refusal = self.over_window(view, 0)
@@ -79,7 +84,7 @@ class AgentUpstream(FakeOpenAI):
             return refusal
         tools = [(t["function"]["name"], t["function"].get("parameters") or {}) for t in body.get("tools") or []]
         call = self.next_call(tools, view)
-        chunks = list(chat_chunks(call, tokens, reply_text(view) if tools else SUMMARY))
+        chunks = list(chat_chunks(call, tokens, reply_text(view) if tools else self.untooled_reply(view)))
         if not body.get("stream"):
             message = chunks[0]["choices"][0]["delta"]  # the whole reply is in the first chunk
             finish = "tool_calls" if call else "stop"

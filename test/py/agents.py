@@ -115,6 +115,26 @@ class Setup:
 
 AGENTS = {"opencode": opencode, "codex": codex, "claude": claude}
 
+PYTHON_AGENTS = ROOT / "test" / "agents" / "python"  # a venv of agents from PyPI: aider (test/agents/requirements.txt)
+AIDER_HEADLESS = ["--yes-always", "--no-git", "--no-auto-commits", "--no-check-update", "--analytics-disable",
+                  "--no-show-model-warnings", "--no-pretty", "--no-fancy-input"]  # fmt: skip
+
+
+def aider(project: Path, home: Path, url: str, token: bool, setup: Setup) -> tuple[list[str], dict[str, str]]:
+    """aider as the README's line starts it, headless (each turn is ``--message``; the caller adds the files)."""
+    words = shlex.split(setup.edit(readme_block("aider")).replace(README_URL, url.removesuffix("/v1")))
+    at = words.index("aider")
+    assignments, flags = words[:at], words[at + 1 :]
+    path = PYTHON_AGENTS / "bin" / "aider"
+    if not path.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{path} is missing: ./test/test.sh installs aider from PyPI, and CI must run this")
+        pytest.skip("aider is not installed: ./test/test.sh installs it from PyPI into test/agents/python")
+    return [str(path), *flags, *AIDER_HEADLESS], dict(a.split("=", 1) for a in assignments)
+
+
+LONG_AGENTS = {**AGENTS, "aider": aider}  # the agents the long sessions run (aider has no file tool)
+
 
 GO_ON = "Go on."
 

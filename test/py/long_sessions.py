@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from agent_upstream import AgentUpstream, read_call, request_view
-from agents import AGENTS, Setup, drive
+from agent_upstream import SUMMARY, AgentUpstream, read_call, request_view
+from agents import AGENTS, LONG_AGENTS, Setup, drive
 from fake_openai import serve
 from proxy_helpers import proxy
 
@@ -100,9 +100,15 @@ class TurnUpstream(AgentUpstream):
         self.recall_at = recall_at
         self.recalled: list[str] = []  # what each recall answered
 
+    def untooled_reply(self, view: csw.ChatView) -> str:
+        """An agent without tools (aider: the files are in its request) is answered ``done``; a summary request
+        (the proxy's, or the agent's own) with a summary without the facts."""
+        return SUMMARY if summary_request(view.messages) else "done"
+
     def next_call(self, tools: list[Any], view: csw.ChatView | None = None) -> tuple[str, str] | None:
-        if not tools or view is None:
+        if view is None or (not tools and summary_request(view.messages)):
             return None
+        readers = [t for t in tools if t[0] != cs.RECALL_TOOL]
         users = [k for k, m in enumerate(view.messages)
                  if m["role"] == "user" and "Turn " in cs.plain_content(m.get("content"))]  # fmt: skip
         if not users:
@@ -113,7 +119,7 @@ class TurnUpstream(AgentUpstream):
         made = json.dumps([m.get("tool_calls") for m in view.messages[users[-1] :]])
         left = [name for name in asked if name not in made]  # not read, in what it is sent
         reads = self.reads.setdefault(prompt, 0)
-        if left and reads < 2 * len(asked):  # a read it no longer sees is made again, twice at most
+        if left and readers and reads < 2 * len(asked):  # a read it no longer sees is made again, twice at most
             self.reads[prompt] = reads + 1
             return read_call(tools, str(self.project / left[0]))
         if self.recall_at is not None and f"Turn {self.recall_at}:" in prompt:
@@ -134,11 +140,27 @@ class TurnUpstream(AgentUpstream):
         return None
 
 
+AGENT_SUMMARY_PROMPTS = ("summarize this partial conversation",)  # aider's, for its chat history over 1k tokens
+
+
+def summary_request(messages: list[dict[str, Any]]) -> bool:
+    """A summary request: the proxy's (its summariser is the upstream's model), or an agent's own."""
+    if any(m.get("content") in (cs.SUMMARY_PROMPT, cs.MERGE_PROMPT) for m in messages):
+        return True
+    return any(p in cs.plain_content(m.get("content")).lower() for m in messages[:2] for p in AGENT_SUMMARY_PROMPTS)
+
+
 def summary_requests(log: list[tuple[str, dict[str, Any]]]) -> int:
     """The proxy's summary requests (its summariser is the upstream's model)."""
     prompts = (cs.SUMMARY_PROMPT, cs.MERGE_PROMPT)
     return sum(1 for path, body in log if path == "chat" and not body.get("tools") and
                any(m.get("content") in prompts for m in body.get("messages", [])))  # fmt: skip
+
+
+def turn_request(path: str, body: dict[str, Any]) -> bool:
+    """A request of the agent's turn (not a summary request): with tools, or without, naming a turn's prompt."""
+    return bool(body.get("tools")) or (not summary_request(request_view(path, body).messages)
+                                       and "say done." in json.dumps(body))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -164,8 +186,8 @@ class LongRun:
         return sum(a["lines"][0] for a in answered) / max(1, sum(a["lines"][1] for a in answered))
 
     def last_request(self) -> tuple[str, dict[str, Any]]:
-        """The session's last request the model was sent with the agent's tools (its API, its body)."""
-        return next((p, b) for p, b in reversed(self.upstream.log) if b.get("tools"))
+        """The session's last request of a turn (its API, its body): :func:`turn_request`."""
+        return next((p, b) for p, b in reversed(self.upstream.log) if turn_request(p, b))
 
     def fixed_sent(self) -> int:
         """The agent's system prompt and tools as the model last got them (the recall tool left out), cl100k."""
@@ -199,16 +221,20 @@ def run_long(
     finished, resume = 0, None
     with serve(upstream) as direct, proxy(direct, *flags, log=where / "proxy.log") as url:
         setup = Setup(window=window)
-        command, extra = AGENTS[agent](project, home, url, False, setup)
+        command, extra = LONG_AGENTS[agent](project, home, url, False, setup)
         environment = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", **extra}
         environment.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
-        for prompt in session.prompts:
-            go_on = {"opencode": ["--session", resume], "codex": ["resume", resume], "claude": ["--resume", resume]}
-            arguments = [prompt] if resume is None else [*go_on[agent], prompt]
+        for t, prompt in enumerate(session.prompts):
+            if agent == "aider":  # no tools: it sends every file asked for so far; its history from its own file
+                files = [a for names in session.files[: t + 1] for n in names for a in ("--read", n)]
+                arguments = [*files, "--message", prompt, *(["--restore-chat-history"] if t else [])]
+            else:
+                go_on = {"opencode": ["--session", resume], "codex": ["resume", resume], "claude": ["--resume", resume]}
+                arguments = [prompt] if resume is None else [*go_on[agent], prompt]
             returncode, _ = drive([*command, *arguments], project, environment, upstream, False)
             finished += returncode == 0
-            resume = resume or session_id(agent, home)
-    last = next(body for _, body in reversed(upstream.log) if body.get("tools"))
+            resume = resume or (session_id(agent, home) if agent in AGENTS else None)
+    last = next(body for path, body in reversed(upstream.log) if turn_request(path, body))
     return LongRun(upstream, turns, finished, json.dumps(last), (where / "proxy.log").read_text())
 
 

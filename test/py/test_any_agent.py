@@ -413,6 +413,29 @@ def test_an_opening_alone_over_its_room_is_elided_evenly(messages: int, size: in
         assert sum(map(count, out)) <= room + 16 * messages and all("elided" in m["content"] for m in out)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=4, max_size=60), st.integers(50, 1500), st.randoms(use_true_random=False))
+def test_a_grown_opening_keeps_the_lines_this_turn_added_and_elides_the_older_first(
+    old: list[bool], room: int, rng: Any
+) -> None:
+    """#59 2a, 2b: a block the agent re-sends grown (aider's files): when it is over its room, the lines sent before
+    this turn (``seen``) are elided first, and every line the turn added is kept whenever those alone fit; each
+    elided stretch says so and names the values it held."""
+    lines = [f"{'old' if o else 'new'} line {k}: value E{rng.randint(1000, 9999)} in src/m{k}.py" for k, o in
+             enumerate(old)]  # fmt: skip
+    block = {"role": "user", "content": "\n".join(lines)}
+    seen = frozenset(cs.line_print(line) for line, o in zip(lines, old, strict=True) if o)
+    count = lambda m: cs.count_messages([m], cs.HEURISTIC)[0][0]  # noqa: E731
+    out = cs.evenly_elided([block], room, count, seen)[0]
+    new_only = "\n".join(line for line, o in zip(lines, old, strict=True) if not o)
+    if count(block) <= room:
+        assert out == block
+    elif count({"role": "user", "content": new_only}) + 20 * (1 + sum(old)) <= room:  # the new lines and markers fit
+        kept = out["content"].split("\n")
+        assert all(line in kept for line, o in zip(lines, old, strict=True) if not o), out["content"]
+        assert count(out) <= room and "sent before, elided" in out["content"]
+
+
 # ------------------------------------------------------------------------------------------ agents as parameters
 
 NAMED_SHAPES = {  # the agents of #49's report, at 16k, and two at 8k
@@ -540,13 +563,20 @@ def test_a_conversation_is_known_again_by_the_turns_its_agent_kept_after_its_own
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(3, 8), st.integers(0, 3), st.integers(1, 3), st.sampled_from(["\n\n", "\r\n\r\n", "\n \n"]))
+@given(
+    st.integers(3, 8),
+    st.integers(0, 3),
+    st.integers(1, 3),
+    st.sampled_from(["\n\n", "\r\n\r\n", "\n \n"]),
+    st.sampled_from(["", "  \n", "\n"]),
+)
 def test_a_conversation_is_known_again_when_its_agent_appends_a_reminder_to_the_newest_prompt(
-    turns: int, examples: int, paragraphs: int, gap: str
+    turns: int, examples: int, paragraphs: int, gap: str, restored: str
 ) -> None:
     """#59 2d: an agent that appends its rules to the newest user message alone (aider) sends the task without
-    them in every later request; the task is still found there, what precedes it is the opening, and the
-    conversation has one memory from its first request on (after the agent's own summary, every fact is carried)."""
+    them in every later request (aider: with two spaces and a line end); the task is still found there, what
+    precedes it is the opening, and the conversation has one memory from its first request on (after the agent's
+    own summary, every fact is carried)."""
     tasks: dict[Any, Any] = {}
     state = types.SimpleNamespace(said={}, tasks=tasks)
     system = {"role": "system", "content": "S"}
@@ -560,7 +590,7 @@ def test_a_conversation_is_known_again_when_its_agent_appends_a_reminder_to_the_
         opening = csf.agent_opening(messages, tasks)
         assert opening.before == len(shots), t
         csf.remembered(state, csf.ChatRequest.read({"messages": messages}), opening)  # type: ignore[arg-type]
-        history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"Done {t}."}]
+        history += [{"role": "user", "content": prompt + restored}, {"role": "assistant", "content": f"Done {t}."}]
     summary = [{"role": "user", "content": "Summary: files were read."}, {"role": "assistant", "content": "Going on."}]
     rewritten = [system, *shots, *summary, {"role": "user", "content": f"Turn next.{gap}{rules}"}]  # fewer messages
     request = csf.ChatRequest.read({"messages": rewritten})
