@@ -5578,14 +5578,15 @@ class Opening(NamedTuple):
     standing: int = 0
     before: int = 0
     seen: frozenset[str] = frozenset()  # :func:`line_print` of its lines the conversation sent before this turn
+    carried: int = 0  # tokens it leaves for the caller's ledger of what the agent no longer sends
 
 
 NO_OPENING = Opening()
 
 
 def line_print(line: str) -> str:
-    """A short digest of one line of text: which lines of a re-sent message were sent before (12 bits of collision
-    in 16 million: a new line taken for an old one is elided first, never lost from the archive)."""
+    """A short digest of one line of text: which lines of a re-sent message were sent before (24 bits: beside 8,000
+    lines sent before, about one new line in two thousand is taken for an old one and elided with them)."""
     return fingerprint(line)[:6]
 
 
@@ -5729,7 +5730,7 @@ def _shrink_steps(
     lead = leading_system(messages)
     examples = frozenset(fingerprint(m) for m in messages[lead + opening.standing : lead + opening.before])
     kept = {i: dict(messages[i]) for i in standing}
-    opening, opening_seen = opening.standing, opening.seen
+    opening, opening_seen, carried = opening.standing, opening.seen, opening.carried
     ledger = None  # the ledger's room when an opening is kept: what the user said before the turn, whole
     if opening and policy.protect_turn:  # the agent's opening, whole unless it alone leaves the turn no room
         start = max(turn_in_progress(messages), lead + opening)
@@ -5737,7 +5738,7 @@ def _shrink_steps(
         users = sum(tokenizer.count(user_words(m)) + 2 for m in messages[lead + opening : start] if m["role"] == "user")
         ledger = policy.ledger_tokens(budget, users)
         fixed = sum(size(m) for m in messages[:lead]) + tools_tokens + sum(map(size, kept.values()))
-        room = budget - fixed - turn - ledger  # what the rest leaves it (markers at least)
+        room = budget - fixed - turn - ledger - carried  # what the rest leaves it (markers at least)
         elided = evenly_elided(messages[lead : lead + opening], room, size, opening_seen)
         kept.update(zip(range(lead, lead + opening), elided, strict=True))
     if not kept:

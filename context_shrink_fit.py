@@ -612,8 +612,8 @@ async def fit_request(
         report.reason = "window unknown"
         return body, report
     budget, report.reserve = request_budget(body, report.window)
-    carried_room = _carried_room(state, report.carried, budget)  # set aside, so that shrinking leaves it
-    sent, report = await _fitted(state, request, budget - carried_room, authorization, report, opening, started)
+    opening = opening._replace(carried=_carried_room(state, report.carried, budget))  # left beside an opening
+    sent, report = await _fitted(state, request, budget, authorization, report, opening, started)
     factor = state.factor(request.calibration)
     return await off_loop(size, lambda: with_carried(state, sent, report, report.carried, budget, factor)), report
 
@@ -790,8 +790,8 @@ def opening_seen(state: ServerMemory, request: ChatRequest, opening: Opening) ->
 
 
 def _carried_room(state: ServerMemory, carried: list[dict[str, Any]], budget: int) -> int:
-    """The room :func:`with_carried` gives a ledger of ``carried`` (0 without one): what the request is shrunk to
-    leave."""
+    """The room :func:`with_carried` gives a ledger of ``carried`` (0 without one): what an agent's opening is
+    elided to leave (``Opening.carried``; the budget itself stays, so the cuts stay where they were)."""
     if not carried or not state.policy.ledger:
         return 0
     users = sum(state.tokenizer.count(m["content"]) + 2 for m in carried if m["role"] == "user")

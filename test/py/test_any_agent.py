@@ -352,7 +352,7 @@ def opening_agent(turn: int, pairs: int, updated: bool) -> list[dict[str, Any]]:
 
 
 def opening_of(history: list[dict[str, Any]], tasks: dict[str, Any]) -> tuple[int, int]:
-    return tuple(csf.agent_opening(history, tasks))  # type: ignore[return-value]
+    return tuple(csf.agent_opening(history, tasks))[:2]  # type: ignore[return-value]  # (standing, before)
 
 
 @pytest.mark.parametrize("pairs", [0, 1, 3])
