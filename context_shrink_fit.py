@@ -782,7 +782,8 @@ def opening_seen(state: ServerMemory, request: ChatRequest, opening: Opening) ->
     now = now[-6 * OPENING_LINES :]
     turn = task_key(next(m for m in reversed(messages) if m["role"] == "user"))
     lines = memory.get("lines") if isinstance(memory.get("lines"), dict) else {}
-    lines = {"turn": turn, "before": lines.get("now", "") if lines.get("turn") != turn else lines["before"], "now": now}
+    before = lines.get("now" if lines.get("turn") != turn else "before")  # a new turn: the last one's are before
+    lines = {"turn": turn, "before": before if isinstance(before, str) else "", "now": now}
     if lines != memory.get("lines") or known != opening.standing:
         state.said[scope, task] = {**memory, "lines": lines, "standing": opening.standing}
     before = lines["before"]
