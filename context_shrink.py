@@ -5707,6 +5707,11 @@ def _step(steps: Ladder, got: Any, failure: BaseException | None) -> tuple[bool,
         return True, stop.value
 
 
+def _users_tokens(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer) -> int:
+    """What the user's words in ``messages`` take in a ledger (:func:`user_words`, and a line's start each)."""
+    return sum(tokenizer.count(user_words(m)) + 2 for m in messages if m["role"] == "user")
+
+
 def _shrink_steps(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]],
@@ -5735,8 +5740,7 @@ def _shrink_steps(
     if opening and policy.protect_turn:  # the agent's opening, whole unless it alone leaves the turn no room
         start = max(turn_in_progress(messages), lead + opening)
         turn = sum(size(m) for m in messages[start:])
-        users = sum(tokenizer.count(user_words(m)) + 2 for m in messages[lead + opening : start] if m["role"] == "user")
-        ledger = policy.ledger_tokens(budget, users)
+        ledger = policy.ledger_tokens(budget, _users_tokens(messages[lead + opening : start], tokenizer))
         fixed = sum(size(m) for m in messages[:lead]) + tools_tokens + sum(map(size, kept.values()))
         room = budget - fixed - turn - ledger - carried  # what the rest leaves it (markers at least)
         elided = evenly_elided(messages[lead : lead + opening], room, size, opening_seen)
@@ -5790,7 +5794,7 @@ def _climb(
         return {**result, "messages": out, "action": action, "tokens_after": after, "fits": after <= budget, **extra}
 
     protect = turn_in_progress(messages) if policy.protect_turn else len(messages)
-    users = sum(tokenizer.count(user_words(m)) + 2 for m in messages[:protect] if m["role"] == "user")
+    users = _users_tokens(messages[:protect], tokenizer)  # the user's words before the turn's material
     ledger = policy.ledger_tokens(budget, users) if ledger_room is None else min(ledger_room, budget)
     rungs = Rungs(tokenizer, budget, tools, policy, protect, ledger, examples, whole)
     lighter, used = list(messages), []

@@ -219,6 +219,14 @@ def task_found(tasks: Mapping[Any, Any], scope: str, message: Mapping[str, Any])
     return None
 
 
+def memory_task(tasks: Mapping[Any, Any], scope: str, message: Mapping[str, Any]) -> str:
+    """The task a conversation's memory is kept under when ``message`` is its task: the first request's, also when
+    the agent sends that message otherwise later (:func:`task_found`), else ``message``'s own :func:`task_key`."""
+    found = task_found(tasks, scope, message)
+    record = tasks.get(found) if found else None
+    return record["task"] if isinstance(record, dict) and isinstance(record.get("task"), str) else task_key(message)
+
+
 def _an_opening(run: Sequence[Mapping[str, Any]]) -> bool:
     return len(run) <= OPENING_MOST and not any(m.get("tool_calls") or m["role"] in RESULT_ROLES for m in run)
 
@@ -683,10 +691,7 @@ def remembered(state: ServerMemory, request: ChatRequest, opening: Opening) -> t
     start = lead + opening.before
     if start >= len(messages) or messages[start]["role"] != "user":
         return [], []
-    scope, task = request.scope, task_key(messages[start])
-    found = task_found(state.tasks, scope, messages[start])
-    if found and isinstance(record := state.tasks[found], dict) and isinstance(record.get("task"), str):
-        task = record["task"]  # found as the agent sends it later (:func:`_task_prefixes`): one memory
+    scope, task = request.scope, memory_task(state.tasks, request.scope, messages[start])  # one memory
     run = fingerprint(messages[lead:start])[:24]
     memory, now = state.said.get((scope, task)), time.time()
     known = memory is not None  # what it held is in its memory: the newest of the user's words
@@ -766,10 +771,7 @@ def opening_seen(state: ServerMemory, request: ChatRequest, opening: Opening) ->
     messages, lead = request.messages, leading_system(request.messages)
     if lead + opening.before >= len(messages):
         return opening
-    scope, start = request.scope, messages[lead + opening.before]
-    found = task_found(state.tasks, scope, start)
-    record = state.tasks.get(found) if found else None
-    task = record["task"] if isinstance(record, dict) and isinstance(record.get("task"), str) else task_key(start)
+    scope, task = request.scope, memory_task(state.tasks, request.scope, messages[lead + opening.before])
     if not isinstance(memory := state.said.get((scope, task)), dict):
         return opening
     known = memory.get("standing") if isinstance(memory.get("standing"), int) else 0
@@ -790,13 +792,16 @@ def opening_seen(state: ServerMemory, request: ChatRequest, opening: Opening) ->
     return opening._replace(seen=frozenset(before[k : k + 6] for k in range(0, len(before), 6)))
 
 
-def _carried_room(state: ServerMemory, carried: list[dict[str, Any]], budget: int) -> int:
-    """The room :func:`with_carried` gives a ledger of ``carried`` (0 without one): what an agent's opening is
-    elided to leave (``Opening.carried``; the budget itself stays, so the cuts stay where they were)."""
+def _carried_room(
+    state: ServerMemory, carried: list[dict[str, Any]], budget: int, count: Callable[[str], int] | None = None
+) -> int:
+    """The room :func:`with_carried` gives a ledger of ``carried`` (0 without one; ``count``: the tokenizer's, or
+    at a calibration): what an agent's opening is elided to leave (``Opening.carried``; the budget itself stays,
+    so the cuts stay where they were)."""
     if not carried or not state.policy.ledger:
         return 0
-    users = sum(state.tokenizer.count(m["content"]) + 2 for m in carried if m["role"] == "user")
-    return state.policy.ledger_tokens(budget, users)
+    count = count or state.tokenizer.count
+    return state.policy.ledger_tokens(budget, sum(count(m["content"]) + 2 for m in carried if m["role"] == "user"))
 
 
 def with_carried(
@@ -809,8 +814,7 @@ def with_carried(
     if not carried or not state.policy.ledger:
         return body
     count = dataclasses.replace(state.tokenizer, scale=factor).scaled
-    users = sum(count(m["content"]) + 2 for m in carried if m["role"] == "user")
-    room = min(state.policy.ledger_tokens(budget, users) or 64, budget - (report.tokens_after or budget))
+    room = min(_carried_room(state, carried, budget, count) or 64, budget - (report.tokens_after or budget))
     messages = body["messages"]
     text = fact_ledger(carried, messages, count, room, state.policy.recall) if room >= 64 else None
     if text is None:

@@ -54,12 +54,14 @@ def readme_block(client: str) -> str:
     return found.group(1)
 
 
-def binary(name: str) -> Path:
-    path = BIN / name
+def binary(name: str, folder: Path = BIN, source: str = "npm") -> Path:
+    """An agent's program in ``folder``, as test.sh installs it from ``source``; missing, the test fails in CI
+    and is skipped elsewhere, saying so."""
+    path = folder / name
     if not path.exists():
         if os.environ.get("CI") == "true":
-            pytest.fail(f"{path} is missing: ./test/test.sh installs test/agents from npm, and CI must run this")
-        pytest.skip(f"{name} is not installed: ./test/test.sh installs test/agents from npm (npm unreachable?)")
+            pytest.fail(f"{path} is missing: ./test/test.sh installs it from {source}, and CI must run this")
+        pytest.skip(f"{name} is not installed: ./test/test.sh installs it from {source} ({source} unreachable?)")
     return path
 
 
@@ -125,11 +127,7 @@ def aider(project: Path, home: Path, url: str, token: bool, setup: Setup) -> tup
     words = shlex.split(setup.edit(readme_block("aider")).replace(README_URL, url.removesuffix("/v1")))
     at = words.index("aider")
     assignments, flags = words[:at], words[at + 1 :]
-    path = PYTHON_AGENTS / "bin" / "aider"
-    if not path.exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{path} is missing: ./test/test.sh installs aider from PyPI, and CI must run this")
-        pytest.skip("aider is not installed: ./test/test.sh installs it from PyPI into test/agents/python")
+    path = binary("aider", PYTHON_AGENTS / "bin", "PyPI")
     return [str(path), *flags, *AIDER_HEADLESS], dict(a.split("=", 1) for a in assignments)
 
 

@@ -143,18 +143,22 @@ class TurnUpstream(AgentUpstream):
 AGENT_SUMMARY_PROMPTS = ("summarize this partial conversation",)  # aider's, for its chat history over 1k tokens
 
 
+def proxy_summary(messages: list[dict[str, Any]]) -> bool:
+    """The proxy's summary request (its summariser is the upstream's model)."""
+    return any(m.get("content") in (cs.SUMMARY_PROMPT, cs.MERGE_PROMPT) for m in messages)
+
+
 def summary_request(messages: list[dict[str, Any]]) -> bool:
-    """A summary request: the proxy's (its summariser is the upstream's model), or an agent's own."""
-    if any(m.get("content") in (cs.SUMMARY_PROMPT, cs.MERGE_PROMPT) for m in messages):
-        return True
-    return any(p in cs.plain_content(m.get("content")).lower() for m in messages[:2] for p in AGENT_SUMMARY_PROMPTS)
+    """A summary request: the proxy's, or an agent's own."""
+    return proxy_summary(messages) or any(
+        p in cs.plain_content(m.get("content")).lower() for m in messages[:2] for p in AGENT_SUMMARY_PROMPTS
+    )
 
 
 def summary_requests(log: list[tuple[str, dict[str, Any]]]) -> int:
-    """The proxy's summary requests (its summariser is the upstream's model)."""
-    prompts = (cs.SUMMARY_PROMPT, cs.MERGE_PROMPT)
-    return sum(1 for path, body in log if path == "chat" and not body.get("tools") and
-               any(m.get("content") in prompts for m in body.get("messages", [])))  # fmt: skip
+    """The proxy's summary requests."""
+    return sum(1 for path, body in log
+               if path == "chat" and not body.get("tools") and proxy_summary(body.get("messages", [])))  # fmt: skip
 
 
 def turn_request(path: str, body: dict[str, Any]) -> bool:
