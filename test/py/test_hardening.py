@@ -28,7 +28,7 @@ import pytest
 from agent_requests import chat_request, claude_request, codex_request
 from agent_upstream import chat_chunks, messages_events, messages_reply, responses_events
 from fake_openai import FakeOpenAI, serve
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from proxy_helpers import MODULE, started
 from recalling import RecallingModel
@@ -685,8 +685,17 @@ JSON_VALUES = st.recursive(
 )
 
 
+def _loads_or_none(text: bytes) -> Any:
+    """json's value of ``text``, or None where it is no JSON (a space put inside a string: a newline is refused)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=5), st.sampled_from(["", " ", "\n  ", "\t"]))
+@example(body={": ": None}, space="\n  ")  # CI found it: the space lands inside a key
 def test_a_large_body_is_read_and_written_as_json_reads_and_writes_it(body: dict[str, Any], space: str) -> None:
     """A body of megabytes is read a value (an array an element) at a time and written a text piece at a time,
     so that one JSON call does not hold the interpreter's lock for tens of milliseconds: the same values, the same
@@ -699,7 +708,7 @@ def test_a_large_body_is_read_and_written_as_json_reads_and_writes_it(body: dict
         assert cs.fingerprint(body) == hashlib.sha256(cs.canonical_json(body).encode()).hexdigest()
         assert cs.canonical_json(body) == json.dumps(body, sort_keys=True, ensure_ascii=False, default=str)
         spaced = written.replace(b", ", f",{space}".encode()).replace(b": ", f":{space}".encode())
-        if json.loads(spaced) == body:  # (a text holding ", " is changed too: then the values differ)
+        if _loads_or_none(spaced) == body:  # (a text holding ", " is changed too: the values differ or break)
             assert csp.read_json(f"{space}{spaced.decode()}{space}".encode()) == body
         for broken in (written[:-1], written + b"x", written.replace(b"{", b"{,", 1)):
             with pytest.raises(ValueError):
