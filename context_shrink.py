@@ -199,7 +199,6 @@ __all__ = [
     "summarise_span",
     "summary_message",
     "summary_request",
-    "template_json",
     "text_values",
     "tool_call",
     "trim_messages",
@@ -474,7 +473,6 @@ def json_or(text: Any, default: Any = None) -> Any:
 
 
 OptionsT = TypeVar("OptionsT")
-ResultT = TypeVar("ResultT")
 
 
 def options_of(kind: type[OptionsT], options: OptionsT | None, fields: Mapping[str, Any]) -> OptionsT:
@@ -496,7 +494,6 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 DEFAULT_MAX_CONTEXT_TOKENS = 32768
 MAX_CONTEXT_TOKENS_LIMIT = 1_000_000
 DEFAULT_TIMEOUT = 180.0
-OFF_LOOP_BYTES = 1 << 20  # a request body this large is parsed and counted in a worker thread
 DEFAULT_KEEP_LAST = 8
 DEFAULT_THRESHOLD = 0.8
 DEFAULT_MAX_SUMMARY_TOKENS = 1024
@@ -585,12 +582,6 @@ MERGE_PROMPT = (
 
 BOOLEAN_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
                  "off": False}  # fmt: skip
-
-
-def redis_name(url: str) -> str:
-    """A Redis URL as logs and pages show it: scheme, host, port and database, never a password."""
-    parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
 
 
 def upstream_namespace(url: str) -> str:
@@ -1489,13 +1480,6 @@ def parse_tokenizer_spec(spec: str) -> str:
 
 
 # --- what a chat template does with a request: its tojson, a content's text (the templates: context_shrink_models) -
-
-
-def template_json(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
-                  sort_keys: bool = False, ensure_ascii: bool = False) -> str:  # fmt: skip
-    """A chat template's ``tojson`` as transformers and vLLM define it: key order kept, nothing escaped (jinja2's
-    own sorts the keys and escapes ``<``, ``>``, ``&`` and ``'``: other tokens than the server counts)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def content_text(content: Any) -> str:
@@ -5904,13 +5888,6 @@ DOOR_OMISSIONS: dict[tuple[str, str], str] = {
 # =============================================================================
 # 10. The backend client (OpenAI-compatible /chat/completions over httpx2)
 # =============================================================================
-
-
-async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
-    """``work()``, in a worker thread when ``size`` (the bytes it works on) is large, so that small requests are
-    not held up behind it; a small one is done at once (a thread would cost more than the work: on a small
-    request the hops to a worker thread were most of the proxy's added latency)."""
-    return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
 
 
 def json_bytes(value: Any) -> bytes:

@@ -23,6 +23,7 @@ __all__ = [
     "LEAN_MOST",
     "LEAN_SHARE",
     "MESSAGE_BYTES",
+    "OFF_LOOP_BYTES",
     "OPENING_MOST",
     "OPENING_RUNS",
     "OUTLINE_NOTE",
@@ -52,6 +53,7 @@ __all__ = [
     "leaner_request",
     "measure",
     "model_of",
+    "off_loop",
     "outlined",
     "remembered",
     "request_budget",
@@ -79,6 +81,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
+import anyio
 import httpx2
 
 from context_shrink import (
@@ -109,7 +112,6 @@ from context_shrink import (
     leading_system,
     line_print,
     log,
-    off_loop,
     plain_content,
     pseudo_tool,
     ranked_values,
@@ -128,6 +130,17 @@ from context_shrink import (
 # 2. One request fitted to its server: the agent's opening, read, window, count once, calibrate, shrink,
 #    recount; what a conversation held, carried when the agent no longer sends it
 # =============================================================================
+
+OFF_LOOP_BYTES = 1 << 20  # a request body this large is parsed and counted in a worker thread
+ResultT = TypeVar("ResultT")
+
+
+async def off_loop(size: int, work: Callable[[], ResultT]) -> ResultT:
+    """``work()``, in a worker thread when ``size`` (the bytes it works on) is large, so that small requests are
+    not held up behind it; a small one is done at once (a thread would cost more than the work: on a small
+    request the hops to a worker thread were most of the proxy's added latency)."""
+    return await anyio.to_thread.run_sync(work) if size >= OFF_LOOP_BYTES else work()
+
 
 # --- the agent's opening: what precedes a conversation's task, by what its requests share -----------------
 OPENING_MOST = 24  # messages: a longer run before the task is history first seen mid-way, not an opening
@@ -1053,7 +1066,7 @@ async def lean_request(
     that still leaves it over the share, the system prompt sent as its outline (:func:`outlined`; its whole text
     what the recall tool searches). As it is otherwise, with the policy's ``lean_tools`` off, when the window is
     unknown, or for a body it cannot read (the request path says why). The work runs in a worker thread for a
-    request of ``size`` bytes or more (a system prompt of megabytes takes seconds: :func:`context_shrink.off_loop`)."""
+    request of ``size`` bytes or more (a system prompt of megabytes takes seconds: :func:`off_loop`)."""
     if not state.policy.lean_tools:
         return Lean(body)
     window = await server_window(state, model_of(chat), authorization)

@@ -22,9 +22,11 @@ __all__ = [
     "load_qwen",
     "model_tokenizer",
     "qwen_family",
+    "template_json",
 ]
 
 import contextlib
+import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -38,7 +40,6 @@ from context_shrink import (
     cached_count,
     content_text,
     json_or,
-    template_json,
 )
 
 # =============================================================================
@@ -87,6 +88,13 @@ def find_hf_tokenizer(ref: str, environ: Mapping[str, str] | None = None) -> Pat
 # arguments parsed from JSON (vLLM and llama.cpp do so; the templates index them), a ``tojson`` that keeps key
 # order and non-ASCII text (transformers' and vLLM's), and, for the templates that take strings, the text parts
 # of a content list joined by newlines (vLLM's). The prompt strings are the templates' own: every token counts.
+
+
+def template_json(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+                  sort_keys: bool = False, ensure_ascii: bool = False) -> str:  # fmt: skip
+    """A chat template's ``tojson`` as transformers and vLLM define it: key order kept, nothing escaped (jinja2's
+    own sorts the keys and escapes ``<``, ``>``, ``&`` and ``'``: other tokens than the server counts)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class ChatTemplate(Protocol):

@@ -102,7 +102,6 @@ from context_shrink import (
     MAX_FILE_BYTES,
     MODEL_LIMIT_FIELDS,
     MODEL_WINDOW_FIELDS,
-    OFF_LOOP_BYTES,
     PROBE_TIMEOUT,
     RECALL_TOOL,
     Backend,
@@ -131,7 +130,6 @@ from context_shrink import (
     log,
     log_level_flag,
     nesting_problem,
-    off_loop,
     one_line,
     parse_overflow,
     redact,
@@ -147,6 +145,7 @@ from context_shrink import (
 )
 from context_shrink_fit import (
     CALIBRATION_LIMITS,
+    OFF_LOOP_BYTES,
     UNLEANED,
     FitReport,
     Lean,
@@ -156,6 +155,7 @@ from context_shrink_fit import (
     fit_request,
     lean_request,
     model_of,
+    off_loop,
     request_budget,
 )
 from context_shrink_state import (
@@ -1485,7 +1485,7 @@ class ProxyFront:
         """Shrink a chat-shaped ``body``, send it (``wired`` writes it in the request's own wire format) and
         retry once, strictly smaller, after a length refusal. When something was folded away, the model is
         offered the recall tool (:meth:`recalled`). What is in proportion to the request's size runs in a worker
-        thread when the request is large (:func:`context_shrink.off_loop`)."""
+        thread when the request is large (:func:`off_loop`)."""
         authorization, caller, size = request.headers.get("authorization"), caller_of(request.headers), len(wired.raw)
         url, headers = self.config.target(request.url.path, request.url.query), _forward_headers(
             request.headers, self.config, chat=True)  # fmt: skip

@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import unicodedata
+import urllib.parse
 import uuid as uuid_module
 from collections.abc import (
     Callable,
@@ -65,7 +66,6 @@ from context_shrink import (
     leading_system,
     log,
     plain_content,
-    redis_name,
     state_key,
 )
 
@@ -494,6 +494,12 @@ class MemoryStore(MemoryTables):
 
     def close(self) -> None:
         self.index.close()
+
+
+def redis_name(url: str) -> str:
+    """A Redis URL as logs and pages show it: scheme, host, port and database, never a password."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
 
 
 def store_errors() -> tuple[type[BaseException], ...]:

@@ -52,7 +52,7 @@ def reference(path: Path) -> Any:
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     environment.globals["raise_exception"] = fail
-    environment.filters["tojson"] = cs.template_json
+    environment.filters["tojson"] = csm.template_json
     return environment.from_string(text)
 
 

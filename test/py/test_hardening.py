@@ -701,7 +701,7 @@ def test_a_large_body_is_read_and_written_as_json_reads_and_writes_it(body: dict
     so that one JSON call does not hold the interpreter's lock for tens of milliseconds: the same values, the same
     bytes, the same errors as json's (here with every body taken as large and every text as long)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cs, "OFF_LOOP_BYTES", 0)
+        patch.setattr(csp, "OFF_LOOP_BYTES", 0)
         patch.setattr(cs, "TEXT_PIECE", 3)
         written = cs.json_bytes(body)
         assert written == json.dumps(body, ensure_ascii=False).encode()
