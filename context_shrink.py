@@ -2226,17 +2226,19 @@ def held_note(text: str) -> str:
     return HELD[text]
 
 
-def _held_note(text: str) -> str:
-    values, used = [], 0
-    for value in ranked_values(text_values(text)):
-        if used + len(value) + 2 > VALUE_CHARS:
+def values_note(values: Sequence[str], room: int = VALUE_CHARS) -> str:
+    """``; it held: …``: ``values`` (distinct), the rarest shapes first (:func:`ranked_values`), within ``room``
+    characters; ``""`` when none fits."""
+    chosen, used = [], 0
+    for value in ranked_values(values):
+        if used + len(value) + 2 > room:
             break
-        values.append(value)
+        chosen.append(value)
         used += len(value) + 2
-    return f"; it held: {', '.join(values)}" if values else ""
+    return f"; it held: {', '.join(chosen)}" if chosen else ""
 
 
-HELD = _TextMemo(_held_note, COUNT_CACHE_CHARS, follows=True)  # an old result is cleared again on every turn
+HELD = _TextMemo(lambda text: values_note(text_values(text)), COUNT_CACHE_CHARS, follows=True)  # cleared every turn
 CLEARED = _TextMemo(lambda text: f"{_lines_and_tokens(text)}{held_note(text)}", COUNT_CACHE_CHARS, follows=True)
 
 
@@ -2268,6 +2270,17 @@ def elided_result(message: Mapping[str, Any], level: int = 0) -> dict[str, Any] 
     """A tool result whose text is elided in the middle, or None when it is too short to elide."""
     shorter = elide_text(plain_content(message.get("content")), level)
     return None if shorter is None else {**message, "content": shorter}
+
+
+_TAGGED_BLOCK = re.compile(r"(?ms)^<([a-z][\w-]*)>$.*?^</\1>\s*$\n?")  # a block an agent wraps in its own tag
+
+
+def user_words(message: Mapping[str, Any]) -> str:
+    """What the user wrote in a user message: its text without the blocks an agent adds in a tag of its own
+    on lines of their own (``<system-reminder>``, ``<environment_context>``: context, not the user's words). A text
+    over :data:`TEXT_PIECE` characters is taken as it is (a pasted file, never carried whole in a ledger)."""
+    text = plain_content(message.get("content"))
+    return (_TAGGED_BLOCK.sub("", text) if len(text) <= TEXT_PIECE else text).strip()
 
 
 def text_and_images(content: Any) -> tuple[str, str]:
@@ -2872,7 +2885,7 @@ def least_form(message: Mapping[str, Any], tool: str, light: bool = False) -> Re
     if message["role"] == "assistant" and any(isinstance(message.get(k), str) and message[k] for k in REASONING_KEYS):
         out = without_reasoning(out)
     text, images = text_and_images(message.get("content"))
-    shorter = _elide(text, *LEAST_TEXT) if len(text) > 2 * sum(LEAST_TEXT) and not light else None
+    shorter = None if light else _least_text(message, text)
     if shorter is not None or images:
         out = with_text(out, shorter or text, images)
     if message.get("tool_calls") and not light:
@@ -2881,6 +2894,18 @@ def least_form(message: Mapping[str, Any], tool: str, light: bool = False) -> Re
         return None
     calls_shorter = out.get("tool_calls") != message.get("tool_calls")
     return out, "elided" if shorter is not None else "image" if images else "elided" if calls_shorter else "reasoning"
+
+
+WORDS_KEPT = 2000  # characters of the user's own words an old user message keeps whole in its least form
+
+
+def _least_text(message: Mapping[str, Any], text: str) -> str | None:
+    """An old text's least form, or None: its head and tail; of a user message whose own words (:func:`user_words`)
+    are shorter than :data:`WORDS_KEPT`, those whole and each long block the agent wrapped around them elided."""
+    if message["role"] == "user" and len(words := user_words(message)) <= WORDS_KEPT and words != text.strip():
+        least = lambda m: _elide(m[0], *LEAST_TEXT) if len(m[0]) > 2 * sum(LEAST_TEXT) else m[0]  # noqa: E731
+        return shorter if (shorter := _TAGGED_BLOCK.sub(least, text)) != text else None
+    return _elide(text, *LEAST_TEXT) if len(text) > 2 * sum(LEAST_TEXT) else None
 
 
 def _shorter_call(call: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -4371,17 +4396,6 @@ def _call_references(message: Mapping[str, Any]) -> list[str]:
     return [*found, *text_values(plain_content(message.get("content")))]
 
 
-_TAGGED_BLOCK = re.compile(r"(?ms)^<([a-z][\w-]*)>$.*?^</\1>\s*$\n?")  # a block an agent wraps in its own tag
-
-
-def user_words(message: Mapping[str, Any]) -> str:
-    """What the user wrote in a user message: its text without the blocks an agent adds in a tag of its own
-    on lines of their own (``<system-reminder>``, ``<environment_context>``: context, not the user's words). A text
-    over :data:`TEXT_PIECE` characters is taken as it is (a pasted file, never carried whole in a ledger)."""
-    text = plain_content(message.get("content"))
-    return (_TAGGED_BLOCK.sub("", text) if len(text) <= TEXT_PIECE else text).strip()
-
-
 def _ledger_items(gone: Sequence[Mapping[str, Any]], later: str) -> dict[str, list[str]]:
     """The facts of ``gone``, by kind: the user's messages (verbatim, oldest first), what the assistant referred
     to, and the values tool results held (the rarest shapes first, :func:`ranked_values`: a name repeated in
@@ -5619,10 +5633,14 @@ def _older_lines_elided(
     return at(low)
 
 
+NOTED_SHARE = 50  # an elided stretch's marker names its values in up to 1 character per this many it left out
+
+
 def _stretches_kept(lines: list[str], old: list[bool], share: float) -> str:
     """``lines`` with each stretch of ``old`` ones cut to ``share`` of its lines (head and tail, a marker saying how
-    many were left out between and the values they held, as a cleared result's does: :func:`held_note`); the others
-    as they are."""
+    many were left out between and the values they held: a file in a user message is mined for values like a tool's
+    result, each line scanned, in a note that grows with what it replaces, :data:`NOTED_SHARE`, never past what the
+    stretch keeps once over a cleared result's); the others as they are."""
     out: list[str] = []
     for is_old, group in itertools.groupby(zip(lines, old, strict=True), key=lambda pair: pair[1]):
         stretch = [line for line, _ in group]
@@ -5631,8 +5649,10 @@ def _stretches_kept(lines: list[str], old: list[bool], share: float) -> str:
             out += stretch
             continue
         head, tail = (keep + 1) // 2, keep // 2
-        gone = "\n".join(stretch[head : len(stretch) - tail])
-        out += [*stretch[:head], f"[… {len(stretch) - keep} lines sent before, elided{held_note(gone)} …]"]
+        gone = stretch[head : len(stretch) - tail]
+        values, left = dict.fromkeys(v for line in gone for v in text_values(line)), sum(map(len, gone))
+        note = values_note(list(values), max(VALUE_CHARS, min(left // NOTED_SHARE, sum(map(len, stretch)) - left)))
+        out += [*stretch[:head], f"[… {len(gone)} lines sent before, elided{note} …]"]
         out += stretch[len(stretch) - tail :] if tail else []
     return "\n".join(out)
 

@@ -211,10 +211,16 @@ TASK_PREFIXES = 8  # paragraphs of a task whose text up to them is remembered as
 def _task_prefixes(message: Mapping[str, Any]) -> list[str]:
     """:func:`_text_key` of the task's text up to each of its first :data:`TASK_PREFIXES` blank lines: an agent
     that appends a reminder (its rules, a date) to the newest user message alone sends the same message without it
-    in every later request."""
-    text = plain_content(message.get("content"))
+    in every later request; and of the user's words alone (:func:`~context_shrink.user_words`): an agent that writes
+    its tagged blocks around them anew (Qwen Code's reminders, resumed) sends the same words."""
+    text, words = plain_content(message.get("content")), user_words(message)
     ends = [m.start() for m in itertools.islice(_PARAGRAPH_BREAK.finditer(text), TASK_PREFIXES)]
-    return [_text_key(text[:end]) for end in ends if text[:end].strip()]
+    return [_text_key(text[:end]) for end in ends if text[:end].strip()] + [_text_key(w) for w in _said(words)]
+
+
+def _said(words: str) -> list[str]:
+    """``[words]`` when they say enough to know a conversation by (32 characters: a "hi" starts many), else none."""
+    return [words] if len(words) >= 32 else []
 
 
 def _text_key(text: str) -> str:
@@ -224,9 +230,10 @@ def _text_key(text: str) -> str:
 
 
 def task_found(tasks: Mapping[Any, Any], scope: str, message: Mapping[str, Any]) -> tuple[str, str] | None:
-    """The key ``tasks`` holds ``message`` under as a conversation's task: as it was sent, else as its text
-    (:func:`_task_prefixes`); None when it is no task of ``scope``."""
-    for key in ((scope, task_key(message)), (scope, _text_key(plain_content(message.get("content"))))):
+    """The key ``tasks`` holds ``message`` under as a conversation's task: as it was sent, else as its text or the
+    user's words in it (:func:`_task_prefixes`); None when it is no task of ``scope``."""
+    text, words = plain_content(message.get("content")), user_words(message)
+    for key in ((scope, task_key(message)), (scope, _text_key(text)), *((scope, _text_key(w)) for w in _said(words))):
         if key in tasks:
             return key
     return None

@@ -42,6 +42,8 @@ class Shape:
     compacts_keeping: int = 0  # its newest turns kept after the summary, which is then the first user message and
     # nothing precedes it but the system prompt (Cline's way; 0: a summary and an acknowledgement, nothing kept)
     reminder: bool = False  # the agent's rules appended to the newest user message alone (aider's, Claude Code's)
+    wraps: bool = False  # the first prompt sent inside a tagged block of the agent's (a skills list, a date), which
+    # it writes anew with each request (Qwen Code's reminders, resumed): the user's words alone stay the same
     files: int = 2  # read per turn
     file_share: float = 0.1  # of the window: each file
 
@@ -147,6 +149,7 @@ def drive(
         {"role": "assistant", "content": f"It returns the parsed value {k}."})]  # fmt: skip
     context = words(rng, int(0.08 * shape.window), "map") if shape.resend == "same" else None
     new_history, added = 0, []
+    skills = words(rng, int(0.1 * shape.window), "skill") if shape.wraps else ""
     window = ("--window", str(shape.window), *flags)
     with serve(model) as upstream, started("proxy", "--upstream", upstream, *window, log=where / "log",
                                            module=module) as base:  # fmt: skip
@@ -188,6 +191,10 @@ def drive(
                 newest = [{**turn_messages[0], "content": f"{turn_messages[0]['content']}\n\n{rules}"},
                           *turn_messages[1:]]  # fmt: skip
             messages = [{"role": "system", "content": system}, *opening, *history, *newest]
+            if shape.wraps:  # the conversation's first prompt, its block written anew for this request
+                first = 1 + len(opening)
+                block = f"<system-reminder>\nRequest {t}. Skills:\n{skills}\n</system-reminder>\n"
+                messages[first] = {**messages[first], "content": block + messages[first]["content"]}
             body = {"model": "m", "max_tokens": 1024, "tools": tools, "messages": messages}
             before = len(model.requests)
             reply = httpx2.post(url + "/chat/completions", json=body, timeout=120)

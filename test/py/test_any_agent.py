@@ -436,6 +436,75 @@ def test_a_grown_opening_keeps_the_lines_this_turn_added_and_elides_the_older_fi
         assert count(out) <= room and "sent before, elided" in out["content"]
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(200, 4000), st.lists(st.integers(0, 10**6), min_size=1, max_size=5, unique=True), st.integers(0, 99))
+def test_a_files_values_elided_from_a_resent_block_are_named_however_long_the_stretch(
+    lines: int, planted: list[int], at: int
+) -> None:
+    """#59 2c: a file inside a user message is mined for values like a tool result: the rare values of the lines
+    elided from a block re-sent grown (aider's files) are named in the stretch's marker wherever they stood (not
+    only in the head and tail a long text's scan looks at), the rarest shapes first, in a note of at most one
+    character per 50 it replaced (at least a cleared result's)."""
+    rng = random.Random(at)
+    text = [f"def parse_{k % 97}(limit={rng.randint(1, 99)}): see tests/test_m{k % 89}.py::test_{k % 7}"
+            for k in range(lines)]  # fmt: skip
+    values = [f"snap-{v:06x}f{v % 7}c" for v in planted]
+    for k, value in enumerate(values):
+        text.insert(at * len(text) // 100 + k, f"# NOTE: restore from {value} when in doubt.")
+    block = {"role": "user", "content": "\n".join([*text, "the new line of this turn"])}
+    seen = frozenset(cs.line_print(line) for line in text)
+    count = lambda m: cs.count_messages([m], cs.HEURISTIC)[0][0]  # noqa: E731
+    out = cs.evenly_elided([block], count(block) // 20, count, seen)[0]["content"]
+    markers = re.findall(r"\[… (\d+) lines sent before, elided(.*?) …\]", out)
+    assert markers and "the new line of this turn" in out
+    assert all(value in out for value in values), out[-2000:]
+    notes = sum(len(note) - len("; it held: ") for _, note in markers)
+    assert notes <= len(markers) * cs.VALUE_CHARS + len(block["content"]) // cs.NOTED_SHARE, markers
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3), st.integers(1, 600), st.integers(5, 3000), st.booleans())
+def test_an_old_user_message_keeps_the_users_words_whole_and_the_agents_blocks_shortened(
+    blocks: int, lines: int, said: int, parts: bool
+) -> None:
+    """#59 2c: the least form of an old user message the agent wrapped in blocks of its own (Qwen Code's skills
+    list and date before the prompt) keeps what the user typed whole while it is short (:data:`WORDS_KEPT`), each
+    long block at its head and tail, its tags kept (so the words are still found); a message of the user's words
+    alone, or of long ones, keeps its head and tail as before."""
+    words = ("Turn 1: Remember: the deploy key is in vault path secret/deploy/prod-7741. " * 60)[:said].strip()
+    texts = [f"<system-reminder>\nBlock {k}.\n" + "skill: does a thing\n" * lines + "</system-reminder>"
+             for k in range(blocks)]  # fmt: skip
+    content: Any = [{"type": "text", "text": t} for t in [*texts, words]] if parts else "\n".join([*texts, words])
+    message = {"role": "user", "content": content}
+    least = cs.least_form(message, "")
+    text = cs.plain_content(content)
+    if blocks and len(words) <= cs.WORDS_KEPT:
+        assert least is None or (words in least[0]["content"] and cs.user_words(least[0]) == words), least
+        assert least is not None or all(len(t) + 1 <= 2 * sum(cs.LEAST_TEXT) for t in texts)  # none long
+    elif len(text) > 2 * sum(cs.LEAST_TEXT):
+        assert least is not None and len(least[0]["content"]) < 400 and "tokens elided" in least[0]["content"]
+
+
+def test_a_task_is_known_again_when_the_agent_writes_its_blocks_around_it_anew() -> None:
+    """#59 2d: a conversation whose first prompt the agent sends inside blocks of its own it writes anew (Qwen
+    Code resumed: another reminder, its content as parts) is the same conversation, by the user's words in it; a
+    prompt too short to know a conversation by ("hi") is not taken for another's."""
+    system = {"role": "system", "content": "You are an agent."}
+    words = "Turn 1: read the notes and remember OPS-90417 for later."
+    first = {"role": "user", "content": f"<system-reminder>\nToday is Monday.\n</system-reminder>\n{words}"}
+    tasks: dict[Any, Any] = {}
+    csf.agent_opening([system, first], tasks, "me")
+    skills = "<system-reminder>\nSkills: a, b.\n</system-reminder>"
+    again = {"role": "user", "content": [{"type": "text", "text": skills}, {"type": "text", "text": words}]}
+    assert csf.task_found(tasks, "me", again) is not None
+    assert csf.memory_task(tasks, "me", again) == csf.memory_task(tasks, "me", first)
+    assert csf.task_found(tasks, "other", again) is None  # never across who asks
+    hi = {"role": "user", "content": "<system-reminder>\nToday is Monday.\n</system-reminder>\nhi"}
+    csf.agent_opening([system, hi], tasks, "me")
+    hello = {"role": "user", "content": "<system-reminder>\nToday is Tuesday.\n</system-reminder>\nhi"}
+    assert csf.task_found(tasks, "me", hello) is None
+
+
 # ------------------------------------------------------------------------------------------ agents as parameters
 
 NAMED_SHAPES = {  # the agents of #49's report, at 16k, and two at 8k
@@ -446,6 +515,7 @@ NAMED_SHAPES = {  # the agents of #49's report, at 16k, and two at 8k
     "compacts its own history at turn 15": Shape(compacts_at=15),
     "compacts into its first message at turn 15, keeping its newest turns": Shape(compacts_at=15, compacts_keeping=2),
     "files re-sent in a user message, rules on the newest prompt, no tools": Shape(resend="updated", reminder=True),
+    "its first prompt inside a block it writes anew each request": Shape(wraps=True),
     "all of them, reads one after the other": Shape(
         fixed_share=0.7, resend="same", few_shot=2, compacts_at=15, parallel=False
     ),
