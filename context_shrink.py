@@ -5576,7 +5576,7 @@ class Opening(NamedTuple):
     standing: int = 0
     before: int = 0
     seen: frozenset[str] = frozenset()  # :func:`line_print` of its lines the conversation sent before this turn
-    carried: int = 0  # tokens it leaves for the caller's ledger of what the agent no longer sends
+    carried: int = 0  # tokens left for the caller's ledger of what the agent no longer sends (beside the history too)
 
 
 NO_OPENING = Opening()
@@ -5749,8 +5749,8 @@ def _shrink_steps(
         room = budget - fixed - turn - ledger - carried  # what the rest leaves it (markers at least)
         elided = evenly_elided(messages[lead : lead + opening], room, size, opening_seen)
         kept.update(zip(range(lead, lead + opening), elided, strict=True))
-    if not kept:
-        return (yield from _climb(messages, tools, tokenizer, budget, policy, summarises, result, examples))
+    if not kept:  # (the room of the caller's ledger left beside the history, as beside an opening)
+        return (yield from _climb(messages, tools, tokenizer, budget - carried, policy, summarises, result, examples))
     core = [m for i, m in enumerate(messages) if i not in kept]
     room = budget - sum(size(m) for m in kept.values())
     got = yield from _climb(

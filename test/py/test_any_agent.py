@@ -505,6 +505,37 @@ def test_a_task_is_known_again_when_the_agent_writes_its_blocks_around_it_anew()
     assert csf.task_found(tasks, "me", hello) is None
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 900), st.integers(2, 14), st.integers(100, 900))
+def test_the_carried_ledgers_room_is_left_beside_a_history_without_an_opening(
+    carried: int, turns: int, size: int
+) -> None:
+    """#59 2e: the room of the ledger of what the agent dropped (Cline's own compaction: no opening) is left beside
+    the history, as beside an opening: a request that must be shrunk is shrunk to the budget less that room, so
+    the ledger the proxy adds after it fits (at 8k the user's fifth fact was cut from it): here a turn in progress
+    over the budget alone is reduced to that."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]
+    for t in range(turns):
+        call = {"id": f"c{t}", "type": "function", "function": {"name": "read", "arguments": f'{{"path": "f{t}"}}'}}
+        messages += [{"role": "user", "content": f"Turn {t}: read f{t}."},
+                     {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"c{t}",
+                      "content": "".join(f"line {k} of file {t}: {k * 31 % 101}\n" for k in range(size))},
+                     {"role": "assistant", "content": "done"}]  # fmt: skip
+    call = {"id": "now", "type": "function", "function": {"name": "read", "arguments": '{"path": "big"}'}}
+    big = {
+        "role": "tool",
+        "tool_call_id": "now",
+        "content": "".join(f"big line {k}: {k * 7919 % 10007} of {k**2 % 997}\n" for k in range(2000)),
+    }
+    messages += [{"role": "user", "content": "Now read big."}, {"role": "assistant", "content": None,
+                 "tool_calls": [call]}, big]  # fmt: skip
+    opening = cs.Opening(carried=carried)
+    result = anyio.run(lambda: cs.shrink(messages, [], cs.HEURISTIC, 4000, cs.Policy(), None, None, opening))
+    if result["action"] != "none" and result["fits"]:
+        assert result["tokens_after"] <= 4000 - carried, (result["action"], result["tokens_after"])
+
+
 # ------------------------------------------------------------------------------------------ agents as parameters
 
 NAMED_SHAPES = {  # the agents of #49's report, at 16k, and two at 8k
