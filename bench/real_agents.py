@@ -1,16 +1,17 @@
 """The real agents through the real proxy at small windows (#49): what the model was sent when it answered.
 
-    python bench/real_agents.py [--windows 8192 16384] [--agents opencode codex claude] [--turns 20]
+    python bench/real_agents.py [--windows 8192 16384] [--agents opencode codex claude qwen aider] [--turns 20]
                                 [--module OLD/context_shrink.py]
 
-Each agent (installed under test/agents: `./test/test.sh` installs them) runs --turns turns of the long-session
-plan (test/py/long_sessions.py: each turn reads two or three files of 1.6-3k tokens with the agent's own file
-tool; ten facts planted in turns 1-5, five typed by the user) through a real `context-shrink proxy` in front of
-a scripted llama.cpp-like model. Per agent and window: turns finished, refusals, the share of the turns' file
-*lines* the model was sent when it answered (the text, not the headers), the ceiling of that share (what the
-budget leaves beside the fixed part as sent, over the turn's files, per answer: no proxy can send more), the
-user's facts (of 5) and all facts (of 10) in the last request, summary calls, and the fixed part as sent
-(system prompt and tools, cl100k tokens). --module runs another checkout's proxy in the same run.
+Each agent (installed under test/agents: `./test/test.sh` installs them; all of them unless --agents) runs
+--turns turns of the long-session plan (test/py/long_sessions.py: each turn reads two or three files of 1.6-3k
+tokens with the agent's own file tool, aider is given them; ten facts planted in turns 1-5, five typed by the
+user) through a real `context-shrink proxy` in front of a scripted llama.cpp-like model. Per agent and window:
+turns finished, refusals, the share of the turns' file *lines* the model was sent when it answered (the text, not
+the headers), the ceiling of that share (what the budget leaves beside the fixed part as sent, over the turn's
+files, per answer: no proxy can send more), the user's facts (of 5) and all facts (of 10) in the last request,
+summary calls, and the fixed part as sent (system prompt and tools, cl100k tokens). --module runs another
+checkout's proxy in the same run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "test" / "py")]
 
+import agents  # noqa: E402
 import long_sessions  # noqa: E402
 import proxy_helpers  # noqa: E402
 
@@ -43,7 +45,7 @@ def measure(agent: str, window: int, turns: int, module: Path | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--windows", type=int, nargs="+", default=[8192, 16_384])
-    parser.add_argument("--agents", nargs="+", default=["opencode", "codex", "claude"])
+    parser.add_argument("--agents", nargs="+", default=list(agents.LONG_AGENTS), choices=list(agents.LONG_AGENTS))
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--module", type=Path, help="another checkout's context_shrink.py, measured beside")
     args = parser.parse_args()

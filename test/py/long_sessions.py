@@ -12,11 +12,13 @@ import json
 import os
 import random
 import re
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 from agent_upstream import SUMMARY, AgentUpstream, read_call, request_view
-from agents import AGENTS, LONG_AGENTS, Setup, drive
+from agents import AGENTS, LONG_AGENTS, Setup, Terminal, binary, drive
 from fake_openai import serve
 from proxy_helpers import proxy
 
@@ -140,7 +142,11 @@ class TurnUpstream(AgentUpstream):
         return None
 
 
-AGENT_SUMMARY_PROMPTS = ("summarize this partial conversation",)  # aider's, for its chat history over 1k tokens
+AGENT_SUMMARY_PROMPTS = (
+    "summarize this partial conversation",  # aider's, for its chat history over 1k tokens
+    "you are compacting the earlier part of a conversation",  # Cline's, near 0.81 x 128k of its own estimate
+    "summarize the provided coding session",  # Cline's too, in its other compaction mode
+)
 
 
 def proxy_summary(messages: list[dict[str, Any]]) -> bool:
@@ -148,11 +154,14 @@ def proxy_summary(messages: list[dict[str, Any]]) -> bool:
     return any(m.get("content") in (cs.SUMMARY_PROMPT, cs.MERGE_PROMPT) for m in messages)
 
 
+def agent_summary(messages: list[dict[str, Any]]) -> bool:
+    """An agent's own summary request (its compaction)."""
+    return any(p in cs.plain_content(m.get("content")).lower() for m in messages[:2] for p in AGENT_SUMMARY_PROMPTS)
+
+
 def summary_request(messages: list[dict[str, Any]]) -> bool:
     """A summary request: the proxy's, or an agent's own."""
-    return proxy_summary(messages) or any(
-        p in cs.plain_content(m.get("content")).lower() for m in messages[:2] for p in AGENT_SUMMARY_PROMPTS
-    )
+    return proxy_summary(messages) or agent_summary(messages)
 
 
 def summary_requests(log: list[tuple[str, dict[str, Any]]]) -> int:
@@ -175,8 +184,23 @@ class LongRun:
     last: str  # the last request of the session, as text
     proxy_log: str
 
+    def own_ceiling(self) -> float:
+        """The share of the turns' file lines the model was sent in any request (the most the agent's own reads
+        carry: Cline cuts a read over 8,000 characters to its head and tail), the measure of :meth:`text_sent`."""
+        texts = "\n".join(json.dumps(body) for _, body in self.upstream.log)
+        lines = [json.dumps(line)[1:-1] for a in self.upstream.answers[-self.turns :] for n in a["files"]
+                 for line in (self.upstream.project / n).read_text().splitlines()]  # fmt: skip
+        return sum(line in texts for line in lines) / max(1, len(lines))
+
     def facts_kept(self) -> list[str]:
         return [needle for _, needle in FACTS if needle in self.last]
+
+    def facts_after_compaction(self) -> list[str] | None:
+        """The facts in the first request of a turn after the agent's own summary request (None: it made none)."""
+        log = self.upstream.log
+        own = next((k for k, (path, body) in enumerate(log) if agent_summary(request_view(path, body).messages)), None)
+        after = next((json.dumps(body) for path, body in log[own or 0 :] if turn_request(path, body)), None)
+        return None if own is None or after is None else [needle for _, needle in FACTS if needle in after]
 
     def files_sent(self, kind: str = "present") -> float:
         """The share of the files its turns read that the model was sent when it answered (``present``: whole
@@ -228,22 +252,62 @@ def run_long(
         command, extra = LONG_AGENTS[agent](project, home, url, False, setup)
         environment = {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", **extra}
         environment.update({f"XDG_{k}_HOME": str(home / k.lower()) for k in ("CONFIG", "DATA", "CACHE", "STATE")})
-        for t, prompt in enumerate(session.prompts):
+        if agent == "cline":  # it goes on with a session only in its TUI: one, typed into, a turn at a time
+            finished = in_terminal([*command, "--tui"], project, environment, upstream, session.prompts, where)
+        for t, prompt in enumerate(session.prompts if agent != "cline" else []):
             if agent == "aider":  # no tools: it sends every file asked for so far; its history from its own file
                 files = [a for names in session.files[: t + 1] for n in names for a in ("--read", n)]
                 arguments = [*files, "--message", prompt, *(["--restore-chat-history"] if t else [])]
-            else:
-                go_on = {"opencode": ["--session", resume], "codex": ["resume", resume], "claude": ["--resume", resume]}
-                arguments = [prompt] if resume is None else [*go_on[agent], prompt]
+            else:  # the first turn a new session, the others go on with it
+                go_on = {"opencode": ["--session", resume], "codex": ["resume", resume], "claude": ["--resume", resume],
+                         "qwen": ["--continue"], "cline": ["--id", resume]}  # fmt: skip
+                arguments = [prompt] if t == 0 else [*go_on[agent], prompt]
             returncode, _ = drive([*command, *arguments], project, environment, upstream, False)
             finished += returncode == 0
-            resume = resume or (session_id(agent, home) if agent in AGENTS else None)
+            resume = resume or session_id(agent, home)
     last = next(body for path, body in reversed(upstream.log) if turn_request(path, body))
     return LongRun(upstream, turns, finished, json.dumps(last), (where / "proxy.log").read_text())
 
 
+QUIET = 3.0  # seconds without a request after the model's answer: the TUI's turn is over
+PROMPT_LINES = ("What can I do for you?", "Ask anything")  # Cline's TUI where a prompt is typed (first, later)
+POP_UP = "any other key to close"  # its pop-up at the start (Cline Desktop, ClinePass)
+
+
+def in_terminal(command: list[str], project: Path, environment: dict[str, str], upstream: TurnUpstream,
+                prompts: list[str], where: Path) -> int:  # fmt: skip
+    """Run an agent's TUI (Cline's) in a pseudo-terminal and type each prompt into it once the previous turn is
+    over (the model answered it, then :data:`QUIET` seconds without a request), the first once its prompt line
+    shows (a pop-up at the start takes the first key: Escape). The turns answered within 300 s each."""
+    terminal, finished = Terminal(command, project, environment, where / "tmux.sock"), 0
+    try:
+        ready = time.monotonic() + 120
+        while time.monotonic() < ready and not any(line in (screen := terminal.screen()) for line in PROMPT_LINES):
+            if POP_UP in screen:  # (one Escape: two open its history of messages)
+                terminal.tmux("send-keys", "Escape")
+            time.sleep(0.5)
+        for prompt in prompts:
+            answered, deadline = len(upstream.answers), time.monotonic() + 300
+            terminal.type(prompt)
+            while time.monotonic() < deadline and not (
+                len(upstream.answers) > answered and time.monotonic() - upstream.last_request > QUIET
+            ):
+                time.sleep(0.2)
+            finished += len(upstream.answers) > answered
+    finally:
+        (where / "agent.out").write_text(terminal.screen())
+        terminal.close()
+    return finished
+
+
 def session_id(agent: str, home: Path) -> str | None:
     """The id of the agent's only session in ``home``, to resume it."""
+    if agent == "cline":  # its own history lists it
+        listed = subprocess.run([str(binary("cline")), "history", "--json", "--limit", "1"], env={
+            "PATH": os.environ["PATH"], "HOME": str(home)}, capture_output=True, text=True, timeout=60)  # fmt: skip
+        return next((s["sessionId"] for s in json.loads(listed.stdout or "[]")), None)
+    if agent not in AGENTS:
+        return None
     environ = {"HOME": str(home), "XDG_DATA_HOME": str(home / "data"), "CODEX_HOME": str(home / ".codex")}
     with contextlib.suppress(cs.ContextShrinkError):
         found = css.list_sessions([agent], environ)
