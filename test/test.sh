@@ -80,12 +80,20 @@ if [ "$install" = 1 ]; then
   else
     echo "test.sh: aider could not be installed here; its long session will be skipped" >&2
   fi
-  missing=()  # Debian packages the suite runs for real: a browser for the live page, Redis for the replicas
-  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  missing=()  # Debian packages the suite runs for real: a browser for the live page, Redis for the replicas, a
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # terminal for Cline's TUI
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+  command -v tmux >/dev/null 2>&1 || missing+=(tmux)
   if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    say "installing Debian's ${missing[*]} (the live page's browser test; the replica tests start their own Redis)"
+    say "installing Debian's ${missing[*]} (the live page's browser test; the replica tests' Redis; Cline's terminal)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null || true
+  fi
+  if ! command -v tmux >/dev/null 2>&1; then
+    if [ "${CI:-}" = "true" ]; then
+      echo "test.sh: tmux could not be installed (apt-get install tmux); CI must run Cline's long sessions" >&2
+      exit 1
+    fi
+    echo "test.sh: no tmux here (apt-get install tmux); Cline's long sessions will be skipped" >&2
   fi
   if ! command -v redis-server >/dev/null 2>&1; then
     if [ "${CI:-}" = "true" ]; then
