@@ -1,6 +1,6 @@
 """The real agents through the real proxy at small windows (#49): what the model was sent when it answered.
 
-    python bench/real_agents.py [--windows 8192 16384] [--agents opencode codex claude qwen aider] [--turns 20]
+    python bench/real_agents.py [--windows 8192 16384] [--agents opencode codex claude qwen cline aider] [--turns 20]
                                 [--module OLD/context_shrink.py]
 
 Each agent (installed under test/agents: `./test/test.sh` installs them; all of them unless --agents) runs
@@ -9,8 +9,9 @@ tokens with the agent's own file tool, aider is given them; ten facts planted in
 user) through a real `context-shrink proxy` in front of a scripted llama.cpp-like model. Per agent and window:
 turns finished, refusals, the share of the turns' file *lines* the model was sent when it answered (the text, not
 the headers), the ceiling of that share (what the budget leaves beside the fixed part as sent, over the turn's
-files, per answer: no proxy can send more), the user's facts (of 5) and all facts (of 10) in the last request,
-summary calls, and the fixed part as sent (system prompt and tools, cl100k tokens). --module runs another
+files, per answer: no proxy can send more), the share the model was sent in any request (what the agent's own
+reads carry: Cline cuts a read over 8,000 characters), the user's facts (of 5) and all facts (of 10) in the last
+request, summary calls, and the fixed part as sent (system prompt and tools, cl100k tokens). --module runs another
 checkout's proxy in the same run.
 """
 
@@ -38,7 +39,7 @@ def measure(agent: str, window: int, turns: int, module: Path | None) -> str:
         run = long_sessions.run_long(agent, Path(where), window, turns)
         users = sum(needle in run.last for _, needle in long_sessions.USER_FACTS)
         return (f"{run.finished}/{turns} | {len(run.upstream.refused)} | {run.text_sent():.0%} | "
-                f"{run.text_ceiling():.0%} | {users}/5 | {len(run.facts_kept())}/10 | "
+                f"{run.text_ceiling():.0%} | {run.own_ceiling():.0%} | {users}/5 | {len(run.facts_kept())}/10 | "
                 f"{long_sessions.summary_requests(run.upstream.log)} | {run.fixed_sent():,}")  # fmt: skip
 
 
@@ -51,17 +52,17 @@ def main() -> None:
     args = parser.parse_args()
     modules = [("now", None)] + ([("before", args.module)] if args.module else [])
     print(
-        "| agent | window | proxy | turns | refused | file text sent | ceiling | user facts | facts | summary calls "
-        "| fixed part sent |"
+        "| agent | window | proxy | turns | refused | file text sent | ceiling | its reads carry | user facts | facts "
+        "| summary calls | fixed part sent |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for window in args.windows:
         for agent in args.agents:
             for label, module in modules:
                 try:
                     row = measure(agent, window, args.turns, module)
                 except Exception as exc:  # an agent that did not get through: said in the row
-                    row = f"failed: {json.dumps(str(exc)[:80])} | | | | | | | "
+                    row = f"failed: {json.dumps(str(exc)[:80])} | | | | | | | | "
                 print(f"| {agent} | {window:,} | {label} | {row} |", flush=True)
 
 
