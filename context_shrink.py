@@ -5753,22 +5753,14 @@ def _shrink_steps(
         room = budget - fixed - turn - ledger - carried  # what the rest leaves it (markers at least)
         elided = evenly_elided(messages[lead : lead + opening], room, size, opening_seen)
         kept.update(zip(range(lead, lead + opening), elided, strict=True))
-    if not kept:  # (the room of the caller's ledger left beside the history, as beside an opening)
-        return (yield from _climb(messages, tools, tokenizer, budget - carried, policy, summarises, result, examples))
+    climb = functools.partial(_climb, tools=tools, tokenizer=tokenizer, policy=policy, summarises=summarises,
+                              examples=examples)  # fmt: skip
+    if not kept:  # (trimming leaves the caller's ledger its room, as an opening does)
+        return (yield from climb(messages, budget=budget, result=result, carried=carried))
     core = [m for i, m in enumerate(messages) if i not in kept]
     room = budget - sum(size(m) for m in kept.values())
-    got = yield from _climb(
-        core,
-        tools,
-        tokenizer,
-        room,
-        policy,
-        summarises,
-        {**result, "messages": core},
-        examples,
-        budget - policy.ledger_tokens(budget),
-        ledger,
-    )  # a summary call per 0.3 of the whole budget
+    whole = budget - policy.ledger_tokens(budget)  # a summary call per 0.3 of the whole budget
+    got = yield from climb(core, budget=room, result={**result, "messages": core}, whole=whole, ledger_room=ledger)
     elided = any(kept[i] != messages[i] for i in range(lead, lead + opening) if i in kept)
     if (got["messages"] is core or got["action"] == "none") and not elided:
         return {**result, "action": got["action"], "reason": got["reason"]}  # said of the request as it came
@@ -5791,9 +5783,11 @@ def _climb(
     examples: frozenset[str] = frozenset(),
     whole: int = 0,
     ledger_room: int | None = None,
+    carried: int = 0,
 ) -> Ladder:
     """:func:`shrink`'s rungs, climbed on ``messages`` (``result``: what is said when nothing is done); the ledger
-    gets ``ledger_room`` when the caller set it aside (beside a kept opening), else its room of ``budget``."""
+    gets ``ledger_room`` when the caller set it aside (beside a kept opening), else its room of ``budget``; trimming
+    leaves ``carried`` for the caller's (compaction's cut stays, its summary reused)."""
     tools_tokens = count_tools(tools, tokenizer)
     trigger = int(policy.trigger * budget)
 
@@ -5830,7 +5824,7 @@ def _climb(
             return done(rungs.with_ledger(compacted["messages"], gone), "compact", **cost)
     if "trim" not in policy.rungs:
         return {**done(lighter, "+".join(used) or "none"), "reason": reason}
-    cut = rungs.trim(lighter, budget - rungs.ledger)
+    cut = rungs.trim(lighter, budget - rungs.ledger - carried)
     if not cut["fits"] and rungs.ledger:  # the ledger's room must not be what keeps the request from fitting
         rungs, gone = dataclasses.replace(rungs, ledger=0), []
         cut = rungs.trim(lighter)
