@@ -9,10 +9,10 @@ tokens with the agent's own file tool, aider is given them; ten facts planted in
 user) through a real `context-shrink proxy` in front of a scripted llama.cpp-like model. Per agent and window:
 turns finished, refusals, the share of the turns' file *lines* the model was sent when it answered (the text, not
 the headers), the ceiling of that share (what the budget leaves beside the fixed part as sent, over the turn's
-files, per answer: no proxy can send more), the share the model was sent in any request (what the agent's own
-reads carry: Cline cuts a read over 8,000 characters), the user's facts (of 5) and all facts (of 10) in the last
-request, summary calls, and the fixed part as sent (system prompt and tools, cl100k tokens). --module runs another
-checkout's proxy in the same run.
+files, per answer: no proxy can send more), the share the model was sent in any request (at 16k, what the
+agent's own reads carry: Cline cuts a read over 8,000 characters), the user's facts (of 5) and all facts (of 10)
+in the last request, summary calls, and the fixed part as sent (system prompt and tools, cl100k tokens). --module
+runs another checkout's proxy in the same run.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def main() -> None:
     args = parser.parse_args()
     modules = [("now", None)] + ([("before", args.module)] if args.module else [])
     print(
-        "| agent | window | proxy | turns | refused | file text sent | ceiling | its reads carry | user facts | facts "
-        "| summary calls | fixed part sent |"
+        "| agent | window | proxy | turns | refused | file text sent | ceiling | sent in any request | user facts "
+        "| facts | summary calls | fixed part sent |"
     )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for window in args.windows:

@@ -8,7 +8,7 @@
 #   ./test/test.sh --dist        build the sdist and the wheel into dist/ and check them (what a release uploads)
 #   ./test/test.sh --fast        the pure core's fast loop (pytest -m "core and not slow", under a minute), no install
 #
-# The whole run takes about 19 minutes on 2 cores once installed (the README says how it was measured); pytest runs in
+# The whole run takes about 22 minutes on 2 cores once installed (the README says how it was measured); pytest runs in
 # TEST_WORKERS processes (default 2; 0: one process).
 # Environment: PYTHON (default python3, must be 3.10+), CONTEXT_SHRINK_LIVE=1 to add live-backend tests.
 set -euo pipefail

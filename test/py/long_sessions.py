@@ -185,8 +185,9 @@ class LongRun:
     proxy_log: str
 
     def own_ceiling(self) -> float:
-        """The share of the turns' file lines the model was sent in any request (the most the agent's own reads
-        carry: Cline cuts a read over 8,000 characters to its head and tail), the measure of :meth:`text_sent`."""
+        """The share of the turns' file lines the model was sent in any request, the measure of :meth:`text_sent`:
+        where the proxy sends each read whole at least once (16k), what the agent's own reads carry (Cline cuts a
+        read over 8,000 characters to its head and tail)."""
         texts = "\n".join(json.dumps(body) for _, body in self.upstream.log)
         lines = [json.dumps(line)[1:-1] for a in self.upstream.answers[-self.turns :] for n in a["files"]
                  for line in (self.upstream.project / n).read_text().splitlines()]  # fmt: skip
@@ -272,13 +273,15 @@ def run_long(
 QUIET = 3.0  # seconds without a request after the model's answer: the TUI's turn is over
 PROMPT_LINES = ("What can I do for you?", "Ask anything")  # Cline's TUI where a prompt is typed (first, later)
 POP_UP = "any other key to close"  # its pop-up at the start (Cline Desktop, ClinePass)
+BUSY = "esc to cancel"  # what it shows while its turn goes on (a prompt typed then would be lost)
 
 
 def in_terminal(command: list[str], project: Path, environment: dict[str, str], upstream: TurnUpstream,
                 prompts: list[str], where: Path) -> int:  # fmt: skip
     """Run an agent's TUI (Cline's) in a pseudo-terminal and type each prompt into it once the previous turn is
-    over (the model answered it, then :data:`QUIET` seconds without a request), the first once its prompt line
-    shows (a pop-up at the start takes the first key: Escape). The turns answered within 300 s each."""
+    over (the model answered it, then :data:`QUIET` seconds without a request, the TUI no longer :data:`BUSY`:
+    under load it may ask again later), the first once its prompt line shows (a pop-up at the start takes the
+    first key: Escape). The turns answered within 300 s each."""
     terminal, finished = Terminal(command, project, environment, where / "tmux.sock"), 0
     try:
         ready = time.monotonic() + 120
@@ -291,7 +294,8 @@ def in_terminal(command: list[str], project: Path, environment: dict[str, str], 
             terminal.type(prompt)
             while time.monotonic() < deadline and not (
                 len(upstream.answers) > answered and time.monotonic() - upstream.last_request > QUIET
-            ):
+                and BUSY not in terminal.screen()
+            ):  # fmt: skip
                 time.sleep(0.2)
             finished += len(upstream.answers) > answered
     finally:
