@@ -78,7 +78,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 import anyio
@@ -232,11 +232,14 @@ def _text_key(text: str) -> str:
 def task_found(tasks: Mapping[Any, Any], scope: str, message: Mapping[str, Any]) -> tuple[str, str] | None:
     """The key ``tasks`` holds ``message`` under as a conversation's task: as it was sent, else as its text or the
     user's words in it (:func:`_task_prefixes`); None when it is no task of ``scope``."""
-    text, words = plain_content(message.get("content")), user_words(message)
-    for key in ((scope, task_key(message)), (scope, _text_key(text)), *((scope, _text_key(w)) for w in _said(words))):
-        if key in tasks:
-            return key
-    return None
+    return next(((scope, key) for key in _task_keys(message) if (scope, key) in tasks), None)
+
+
+def _task_keys(message: Mapping[str, Any]) -> Iterator[str]:
+    """:func:`task_found`'s keys, each worked out only when the one before is not known (the user's words last)."""
+    yield task_key(message)
+    yield _text_key(plain_content(message.get("content")))
+    yield from map(_text_key, _said(user_words(message)))
 
 
 def memory_task(tasks: Mapping[Any, Any], scope: str, message: Mapping[str, Any]) -> str:

@@ -12,13 +12,12 @@ import json
 import os
 import random
 import re
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from agent_upstream import SUMMARY, AgentUpstream, read_call, request_view
-from agents import AGENTS, LONG_AGENTS, Setup, Terminal, binary, drive
+from agents import AGENTS, LONG_AGENTS, Setup, Terminal, drive
 from fake_openai import serve
 from proxy_helpers import proxy
 
@@ -200,8 +199,10 @@ class LongRun:
         """The facts in the first request of a turn after the agent's own summary request (None: it made none)."""
         log = self.upstream.log
         own = next((k for k, (path, body) in enumerate(log) if agent_summary(request_view(path, body).messages)), None)
-        after = next((json.dumps(body) for path, body in log[own or 0 :] if turn_request(path, body)), None)
-        return None if own is None or after is None else [needle for _, needle in FACTS if needle in after]
+        if own is None:
+            return None
+        after = next((json.dumps(body) for path, body in log[own:] if turn_request(path, body)), None)
+        return None if after is None else [needle for _, needle in FACTS if needle in after]
 
     def files_sent(self, kind: str = "present") -> float:
         """The share of the files its turns read that the model was sent when it answered (``present``: whole
@@ -261,7 +262,7 @@ def run_long(
                 arguments = [*files, "--message", prompt, *(["--restore-chat-history"] if t else [])]
             else:  # the first turn a new session, the others go on with it
                 go_on = {"opencode": ["--session", resume], "codex": ["resume", resume], "claude": ["--resume", resume],
-                         "qwen": ["--continue"], "cline": ["--id", resume]}  # fmt: skip
+                         "qwen": ["--continue"]}  # fmt: skip
                 arguments = [prompt] if t == 0 else [*go_on[agent], prompt]
             returncode, _ = drive([*command, *arguments], project, environment, upstream, False)
             finished += returncode == 0
@@ -306,10 +307,6 @@ def in_terminal(command: list[str], project: Path, environment: dict[str, str], 
 
 def session_id(agent: str, home: Path) -> str | None:
     """The id of the agent's only session in ``home``, to resume it."""
-    if agent == "cline":  # its own history lists it
-        listed = subprocess.run([str(binary("cline")), "history", "--json", "--limit", "1"], env={
-            "PATH": os.environ["PATH"], "HOME": str(home)}, capture_output=True, text=True, timeout=60)  # fmt: skip
-        return next((s["sessionId"] for s in json.loads(listed.stdout or "[]")), None)
     if agent not in AGENTS:
         return None
     environ = {"HOME": str(home), "XDG_DATA_HOME": str(home / "data"), "CODEX_HOME": str(home / ".codex")}
